@@ -1,0 +1,66 @@
+"""Every environment variable flux_layers reads, in one place.
+
+All names share the ``FLUX_LAYERS_`` prefix. Values are read when asked for (not at import), so tests and
+launchers can set them per process.
+
+| variable | meaning | default |
+|---|---|---|
+| FLUX_LAYERS_BACKEND | ``auto`` / ``fused`` / ``reference``: which implementation the ops use | auto |
+| FLUX_LAYERS_OPS_LIB | path of the compiled op library to load instead of the packaged one | (packaged) |
+| FLUX_LAYERS_AG_MODE | copy-engine all-gather direction: ``pull`` or ``push`` | pull |
+| FLUX_LAYERS_AG_ORDER | all-gather order: ``auto`` (from topology), ``mesh`` or ``ring`` | auto |
+| FLUX_LAYERS_CHUNK_ROWS | rows per copy-engine chunk (0: per-shape heuristic) | 0 |
+| FLUX_LAYERS_TIMEOUT_S | bound on every cross-rank wait, seconds | 30 |
+| FLUX_LAYERS_TUNING | path of a tuning table (JSON) to use instead of configs/tuning | (packaged) |
+| FLUX_LAYERS_DISPATCH | ``table`` (per-shape fused/sequential choice) or ``always`` (fused whenever supported) | table |
+"""
+from __future__ import annotations
+
+import os
+
+_PREFIX = "FLUX_LAYERS_"
+
+_DEFAULTS = {
+    "BACKEND": "auto",
+    "OPS_LIB": "",
+    "AG_MODE": "pull",
+    "AG_ORDER": "auto",
+    "CHUNK_ROWS": "0",
+    "TIMEOUT_S": "30",
+    "TUNING": "",
+    "DISPATCH": "table",
+}
+
+_CHOICES = {
+    "BACKEND": ("auto", "fused", "reference"),
+    "AG_MODE": ("pull", "push"),
+    "AG_ORDER": ("auto", "mesh", "ring"),
+    "DISPATCH": ("table", "always"),
+}
+
+
+def get(name: str) -> str:
+    """Value of ``FLUX_LAYERS_<name>``, validated against its allowed choices."""
+    if name not in _DEFAULTS:
+        raise KeyError(f"unknown flux_layers setting {name!r}; known: {sorted(_DEFAULTS)}")
+    value = os.environ.get(_PREFIX + name, _DEFAULTS[name]).strip()
+    choices = _CHOICES.get(name)
+    if choices is not None and value not in choices:
+        raise ValueError(f"{_PREFIX}{name}={value!r} is not one of {choices}")
+    return value
+
+
+def get_int(name: str) -> int:
+    raw = get(name)
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{_PREFIX}{name}={raw!r} is not an integer") from None
+
+
+def get_float(name: str) -> float:
+    raw = get(name)
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{_PREFIX}{name}={raw!r} is not a number") from None

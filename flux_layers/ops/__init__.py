@@ -1,0 +1,69 @@
+"""Functional operators.
+
+| op | inputs (this rank) | output (this rank) |
+|---|---|---|
+| ``gemm(x, w, bias, weight_layout)`` | x [M, K] | [M, N] (no communication) |
+| ``ag_gemm(x_shard_m, w, bias, group=...)`` | x_shard_m [M/tp, K], w [N_local, K] ('nt') or [K, N_local] ('nn') | [M, N_local] (+ gathered x [M, K] if ``return_gathered``) |
+| ``gemm_rs(x, w, bias, group=...)`` | x [M, K_local], w [N, K_local] ('nt') or [K_local, N] ('nn') | [M/tp, N], summed over ranks |
+
+Every op takes ``backend=`` ('auto' | 'fused' | 'reference', default from ``FLUX_LAYERS_BACKEND``); see
+:mod:`flux_layers.ops.backend`. ``plan()`` says which path a call with those arguments would take.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from flux_layers.ops import reference
+from flux_layers.ops._checks import check_matmul_args
+from flux_layers.ops.backend import Choice, choose
+
+__all__ = ["gemm", "ag_gemm", "gemm_rs", "plan", "Choice", "reference"]
+
+
+def _tp(group) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def plan(op: str, x: torch.Tensor, weight: torch.Tensor, *, group=None, weight_layout: str = "nt",
+         backend: str | None = None) -> Choice:
+    """Which path ``op`` ('gemm', 'ag_gemm', 'gemm_rs') would take for these arguments, and why."""
+    m, k, n = check_matmul_args(op, x, weight, None, weight_layout)
+    if op == "ag_gemm":
+        m *= _tp(group)
+    return choose(op, device=x.device, dtype=x.dtype, mkn=(m, k, n), group=group, backend=backend)
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_layout: str = "nt",
+         backend: str | None = None) -> torch.Tensor:
+    choice = plan("gemm", x, weight, weight_layout=weight_layout, backend=backend)
+    if choice.path == "fused":
+        from flux_layers.ops import fused_gemm
+        return fused_gemm.gemm(x, weight, bias, weight_layout=weight_layout)
+    check_matmul_args("gemm", x, weight, bias, weight_layout)
+    return reference.linear(x, weight, bias, weight_layout)
+
+
+def ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group,
+            weight_layout: str = "nt", return_gathered: bool = False, backend: str | None = None):
+    if _tp(group) == 1:
+        out = gemm(x_shard_m, weight, bias, weight_layout=weight_layout, backend=backend)
+        return (out, x_shard_m) if return_gathered else out
+    choice = plan("ag_gemm", x_shard_m, weight, group=group, weight_layout=weight_layout, backend=backend)
+    if choice.path == "fused":
+        from flux_layers.ops import fused_ag_gemm
+        return fused_ag_gemm.ag_gemm(x_shard_m, weight, bias, group=group, weight_layout=weight_layout,
+                                     return_gathered=return_gathered)
+    return reference.ag_gemm(x_shard_m, weight, bias, group=group, weight_layout=weight_layout,
+                             return_gathered=return_gathered)
+
+
+def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group,
+            weight_layout: str = "nt", backend: str | None = None) -> torch.Tensor:
+    if _tp(group) == 1:
+        return gemm(x, weight, bias, weight_layout=weight_layout, backend=backend)
+    choice = plan("gemm_rs", x, weight, group=group, weight_layout=weight_layout, backend=backend)
+    if choice.path == "fused":
+        from flux_layers.ops import fused_gemm_rs
+        return fused_gemm_rs.gemm_rs(x, weight, bias, group=group, weight_layout=weight_layout)
+    return reference.gemm_rs(x, weight, bias, group=group, weight_layout=weight_layout)

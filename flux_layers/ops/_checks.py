@@ -1,0 +1,64 @@
+"""Argument validation shared by every backend, so bad input fails the same way everywhere."""
+from __future__ import annotations
+
+import torch
+
+WEIGHT_LAYOUTS = ("nt", "nn")
+FUSED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def check_layout(weight_layout: str) -> None:
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout must be 'nt' (x @ W^T, W [N, K]) or 'nn' (x @ W, W [K, N]); "
+                         f"got {weight_layout!r}")
+
+
+def weight_in_out(weight: torch.Tensor, weight_layout: str) -> tuple[int, int]:
+    """(K, N) of a weight in the given layout."""
+    check_layout(weight_layout)
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D, got shape {tuple(weight.shape)}")
+    n, k = weight.shape if weight_layout == "nt" else (weight.shape[1], weight.shape[0])
+    return k, n
+
+
+def check_matmul_args(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      weight_layout: str) -> tuple[int, int, int]:
+    """Validate x [M, K] against weight (layout) and bias [N]; returns (M, K, N)."""
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{name}: x and weight must be tensors")
+    if x.dim() != 2:
+        raise ValueError(f"{name}: x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    k_w, n = weight_in_out(weight, weight_layout)
+    m, k = x.shape
+    if k != k_w:
+        raise ValueError(f"{name}: x {tuple(x.shape)} and weight {tuple(weight.shape)} (layout "
+                         f"{weight_layout!r}) disagree on K: {k} vs {k_w}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"{name}: x dtype {x.dtype} != weight dtype {weight.dtype}")
+    if x.device != weight.device:
+        raise ValueError(f"{name}: x is on {x.device} but weight on {weight.device}")
+    if bias is not None:
+        if bias.shape != (n,):
+            raise ValueError(f"{name}: bias must have shape ({n},), got {tuple(bias.shape)}")
+        if bias.dtype != x.dtype or bias.device != x.device:
+            raise ValueError(f"{name}: bias is {bias.dtype} on {bias.device}; expected {x.dtype} on {x.device}")
+    return m, k, n
+
+
+def check_fused_tensor(name: str, what: str, t: torch.Tensor) -> None:
+    """Constraints of the CUDA kernels: CUDA, bf16/fp16, rows contiguous, 16-byte aligned."""
+    if t.device.type != "cuda":
+        raise ValueError(f"{name}: {what} must be a CUDA tensor for the fused path, got device {t.device}")
+    if t.dtype not in FUSED_DTYPES:
+        raise ValueError(f"{name}: {what} dtype {t.dtype} is not supported by the fused kernels "
+                         f"(bfloat16 or float16)")
+    if t.dim() == 2 and t.stride(1) != 1:
+        raise ValueError(f"{name}: {what} must have unit stride along its last dimension, got strides {t.stride()}")
+    if t.dim() == 2 and (t.stride(0) * t.element_size()) % 16 != 0 and t.shape[0] > 1:
+        raise ValueError(f"{name}: {what} row stride {t.stride(0)} elements is not a multiple of 16 bytes")
+    if t.data_ptr() % 16 != 0:
+        raise ValueError(f"{name}: {what} data pointer is not 16-byte aligned")
+    if t.shape[-1] * t.element_size() % 16 != 0:
+        raise ValueError(f"{name}: {what} last dimension {t.shape[-1]} is not a multiple of "
+                         f"{16 // t.element_size()} elements (16 bytes), which TMA requires")

@@ -1,0 +1,68 @@
+"""The one place that decides which implementation an operator call uses.
+
+``fused``     : the op library's CUDA kernels (tile-level overlap); raises if they cannot run here.
+``reference`` : torch.distributed collective + torch matmul (the sequential NCCL path; also the CPU path).
+``auto``      : fused where it can run and the tuning table does not say the sequential path is faster for
+                this shape; otherwise reference. The returned :class:`Choice` says which and why, so layers and
+                benchmarks can report the path that actually ran.
+
+The request comes from the call's ``backend=`` argument, else ``FLUX_LAYERS_BACKEND`` (default ``auto``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from flux_layers import _env, _library
+from flux_layers.ops._checks import FUSED_DTYPES
+
+BACKENDS = ("auto", "fused", "reference")
+
+
+@dataclass(frozen=True)
+class Choice:
+    path: str      # "fused" or "reference"
+    reason: str    # why, in words (shown in benchmark JSON and layer reports)
+
+
+def _group_backend(group) -> str:
+    try:
+        return dist.get_backend(group)
+    except Exception:  # not initialised: only tp=1 can run
+        return "none"
+
+
+def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int, int, int], group,
+           backend: str | None = None) -> Choice:
+    requested = backend if backend is not None else _env.get("BACKEND")
+    if requested not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {requested!r}")
+    if requested == "reference":
+        return Choice("reference", "requested")
+
+    blockers = []
+    reason = _library.unavailable_reason()
+    if reason is not None:
+        blockers.append(reason)
+    if device.type != "cuda":
+        blockers.append(f"tensors are on {device}, the fused kernels need CUDA tensors")
+    if dtype not in FUSED_DTYPES:
+        blockers.append(f"dtype {dtype} is not bfloat16/float16")
+    if group is not None and _group_backend(group) not in ("nccl", "none"):
+        blockers.append(f"process group backend is {_group_backend(group)!r}, the fused path needs NCCL")
+
+    if requested == "fused":
+        if blockers:
+            raise _library.FusedOpsUnavailable(f"{op}: fused backend requested but " + "; ".join(blockers))
+        return Choice("fused", "requested")
+    if blockers:
+        return Choice("reference", blockers[0])
+    if _env.get("DISPATCH") == "table":
+        from flux_layers.runtime import tuning
+        tp = dist.get_world_size(group) if group is not None else 1
+        entry = tuning.dispatch_entry(op, dtype=dtype, tp=tp, mkn=mkn)
+        if entry is not None and entry.get("path") == "sequential":
+            return Choice("reference", f"tuning table: sequential path measured faster ({entry.get('source', '?')})")
+    return Choice("fused", "auto")

@@ -1,0 +1,1 @@
+"""Runtime pieces under the fused operators: schedules, topology, tuning tables, workspaces, copy engine."""

@@ -1,0 +1,56 @@
+"""Tuned data kept as JSON in ``configs/tuning/``: per-shape dispatch (fused vs sequential) and kernel choice.
+
+A table file looks like::
+
+    {"gpu": "NVIDIA H200", "entries": [
+        {"op": "ag_gemm", "dtype": "bfloat16", "tp": 2, "m": 2048, "k": 4096, "n": 4096,
+         "path": "sequential", "source": "benchmarks/results/ag_gemm_h200x2.json"}]}
+
+Lookups match op, dtype, tp and GPU name exactly and take the entry with the nearest (m, k, n) in log space;
+with no matching entry the fused path is used (the heuristic: fused kernels are built to win on large shapes).
+"""
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import math
+import os
+
+import torch
+
+from flux_layers import _env
+
+_TUNING_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                           "configs", "tuning")
+
+
+@functools.lru_cache(maxsize=None)
+def _load_tables(override: str) -> tuple[dict, ...]:
+    paths = [override] if override else sorted(glob.glob(os.path.join(_TUNING_DIR, "*.json")))
+    tables = []
+    for path in paths:
+        with open(path) as f:
+            tables.append(json.load(f))
+    return tuple(tables)
+
+
+def _gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def dispatch_entry(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int]) -> dict | None:
+    gpu = _gpu_name()
+    dtype_name = str(dtype).replace("torch.", "")
+    best, best_dist = None, math.inf
+    for table in _load_tables(_env.get("TUNING")):
+        if table.get("gpu") != gpu:
+            continue
+        for e in table.get("entries", []):
+            if e.get("op") != op or e.get("dtype") != dtype_name or e.get("tp") != tp:
+                continue
+            d = sum(abs(math.log2(a) - math.log2(b)) for a, b in zip(mkn, (e["m"], e["k"], e["n"])))
+            if d < best_dist:
+                best, best_dist = e, d
+    # Only trust an entry for shapes close to a measured one (within a factor 2 in total).
+    return best if best_dist <= 1.0 else None

@@ -1,0 +1,72 @@
+"""Start N processes from a pytest test, run a function in each with torch.distributed initialised.
+
+``run_distributed(fn, world_size, *args, backend="gloo")`` spawns ``world_size`` processes, initialises the
+default process group (gloo on CPU, nccl with one GPU per rank), calls ``fn(rank, world_size, *args)`` and
+re-raises the first failure in the parent with the child's traceback. ``fn`` must be a module-level function.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, backend, fn, args, errors):
+    import torch
+    import torch.distributed as dist
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            dist.init_process_group("nccl", rank=rank, world_size=world_size,
+                                    device_id=torch.device("cuda", rank))
+        else:
+            torch.set_num_threads(1)
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        fn(rank, world_size, *args)
+        dist.barrier()
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float = 300.0) -> None:
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, errors))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s)
+    hung = [i for i, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    if failures:
+        rank, tb = sorted(failures)[0]
+        raise AssertionError(f"rank {rank} of {world_size} failed:\n{tb}")
+    if hung:
+        raise AssertionError(f"ranks {hung} did not finish within {timeout_s} s")
+    bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        raise AssertionError(f"processes exited with non-zero codes: {bad}")
