@@ -165,3 +165,50 @@ def test_synthetic_stream_is_deterministic_and_learnable():
     successor = data.cycle[(data.position[a[:, :-1]] + 1) % 64]
     follows = (successor == a[:, 1:]).float().mean().item()
     assert 0.8 < follows < 0.97  # 1 - jump_prob, plus jumps that land on the successor by chance
+
+
+def _check_mixed_precision_adamw(rank, world):
+    import torch
+    import torch.distributed as dist
+    from _gpt_train import MixedPrecisionAdamW
+
+    cfg = GPTRunConfig(lr=1e-2, clip_grad=0.5, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
+    g = torch.Generator().manual_seed(7)
+    shards = [torch.randn(4, 3, generator=g) for _ in range(world)]       # a TP-sharded matrix, one shard a rank
+    norm0 = torch.randn(3, generator=g)                                    # an SP norm weight, replicated
+    grads_w = [torch.randn(4, 3, generator=g) for _ in range(world)]
+    grads_n = [torch.randn(3, generator=g) for _ in range(world)]          # partial sums over each rank's tokens
+
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(shards[rank].to(torch.bfloat16))
+    model.norm = torch.nn.Parameter(norm0.to(torch.bfloat16))
+    model.w.tensor_model_parallel = True
+    model.norm.sequence_parallel = True
+    opt = MixedPrecisionAdamW(model, cfg, dist.group.WORLD)
+    opt.param_groups[0]["lr"] = opt.param_groups[1]["lr"] = cfg.lr
+    opt.param_groups[0]["weight_decay"], opt.param_groups[1]["weight_decay"] = cfg.weight_decay, 0.0
+    model.w.grad = grads_w[rank].to(torch.bfloat16)
+    model.norm.grad = grads_n[rank].to(torch.bfloat16)
+    grad_norm = opt.step()
+
+    # Reference: fp32 masters from the bf16 weights, SP grads summed, one global norm over the unique parameters.
+    gw = grads_w[rank].to(torch.bfloat16).float()
+    gn = sum(x.to(torch.bfloat16).float() for x in grads_n)
+    total = (sum(x.to(torch.bfloat16).float().pow(2).sum() for x in grads_w) + gn.pow(2).sum()).sqrt()
+    assert grad_norm == pytest.approx(total.item(), rel=1e-5)
+    coef = min(1.0, cfg.clip_grad / (total.item() + 1e-6))
+    ref_w = torch.nn.Parameter(shards[rank].to(torch.bfloat16).float())
+    ref_n = torch.nn.Parameter(norm0.to(torch.bfloat16).float())
+    ref = torch.optim.AdamW([{"params": [ref_w], "weight_decay": cfg.weight_decay},
+                             {"params": [ref_n], "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    ref_w.grad, ref_n.grad = gw * coef, gn * coef
+    ref.step()
+    torch.testing.assert_close(opt.masters[0], ref_w.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(opt.masters[1], ref_n.detach(), rtol=1e-6, atol=1e-7)
+    assert model.w.dtype == torch.bfloat16 and model.w.grad is None
+    torch.testing.assert_close(model.w.detach(), opt.masters[0].to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_mixed_precision_adamw_reduces_clips_and_updates_fp32_masters():
+    from tests.dist_harness import run_distributed
+    run_distributed(_check_mixed_precision_adamw, 2)
