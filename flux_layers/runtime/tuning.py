@@ -54,3 +54,12 @@ def dispatch_entry(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int,
                 best, best_dist = e, d
     # Only trust an entry for shapes close to a measured one (within a factor 2 in total).
     return best if best_dist <= 1.0 else None
+
+
+def kernel_config(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int]) -> int:
+    """Tile configuration id (flux::TileConfig) for a call: a tuned entry's ``tile`` if one is close enough,
+    else 0 (256 x 128 tiles, cluster 2 x 1)."""
+    entry = dispatch_entry(op, dtype=dtype, tp=tp, mkn=mkn)
+    if entry is not None and "tile" in entry:
+        return int(entry["tile"])
+    return 0

@@ -1,0 +1,109 @@
+// Host-side orchestration of the fused operators (torch-free). The Python workspace owns the symmetric
+// buffers, flags and streams and passes raw pointers/handles; these functions issue the copy-engine
+// transfers, the stream memory operations and the GEMM launch.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "flux/gemm_dispatch.h"
+#include "flux/gemm_params.h"
+
+namespace flux {
+
+enum class AgMode : int { kPull = 0, kPush = 1 };
+enum class AgOrder : int { kMesh = 0, kRing = 1 };
+
+// Flag words of one rank in the all-gather workspace (uint32, epoch-valued; never cleared):
+//   chunk[g][c] : rows chunk c of shard g are in this rank's gathered buffer     (the GEMM waits on these)
+//   avail[g][c] : chunk (g, c) can be pulled from this rank's source rank          (pull modes)
+//   done[p]     : rank p finished call <= value (its reads of our buffer and its writes into it)
+struct AgFlagLayout {
+  int tp;
+  int chunk_capacity;  // chunks per shard the workspace was sized for
+  int64_t chunk(int g, int c) const { return int64_t(g) * chunk_capacity + c; }
+  int64_t avail(int g, int c) const { return int64_t(tp) * chunk_capacity + int64_t(g) * chunk_capacity + c; }
+  int64_t done(int p) const { return 2 * int64_t(tp) * chunk_capacity + p; }
+  int64_t words() const { return 2 * int64_t(tp) * chunk_capacity + tp; }
+};
+
+struct AgGemmArgs {
+  // operands (this rank)
+  const void* x = nullptr;  // [Mg, K] own rows, row stride ldx elements
+  int64_t ldx = 0;
+  const void* w = nullptr;  // [N, K] (kNT) or [K, N] (kNN)
+  int64_t ldw = 0;
+  const void* bias = nullptr;  // [N] or null
+  void* out = nullptr;         // [tp * Mg, N] contiguous
+  void* gathered_out = nullptr;  // [tp * Mg, K] contiguous copy of the gathered input, or null
+  DType dtype = DType::kBF16;
+  WeightLayout layout = WeightLayout::kNT;
+  TileConfig tile = TileConfig::k256x128;
+  int rows_per_group = 0;  // Mg = M / tp
+  int n = 0;
+  int k = 0;
+  // workspace (all ranks)
+  int rank = 0;
+  int tp = 1;
+  char* buffers[kMaxGroups] = {nullptr};   // gathered buffer of every rank: [max_M, K], row stride K
+  uint32_t* flags[kMaxGroups] = {nullptr};  // flag words of every rank (AgFlagLayout)
+  int chunk_capacity = 0;
+  int rows_per_chunk = 0;
+  AgMode mode = AgMode::kPull;
+  AgOrder order = AgOrder::kMesh;
+  uint32_t epoch = 0;
+  uint64_t timeout_ns = 0;
+  int* error_record = nullptr;
+  int* error_claim = nullptr;
+  int sm_count = 0;
+  cudaStream_t compute = nullptr;
+  cudaStream_t comm[kMaxGroups] = {nullptr};  // at least one; mesh uses up to tp - 1
+  int num_comm = 0;
+};
+
+// out = all_gather(x) @ op(w) + bias with copy-engine transfers overlapped with the GEMM.
+void ag_gemm(const AgGemmArgs& args);
+
+// The group (shard) order the GEMM walks for this rank: own shard, then in arrival order.
+void ag_group_order(int rank, int tp, AgOrder order, int* group_order);
+
+struct GemmRsArgs {
+  const void* x = nullptr;  // [M, K] (K is this rank's shard of the reduction), row stride ldx
+  int64_t ldx = 0;
+  const void* w = nullptr;
+  int64_t ldw = 0;
+  const void* bias = nullptr;  // [N], added once after the sum
+  void* out = nullptr;         // [Mg, N] contiguous: rows [rank * Mg, (rank + 1) * Mg) of the sum
+  DType dtype = DType::kBF16;
+  WeightLayout layout = WeightLayout::kNT;
+  TileConfig tile = TileConfig::k256x128;
+  int rows_per_group = 0;
+  int n = 0;
+  int k = 0;
+  int rank = 0;
+  int tp = 1;
+  char* recv[kMaxGroups] = {nullptr};        // receive buffer of every rank: [tp slots][slot_rows][N]
+  int64_t slot_rows = 0;                      // rows per slot (max Mg)
+  uint32_t* flags[kMaxGroups] = {nullptr};    // flag words of every rank: tile[tp][per_source], consumed[tp]
+  int flags_per_source = 0;
+  uint32_t epoch = 0;
+  uint64_t timeout_ns = 0;
+  int* error_record = nullptr;
+  int* error_claim = nullptr;
+  int sm_count = 0;
+  cudaStream_t compute = nullptr;
+};
+
+// out = reduce_scatter(x @ op(w)) + bias: tiles are stored into the owning rank's receive slot and reduced
+// there by the owner's GEMM epilogue (deterministic order).
+void gemm_rs(const GemmRsArgs& args);
+
+// The destination order of this rank's tiles: rank+1, rank+2, ..., own rows last.
+void rs_group_order(int rank, int tp, int* group_order);
+
+// Stream memory operations through driver entry points (no link against libcuda).
+void stream_write_u32(cudaStream_t stream, uint32_t* address, uint32_t value);
+void stream_wait_u32_geq(cudaStream_t stream, const uint32_t* address, uint32_t value);
+
+}  // namespace flux

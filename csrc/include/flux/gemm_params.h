@@ -1,0 +1,74 @@
+// Plain-C description of one launch of the persistent GEMM (csrc/kernels/gemm_sm90.cuh). Torch-free: the
+// binding layer fills it from tensors, the kernels read it. One struct serves the three uses:
+//
+//   plain GEMM   : num_groups = 1, own_group = 0 (A = a_own), d[0] = output
+//   AllGather+GEMM: group g = rows of source rank g; own_group = rank reads x directly (a_own), other groups
+//                  read the gathered buffer `a` and wait on chunk_flags before loading
+//   GEMM+ReduceScatter: group g = rows owned by destination rank g; d[g] = g's receive slot for this rank,
+//                  except rs_own_group, whose tiles add the peers' partials and go to the output
+//
+// Rows of a group are [0, rows_per_group); a tile never straddles groups (TMA clips at the group edge), so
+// rows_per_group need not be a multiple of the tile.
+#pragma once
+
+#include <cstdint>
+
+namespace flux {
+
+constexpr int kMaxGroups = 8;  // largest TP size supported
+
+enum class DType : int { kBF16 = 0, kFP16 = 1 };
+enum class WeightLayout : int { kNT = 0 /* W [N, K]: x @ W^T */, kNN = 1 /* W [K, N]: x @ W */ };
+
+// Error codes written into GemmProblem::error_record[0] when a bounded wait times out.
+enum WaitError : int { kNoError = 0, kChunkTimeout = 1, kTileTimeout = 2, kConsumedTimeout = 3 };
+
+struct GemmProblem {
+  // ---- shape
+  int rows_per_group = 0;  // Mg
+  int n = 0;
+  int k = 0;
+  int num_groups = 1;
+  int group_order[kMaxGroups] = {0};  // step -> group (the tile order; see flux_layers/runtime/schedules.py)
+  int own_group = 0;                  // group whose A rows are a_own (-1: none)
+
+  // ---- operands (element pointers; leading dimensions in elements)
+  const void* a = nullptr;  // group-batched A: group g, row i at a + g * a_group_stride + i * lda
+  int64_t lda = 0;
+  int64_t a_group_stride = 0;
+  const void* a_own = nullptr;  // [Mg, K] with leading dimension lda_own
+  int64_t lda_own = 0;
+  const void* b = nullptr;  // W: [N, K] (kNT) or [K, N] (kNN), leading dimension ldb
+  int64_t ldb = 0;
+  const void* bias = nullptr;  // [N] or null; added once per output element
+  void* d[kMaxGroups] = {nullptr};  // destination of group g: [Mg, N], leading dimension ldd
+  int64_t ldd = 0;
+
+  // ---- AllGather: per-chunk readiness flags, chunk_flags[g * chunks_per_group + c] >= epoch
+  const uint32_t* chunk_flags = nullptr;
+  int rows_per_chunk = 0;
+  int chunks_per_group = 0;
+
+  // ---- ReduceScatter
+  int rs_own_group = -1;               // group reduced here (this rank's rows); -1: not a reduce-scatter
+  const void* rs_partials[kMaxGroups] = {nullptr};  // local receive slots: peers' partials of own rows
+  int rs_num_partials = 0;             // summed in index order: deterministic
+  const uint32_t* rs_partial_flags[kMaxGroups] = {nullptr};  // local: [tiles] flags of each partial's source
+  uint32_t* rs_signal[kMaxGroups] = {nullptr};  // per destination group: dest's flag array for our partial
+  const uint32_t* rs_consumed = nullptr;  // local: rs_consumed[g] >= epoch-1 before writing into g's slot
+  int rs_flags_per_source = 0;          // capacity of each source's flag array (tiles_m * tiles_n must fit)
+  int rs_flag_stride_n = 0;             // set by the launcher: flags of tile (m, n) at [m * stride + n]
+
+  // ---- synchronisation common to both
+  uint32_t epoch = 0;
+  uint64_t timeout_ns = 0;
+  int* error_record = nullptr;  // host-mapped int[4]: {code, rank, index, epoch} of the first timeout
+  int* error_claim = nullptr;   // device int: claimed (non-zero) by the first waiter that times out
+  int rank = 0;
+
+  // ---- launch
+  int sm_count = 0;    // CTAs resident at once (persistent grid); 0: all SMs of the device
+  int swizzle_m = 0;   // tiles along M visited together (L2 locality); 0: default
+};
+
+}  // namespace flux

@@ -1,0 +1,484 @@
+// Persistent warp-specialized sm90 GEMM that the fused operators are built on.
+//
+//   config   : GemmConfig<Element, WeightLayout, TileM, TileN, ClusterM>  (one TU per instantiation)
+//   params   : KernelParams = two TMA mainloop descriptors (group-batched A, own A; B) + GemmProblem + schedule
+//   roles    : warp group 0 = producer (one elected thread issues TMA loads; in AllGather mode it first waits
+//              on the readiness flag of the chunk the A tile reads), warp groups 1-2 = consumers (wgmma via
+//              CUTLASS's sm90 TMA/GMMA collective mainloop, then this file's epilogue)
+//   epilogue : accumulators -> bf16/fp16 sub-tile in shared memory (XOR-swizzled, conflict-free) -> 16-byte
+//              coalesced stores to the group's destination, which may be a peer GPU's receive slot (NVLink
+//              P2P). ReduceScatter: a tile for a peer is followed by a release flag in the peer's memory; a
+//              tile of own rows first waits for the peers' flags and sums their partials in a fixed order.
+//   launcher : launch<Config>(GemmProblem, stream), C-style, no torch.
+//
+// Invariants
+//   * all CTAs of the persistent grid are co-resident (grid = max active clusters), so a CTA waiting on a
+//     peer's tile never blocks the CTA that would produce it;
+//   * a tile never spans two groups (TMA clips rows at the group edge), so M/tp need not divide the tile;
+//   * N and K are multiples of 8 (16-byte rows for TMA and the vector epilogue), checked by the binding.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include <mutex>
+
+#include "flux/check.h"
+#include "flux/gemm_params.h"
+#include "sync_primitives.cuh"
+#include "tile_schedule.cuh"
+
+namespace flux::sm90 {
+
+using namespace cute;
+
+// ------------------------------------------------------------------------------------------------ config
+template <class Element_, WeightLayout kLayout_, int kTileM_, int kTileN_, int kClusterM_>
+struct GemmConfig {
+  using Element = Element_;                         // bf16 or fp16 in and out, fp32 accumulation
+  static constexpr WeightLayout kLayout = kLayout_;
+  static constexpr int kTileM = kTileM_;
+  static constexpr int kTileN = kTileN_;
+  static constexpr int kTileK = 64;                 // 128-byte rows: the SW128 smem atom
+  static constexpr int kClusterM = kClusterM_;      // CTAs along M sharing (multicasting) the B tile
+  static constexpr int kEpiCols = 64;               // epilogue sub-tile width (one 128-byte smem row)
+
+  using LayoutA = cutlass::layout::RowMajor;        // x [M, K]
+  using LayoutB = cute::conditional_t<kLayout == WeightLayout::kNT,
+                                      cutlass::layout::ColumnMajor,   // W [N, K]: B(k, n) at n*ldb + k
+                                      cutlass::layout::RowMajor>;     // W [K, N]: B(k, n) at k*ldb + n
+  using TileShape = Shape<Int<kTileM>, Int<kTileN>, Int<kTileK>>;
+  using ClusterShape = Shape<Int<kClusterM>, _1, _1>;
+
+  static constexpr int kEpiSmemBytes = kTileM * kEpiCols * int(sizeof(Element));
+  static constexpr int kCarveoutBytes = kEpiSmemBytes + 256;  // epilogue sub-tile + alignment slack
+
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      Element, LayoutA, 8,                            // A: 16-byte aligned
+      Element, LayoutB, 8,                            // B: 16-byte aligned
+      float,                                          // accumulator
+      TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<kCarveoutBytes>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+};
+
+// ------------------------------------------------------------------------------------------------ params
+template <class Cfg>
+struct KernelParams {
+  typename Cfg::Mainloop::Params mainloop;      // A: group-batched [Mg, K, groups]
+  typename Cfg::Mainloop::Params mainloop_own;  // A: own rows [Mg, K, 1]; B: W (used for every tile)
+  GemmProblem prob;
+  TileSchedule sched;
+};
+
+// ------------------------------------------------------------------------------------------------ kernel
+template <class Cfg>
+struct GemmKernel {
+  using Element = typename Cfg::Element;
+  using Mainloop = typename Cfg::Mainloop;
+  using TileShape = typename Cfg::TileShape;
+  using ClusterShape = typename Cfg::ClusterShape;
+  using TiledMma = typename Mainloop::TiledMma;
+  using MainloopPipeline = typename Mainloop::MainloopPipeline;
+  using PipelineState = typename Mainloop::PipelineState;
+  using Params = KernelParams<Cfg>;
+
+  static constexpr int kTileM = Cfg::kTileM;
+  static constexpr int kTileN = Cfg::kTileN;
+  static constexpr int kTileK = Cfg::kTileK;
+  static constexpr int kClusterM = Cfg::kClusterM;
+  static constexpr int kEpiCols = Cfg::kEpiCols;
+  static constexpr int kMmaThreads = 256;
+  static constexpr int kThreads = 128 + kMmaThreads;
+  static constexpr int kEpiBarrierId = 1;  // named barrier of the 256 consumer threads (0 is __syncthreads)
+  static constexpr uint32_t kLoadRegs = 40;
+  static constexpr uint32_t kMmaRegs = 232;
+  static_assert(size(TiledMma{}) == kMmaThreads, "cooperative mainloop: two consumer warp groups");
+  static_assert(kTileN % kEpiCols == 0, "epilogue sub-tiles must divide the tile");
+
+  struct SharedStorage {
+    typename Mainloop::TensorStorage mainloop;                   // aligned to 128 bytes by its type
+    alignas(128) Element epi[kTileM * kEpiCols];                 // one epilogue sub-tile
+    alignas(16) typename Mainloop::PipelineStorage pipeline;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+
+  // Row r, column c (< kEpiCols) of the epilogue sub-tile. 16-byte chunks are XOR-swizzled by row so that
+  // both the fragment writes (8 rows x 4 columns pairs per warp) and the 16-byte row reads are conflict-free.
+  CUTLASS_DEVICE static int epi_offset(int r, int c) {
+    return r * kEpiCols + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7);
+  }
+
+  CUTLASS_DEVICE static void epi_barrier() {
+    asm volatile("bar.sync %0, %1;" ::"r"(kEpiBarrierId), "r"(kMmaThreads) : "memory");
+  }
+
+  // ---------------------------------------------------------------- producer: TMA loads of one tile
+  CUTLASS_DEVICE static void load_tile(Params const& params, TileCoord t, int k_tiles, MainloopPipeline& pipeline,
+                                       PipelineState& write_state, SharedStorage& ss,
+                                       uint32_t block_rank_in_cluster) {
+    GemmProblem const& p = params.prob;
+    bool own = t.group == p.own_group;
+    auto const& tma_a = own ? params.mainloop_own.tma_load_a : params.mainloop.tma_load_a;
+    auto const& tma_b = params.mainloop_own.tma_load_b;
+    int l_a = own ? 0 : t.group;
+    int a_groups = own ? 1 : p.num_groups;
+
+    Tensor mA = tma_a.get_tma_tensor(make_shape(p.rows_per_group, p.k, a_groups));     // (m, k, l)
+    Tensor mB = tma_b.get_tma_tensor(make_shape(p.n, p.k, 1));                         // (n, k, l)
+    Tensor gA_mkl = local_tile(mA, TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});  // (BM,BK,m,k,l)
+    Tensor gB_nkl = local_tile(mB, TileShape{}, make_coord(_, _, _), Step<X, _1, _1>{});  // (BN,BK,n,k,l)
+    Tensor gA = gA_mkl(_, _, t.m, _, l_a);                                             // (BM,BK,k)
+    Tensor gB = gB_nkl(_, _, t.n, _, 0);                                               // (BN,BK,k)
+
+    Tensor sA = make_tensor(make_smem_ptr(ss.mainloop.smem_A.data()), typename Mainloop::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(ss.mainloop.smem_B.data()), typename Mainloop::SmemLayoutB{});
+
+    constexpr uint32_t cluster_x = kClusterM;
+    uint32_t cluster_block_x = block_rank_in_cluster % cluster_x;  // position along M
+    uint32_t cluster_block_y = block_rank_in_cluster / cluster_x;  // position along N (always 0 here)
+    auto block_tma_a = tma_a.get_slice(cluster_block_y);
+    auto block_tma_b = tma_b.get_slice(cluster_block_x);
+    Tensor tAgA = block_tma_a.partition_S(gA);
+    Tensor tAsA = block_tma_a.partition_D(sA);
+    Tensor tBgB = block_tma_b.partition_S(gB);
+    Tensor tBsB = block_tma_b.partition_D(sB);
+
+    // B is multicast to the CTAs of the cluster that share this N tile (the cluster spans M only).
+    uint16_t mcast_mask_a = 0;
+    uint16_t mcast_mask_b = 0;
+    using GmemCopyA = typename Mainloop::GmemTiledCopyA;
+    using GmemCopyB = typename Mainloop::GmemTiledCopyB;
+    auto block_layout = Layout<ClusterShape>{};  // (m, n) -> block id
+    if constexpr (cute::is_same_v<GmemCopyA, SM90_TMA_LOAD_MULTICAST>) {
+      for (int n = 0; n < size<1>(block_layout); ++n)
+        mcast_mask_a |= uint16_t(1) << block_layout(cluster_block_x, n, Int<0>{});
+    }
+    if constexpr (cute::is_same_v<GmemCopyB, SM90_TMA_LOAD_MULTICAST>) {
+      for (int m = 0; m < size<0>(block_layout); ++m)
+        mcast_mask_b |= uint16_t(1) << block_layout(m, cluster_block_y, Int<0>{});
+    }
+
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int k = 0; k < k_tiles; ++k) {
+      pipeline.producer_acquire(write_state);
+      auto* tma_barrier = pipeline.producer_get_barrier(write_state);
+      int stage = write_state.index();
+      copy(tma_a.with(*tma_barrier, mcast_mask_a), tAgA(_, _, _, k), tAsA(_, _, _, stage));
+      copy(tma_b.with(*tma_barrier, mcast_mask_b), tBgB(_, _, _, k), tBsB(_, _, _, stage));
+      ++write_state;
+    }
+  }
+
+  // AllGather: the A tile of a peer's rows may only be loaded once every chunk it covers has landed.
+  CUTLASS_DEVICE static void wait_chunks(GemmProblem const& p, TileCoord t) {
+    int row_begin = t.m * kTileM;
+    int row_end = min(row_begin + kTileM, p.rows_per_group);
+    if (row_begin >= row_end) return;  // a padding tile of the cluster: TMA reads zeros, nothing is stored
+    int c_begin = row_begin / p.rows_per_chunk;
+    int c_end = (row_end - 1) / p.rows_per_chunk;
+    for (int c = c_begin; c <= c_end; ++c) {
+      int index = t.group * p.chunks_per_group + c;
+      wait_flag(p.chunk_flags + index, p.epoch, p, kChunkTimeout, index);
+    }
+    // The chunk was written by the copy engine; the TMA loads that follow read through the async proxy.
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+  }
+
+  // ---------------------------------------------------------------- consumer epilogue
+  template <class Accum>
+  CUTLASS_DEVICE static void epilogue(Params const& params, TileCoord t, Accum const& accum, int mma_thread_idx,
+                                      SharedStorage& ss, uint32_t& consumed_seen) {
+    GemmProblem const& p = params.prob;
+    int const row0 = t.m * kTileM;
+    int const col0 = t.n * kTileN;
+    if (row0 >= p.rows_per_group) return;  // padding tile (uniform across the consumer threads)
+
+    bool const is_rs = p.rs_own_group >= 0;
+    bool const reduce = is_rs && t.group == p.rs_own_group;   // own rows: sum peers' partials
+    bool const to_peer = is_rs && !reduce;                   // partial for a peer: signal afterwards
+    bool const add_bias = p.bias != nullptr && (!is_rs || reduce);
+    Element* dst = static_cast<Element*>(p.d[t.group]);
+    int const flag_index = t.m * p.rs_flag_stride_n + t.n;
+
+    if (mma_thread_idx == 0) {
+      if (to_peer && !(consumed_seen & (1u << t.group))) {
+        // The peer must have finished reading its receive slots of the previous call before we overwrite.
+        wait_flag(p.rs_consumed + t.group, p.epoch - 1, p, kConsumedTimeout, t.group);
+        consumed_seen |= 1u << t.group;
+      }
+      if (reduce) {
+        for (int i = 0; i < p.rs_num_partials; ++i)
+          wait_flag(p.rs_partial_flags[i] + flag_index, p.epoch, p, kTileTimeout, i * (1 << 24) + flag_index);
+      }
+    }
+
+    TiledMma tiled_mma;
+    auto thr_mma = tiled_mma.get_thread_slice(mma_thread_idx);
+    Tensor cD = make_identity_tensor(make_shape(Int<kTileM>{}, Int<kTileN>{}));
+    Tensor tCcD = thr_mma.partition_C(cD);  // same shape as accum: tile coordinates of each accumulator
+    // coordinate(i) = this thread's base + a compile-time offset. A thread's base column is < 8 and the
+    // offsets are multiples of 8 plus 0/1, so which sub-tile an accumulator belongs to is static.
+    int const r_base = get<0>(tCcD(0));
+    int const c_base = get<1>(tCcD(0));
+    Element const* bias = static_cast<Element const*>(p.bias);
+    Element* epi = ss.epi;
+
+    cute::for_each(make_int_sequence<kTileN / kEpiCols>{}, [&](auto j) {
+      epi_barrier();  // previous sub-tile fully read (and thread 0's waits above are done)
+      cute::for_each(make_int_sequence<decltype(size(accum))::value>{}, [&](auto i) {
+        auto offset = tCcD.layout()(i);
+        constexpr int r_off = decltype(get<0>(offset))::value;
+        constexpr int c_off = decltype(get<1>(offset))::value;
+        if constexpr (c_off / kEpiCols == decltype(j)::value) {
+          int const r = r_base + r_off;
+          int const c = c_base + c_off - decltype(j)::value * kEpiCols;
+          float v = accum(i);
+          if (add_bias) {
+            int gc = col0 + c_base + c_off;
+            v += gc < p.n ? float(bias[gc]) : 0.f;
+          }
+          epi[epi_offset(r, c)] = Element(v);
+        }
+      });
+      epi_barrier();
+
+      // 16-byte rows chunks: 8 per sub-tile row, kTileM rows, 256 threads.
+      constexpr int kChunks = kTileM * (kEpiCols / 8);
+      CUTLASS_PRAGMA_UNROLL
+      for (int it = 0; it < kChunks / kMmaThreads; ++it) {
+        int idx = it * kMmaThreads + mma_thread_idx;
+        int r = idx / (kEpiCols / 8);
+        int ch = idx % (kEpiCols / 8);
+        int grow = row0 + r;
+        int gcol = col0 + decltype(j)::value * kEpiCols + ch * 8;
+        if (grow < p.rows_per_group && gcol < p.n) {
+          uint4 v = *reinterpret_cast<uint4 const*>(epi + r * kEpiCols + ((ch ^ (r & 7)) << 3));
+          if (reduce) {
+            Element* ve = reinterpret_cast<Element*>(&v);
+            float acc[8];
+            CUTLASS_PRAGMA_UNROLL
+            for (int e = 0; e < 8; ++e) acc[e] = float(ve[e]);
+            for (int s = 0; s < p.rs_num_partials; ++s) {  // fixed order: deterministic sum
+              Element const* src = static_cast<Element const*>(p.rs_partials[s]) + int64_t(grow) * p.ldd + gcol;
+              uint4 pv = __ldcg(reinterpret_cast<uint4 const*>(src));
+              Element const* pe = reinterpret_cast<Element const*>(&pv);
+              CUTLASS_PRAGMA_UNROLL
+              for (int e = 0; e < 8; ++e) acc[e] += float(pe[e]);
+            }
+            CUTLASS_PRAGMA_UNROLL
+            for (int e = 0; e < 8; ++e) ve[e] = Element(acc[e]);
+          }
+          *reinterpret_cast<uint4*>(dst + int64_t(grow) * p.ldd + gcol) = v;
+        }
+      }
+    });
+
+    if (to_peer) {
+      // Release: every consumer thread's stores to the peer are ordered before the flag by the barrier and
+      // thread 0's system-scope fence.
+      epi_barrier();
+      if (mma_thread_idx == 0) {
+        __threadfence_system();
+        st_release_sys(p.rs_signal[t.group] + flag_index, p.epoch);
+      }
+    }
+  }
+
+  // ---------------------------------------------------------------- entry
+  CUTLASS_DEVICE void operator()(Params const& params, char* smem_buf) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_buf);
+    GemmProblem const& p = params.prob;
+    TileSchedule const& sched = params.sched;
+
+    int const thread_idx = int(threadIdx.x);
+    int const warp_idx = cutlass::canonical_warp_idx_sync();
+    int const warp_group = cutlass::canonical_warp_group_idx();
+    int const warp_in_group = warp_idx % cutlass::NumWarpsPerWarpGroup;
+    int const lane_predicate = cute::elect_one_sync();
+    uint32_t const block_rank_in_cluster = cute::block_rank_in_cluster();
+
+    if (warp_idx == 0 && lane_predicate) {
+      Mainloop::prefetch_tma_descriptors(params.mainloop);
+      Mainloop::prefetch_tma_descriptors(params.mainloop_own);
+    }
+
+    typename MainloopPipeline::Params pipeline_params;
+    if (warp_group == 0 && warp_in_group == 0) pipeline_params.role = MainloopPipeline::ThreadCategory::Producer;
+    if (warp_group >= 1) pipeline_params.role = MainloopPipeline::ThreadCategory::Consumer;
+    pipeline_params.is_leader = (thread_idx % cutlass::NumThreadsPerWarpGroup) == 0;
+    pipeline_params.num_consumers = kMmaThreads;
+    pipeline_params.num_producers = Mainloop::NumProducerThreadEvents;
+    pipeline_params.transaction_bytes = params.mainloop_own.tma_transaction_bytes;
+    MainloopPipeline pipeline(ss.pipeline, pipeline_params, ClusterShape{});
+
+    // Barrier initialisation must be visible to the whole cluster before anyone arrives on a barrier.
+    if constexpr (size(ClusterShape{}) > 1) {
+      cute::cluster_arrive_relaxed();
+      cute::cluster_wait();
+    } else {
+      __syncthreads();
+    }
+
+    int const cluster_id = int(blockIdx.x) / kClusterM;
+    int const num_clusters = int(gridDim.x) / kClusterM;
+    int const cluster_rank_m = int(block_rank_in_cluster) % kClusterM;
+    int const k_tiles = (p.k + kTileK - 1) / kTileK;
+
+    if (warp_group == 0) {
+      cutlass::arch::warpgroup_reg_dealloc<kLoadRegs>();
+      if (warp_in_group == 0 && lane_predicate) {
+        PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
+        for (int work = cluster_id; work < sched.total_work; work += num_clusters) {
+          TileCoord t = sched.get(work, cluster_rank_m);
+          if (p.chunk_flags != nullptr && t.group != p.own_group) wait_chunks(p, t);
+          load_tile(params, t, k_tiles, pipeline, write_state, ss, block_rank_in_cluster);
+        }
+        // Keep the CTA alive until every stage was released by the cluster's consumers (no remote
+        // arrivals on this CTA's barriers after it exits).
+        pipeline.producer_tail(write_state);
+      }
+    } else {
+      cutlass::arch::warpgroup_reg_alloc<kMmaRegs>();
+      int const mma_thread_idx = thread_idx - cutlass::NumThreadsPerWarpGroup;
+      PipelineState read_state;
+      Mainloop collective;
+      TiledMma tiled_mma;
+      uint32_t consumed_seen = 0;
+      for (int work = cluster_id; work < sched.total_work; work += num_clusters) {
+        TileCoord t = sched.get(work, cluster_rank_m);
+        Tensor accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
+        collective.mma(pipeline, read_state, accum, k_tiles, mma_thread_idx, ss.mainloop, params.mainloop_own);
+        collective.mma_tail(pipeline, read_state, k_tiles);
+        read_state.advance(k_tiles);
+        epilogue(params, t, accum, mma_thread_idx, ss, consumed_seen);
+      }
+    }
+#endif
+  }
+};
+
+template <class Cfg>
+__global__ void __launch_bounds__(GemmKernel<Cfg>::kThreads, 1)
+    gemm_kernel(CUTE_GRID_CONSTANT KernelParams<Cfg> const params) {
+  extern __shared__ char smem[];
+  GemmKernel<Cfg>{}(params, smem);
+}
+
+// ------------------------------------------------------------------------------------------------ launcher
+template <class Cfg>
+struct Launcher {
+  using Kernel = GemmKernel<Cfg>;
+  using Mainloop = typename Cfg::Mainloop;
+  using StrideA = typename Mainloop::StrideA;
+  using StrideB = typename Mainloop::StrideB;
+  using Element = typename Cfg::Element;
+
+  static StrideB stride_b(int64_t ldb, int64_t batch) {
+    if constexpr (Cfg::kLayout == WeightLayout::kNT) {
+      return make_stride(ldb, Int<1>{}, batch);  // (n, k, l)
+    } else {
+      return make_stride(Int<1>{}, ldb, batch);
+    }
+  }
+
+  // Largest number of clusters that can be resident at once (cached per device).
+  static int max_resident_clusters(int device) {
+    static std::mutex mu;
+    static int cached[64] = {0};
+    std::lock_guard<std::mutex> lock(mu);
+    if (cached[device] > 0) return cached[device];
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(Cfg::kClusterM * 64, 1, 1);
+    cfg.blockDim = dim3(Kernel::kThreads, 1, 1);
+    cfg.dynamicSmemBytes = Kernel::kSmemBytes;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = Cfg::kClusterM;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    FLUX_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, gemm_kernel<Cfg>, &cfg));
+    FLUX_CHECK(clusters > 0, "the GEMM kernel cannot be resident (", Kernel::kSmemBytes,
+               " bytes of shared memory, cluster ", Cfg::kClusterM, ")");
+    cached[device] = clusters;
+    return clusters;
+  }
+
+  static void launch(GemmProblem const& prob, cudaStream_t stream) {
+    FLUX_CHECK(prob.num_groups >= 1 && prob.num_groups <= kMaxGroups, "num_groups ", prob.num_groups,
+               " outside [1, ", kMaxGroups, "]");
+    if (prob.rows_per_group == 0 || prob.n == 0) return;
+    FLUX_CHECK(prob.k > 0, "K must be positive, got ", prob.k);
+
+    int device = 0;
+    FLUX_CUDA_CHECK(cudaGetDevice(&device));
+    static std::once_flag attr_once;
+    std::call_once(attr_once, [] {
+      FLUX_CUDA_CHECK(cudaFuncSetAttribute(gemm_kernel<Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           Kernel::kSmemBytes));
+    });
+
+    KernelParams<Cfg> params;
+    params.prob = prob;
+    params.sched = TileSchedule::make(prob, Cfg::kTileM, Cfg::kTileN, Cfg::kClusterM);
+    if (prob.rs_own_group >= 0) {
+      params.prob.rs_flag_stride_n = params.sched.tiles_n;
+      FLUX_CHECK(int64_t(params.sched.tiles_m) * params.sched.tiles_n <= prob.rs_flags_per_source,
+                 "reduce-scatter workspace holds ", prob.rs_flags_per_source, " tile flags per rank, this call needs ",
+                 int64_t(params.sched.tiles_m) * params.sched.tiles_n);
+    }
+
+    auto const* b = static_cast<Element const*>(prob.b);
+    auto const* a_own = static_cast<Element const*>(prob.a_own != nullptr ? prob.a_own : prob.a);
+    auto const* a_batched = static_cast<Element const*>(prob.a != nullptr ? prob.a : prob.a_own);
+    int64_t lda_batched = prob.a != nullptr ? prob.lda : prob.lda_own;
+    int64_t lda_own = prob.a_own != nullptr ? prob.lda_own : prob.lda;
+    int groups = prob.a != nullptr ? prob.num_groups : 1;
+    int64_t group_stride = prob.a != nullptr ? prob.a_group_stride : int64_t(prob.rows_per_group) * lda_own;
+    // The B batch stride is never used (every tile reads batch 0); a non-zero value keeps the TMA
+    // descriptor ordinary.
+    int64_t b_batch = int64_t(prob.n) * prob.k;
+
+    typename Mainloop::Arguments args_batched{a_batched, StrideA{lda_batched, Int<1>{}, group_stride}, b,
+                                              stride_b(prob.ldb, b_batch)};
+    typename Mainloop::Arguments args_own{a_own, StrideA{lda_own, Int<1>{}, int64_t(prob.rows_per_group) * lda_own},
+                                          b, stride_b(prob.ldb, b_batch)};
+    params.mainloop = Mainloop::to_underlying_arguments(
+        make_shape(prob.rows_per_group, prob.n, prob.k, groups), args_batched, nullptr);
+    params.mainloop_own = Mainloop::to_underlying_arguments(
+        make_shape(prob.rows_per_group, prob.n, prob.k, 1), args_own, nullptr);
+
+    int clusters = max_resident_clusters(device);
+    if (prob.sm_count > 0) clusters = std::min(clusters, prob.sm_count / Cfg::kClusterM);
+    clusters = std::max(1, std::min(clusters, params.sched.total_work));
+
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(clusters * Cfg::kClusterM, 1, 1);
+    cfg.blockDim = dim3(Kernel::kThreads, 1, 1);
+    cfg.dynamicSmemBytes = Kernel::kSmemBytes;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = Cfg::kClusterM;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    FLUX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, gemm_kernel<Cfg>, params));
+  }
+};
+
+}  // namespace flux::sm90

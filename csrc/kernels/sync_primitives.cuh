@@ -1,0 +1,65 @@
+// Cross-GPU signalling used inside the fused kernels: 32-bit epoch flags (a flag is "set" for call e when it
+// holds a value >= e, so nothing is ever cleared and back-to-back calls cannot race on a reset), bounded
+// waits that record who timed out instead of hanging.
+#pragma once
+
+#include <cstdint>
+
+#include "flux/gemm_params.h"
+
+namespace flux {
+
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ bool epoch_reached(uint32_t flag, uint32_t epoch) {
+  return static_cast<int32_t>(flag - epoch) >= 0;  // wrap-safe
+}
+
+// The error record is host-mapped pinned memory {code, rank, index, epoch}, readable by the host without a
+// synchronisation; the first waiter to time out claims it through a device-memory word (error_claim).
+__device__ __forceinline__ void record_timeout(const GemmProblem& p, int code, int index) {
+  if (p.error_record == nullptr || p.error_claim == nullptr) return;
+  if (atomicCAS(p.error_claim, 0, code) == 0) {
+    volatile int* rec = p.error_record;
+    rec[1] = p.rank;
+    rec[2] = index;
+    rec[3] = static_cast<int>(p.epoch);
+    __threadfence_system();
+    rec[0] = code;
+    __threadfence_system();
+  }
+}
+
+// Spin until *flag reaches p.epoch (or `epoch`), giving up after p.timeout_ns. Returns false on timeout or
+// when another waiter already timed out (then the result of this call is garbage and the host raises).
+__device__ __forceinline__ bool wait_flag(const uint32_t* flag, uint32_t epoch, const GemmProblem& p, int code,
+                                       int index) {
+  if (epoch_reached(ld_acquire_sys(flag), epoch)) return true;
+  uint64_t start = global_timer_ns();
+  for (uint32_t spin = 1;; ++spin) {
+    if (epoch_reached(ld_acquire_sys(flag), epoch)) return true;
+    if ((spin & 255) == 0) {
+      if (p.error_claim != nullptr && *reinterpret_cast<volatile int*>(p.error_claim) != 0) return false;
+      if (global_timer_ns() - start > p.timeout_ns) {
+        record_timeout(p, code, index);
+        return false;
+      }
+    }
+  }
+}
+
+}  // namespace flux

@@ -1,0 +1,233 @@
+// AllGather + GEMM: copy-engine transfers driven from the host, per-chunk epoch flags, and the persistent
+// GEMM that waits on exactly the chunk its A tile reads (csrc/kernels/gemm_sm90.cuh).
+//
+// One call, rank r, epoch e (flags: AgFlagLayout):
+//   compute : record start ............................. GEMM (own shard at once, peers' tiles wait on chunk
+//             flags) ... join comm streams ... done[r] = e at every peer
+//   comm[0] : wait start; wait done[p] >= e-1 for all p (every peer finished the previous call, so its reads
+//             of our buffer and writes into it are over); then by mode/order:
+//     pull mesh : stage own shard chunk by chunk into our buffer, avail[r][c] = e at every peer;
+//                 comm[i]: per peer p, per chunk: wait avail[p][c] >= e, copy from p, chunk[p][c] = e
+//     pull ring : stage and announce to the right neighbour; then shards r-1, r-2, ... each chunk pulled from
+//                 the left neighbour once it announced it, and announced onwards to the right
+//     push mesh : comm[i]: per peer p, per chunk: copy our shard into p's buffer, chunk[r][c] = e at p
+//     push ring : send our shard right; forward shards r-1, r-2, ... once their chunk flags arrived
+// Every wait here is on this rank's own memory; writes may go to a peer (P2P mapped symmetric memory).
+#include <algorithm>
+
+#include "event_pool.h"
+#include "flux/check.h"
+#include "flux/fused_ops.h"
+
+namespace flux {
+
+void ag_group_order(int rank, int tp, AgOrder order, int* group_order) {
+  for (int s = 0; s < tp; ++s)
+    group_order[s] = order == AgOrder::kMesh ? (rank + s) % tp : (rank - s + tp) % tp;
+}
+
+namespace {
+
+struct AgPlan {
+  const AgGemmArgs& a;
+  AgFlagLayout flags;
+  int chunks;
+  size_t row_bytes;
+
+  // Byte address of rows [row, ...) of shard g in rank q's gathered buffer (compact for this call's M).
+  char* region(int q, int g, int row) const {
+    return a.buffers[q] + (size_t(g) * a.rows_per_group + row) * row_bytes;
+  }
+  int chunk_begin(int c) const { return c * a.rows_per_chunk; }
+  int chunk_rows(int c) const { return std::min(a.rows_per_chunk, a.rows_per_group - c * a.rows_per_chunk); }
+  uint32_t* flag(int q, int64_t index) const { return a.flags[q] + index; }
+  uint32_t* my(int64_t index) const { return a.flags[a.rank] + index; }
+
+  void copy_rows(cudaStream_t s, char* dst, const char* src, size_t src_pitch, int rows) const {
+    if (src_pitch == row_bytes) {
+      FLUX_CUDA_CHECK(cudaMemcpyAsync(dst, src, rows * row_bytes, cudaMemcpyDefault, s));
+    } else {
+      FLUX_CUDA_CHECK(cudaMemcpy2DAsync(dst, row_bytes, src, src_pitch, row_bytes, rows, cudaMemcpyDefault, s));
+    }
+  }
+  const char* x_rows(int row) const {
+    return static_cast<const char*>(a.x) + size_t(row) * a.ldx * (row_bytes / a.k);
+  }
+  size_t x_pitch() const { return size_t(a.ldx) * (row_bytes / a.k); }
+};
+
+// Pull modes: stage our shard into our buffer (unless the caller wrote x there) and announce each chunk to
+// the ranks that pull from us.
+void stage_own(const AgPlan& p, bool x_in_buffer) {
+  const AgGemmArgs& a = p.a;
+  const int r = a.rank, tp = a.tp, right = (r + 1) % tp;
+  cudaStream_t stage = a.comm[0];
+  for (int c = 0; c < p.chunks; ++c) {
+    if (!x_in_buffer)
+      p.copy_rows(stage, p.region(r, r, p.chunk_begin(c)), p.x_rows(p.chunk_begin(c)), p.x_pitch(), p.chunk_rows(c));
+    if (a.order == AgOrder::kMesh) {
+      for (int q = 0; q < tp; ++q)
+        if (q != r) stream_write_u32(stage, p.flag(q, p.flags.avail(r, c)), a.epoch);
+    } else {
+      stream_write_u32(stage, p.flag(right, p.flags.avail(r, c)), a.epoch);
+    }
+  }
+}
+
+void pull(const AgPlan& p) {
+  const AgGemmArgs& a = p.a;
+  const int r = a.rank, tp = a.tp, right = (r + 1) % tp, left = (r - 1 + tp) % tp;
+  if (a.order == AgOrder::kMesh) {
+    for (int o = 1; o < tp; ++o) {
+      int src = (r + o) % tp;
+      cudaStream_t s = a.comm[a.num_comm > 1 ? 1 + (o - 1) % (a.num_comm - 1) : 0];
+      for (int c = 0; c < p.chunks; ++c) {
+        stream_wait_u32_geq(s, p.my(p.flags.avail(src, c)), a.epoch);
+        p.copy_rows(s, p.region(r, src, p.chunk_begin(c)), p.region(src, src, p.chunk_begin(c)), p.row_bytes,
+                    p.chunk_rows(c));
+        stream_write_u32(s, p.my(p.flags.chunk(src, c)), a.epoch);
+      }
+    }
+  } else {
+    cudaStream_t s = a.comm[a.num_comm > 1 ? 1 : 0];
+    for (int step = 1; step < tp; ++step) {
+      int g = (r - step + tp) % tp;
+      for (int c = 0; c < p.chunks; ++c) {
+        stream_wait_u32_geq(s, p.my(p.flags.avail(g, c)), a.epoch);
+        p.copy_rows(s, p.region(r, g, p.chunk_begin(c)), p.region(left, g, p.chunk_begin(c)), p.row_bytes,
+                    p.chunk_rows(c));
+        stream_write_u32(s, p.my(p.flags.chunk(g, c)), a.epoch);
+        if (step < tp - 1) stream_write_u32(s, p.flag(right, p.flags.avail(g, c)), a.epoch);
+      }
+    }
+  }
+}
+
+void push(const AgPlan& p) {
+  const AgGemmArgs& a = p.a;
+  const int r = a.rank, tp = a.tp, right = (r + 1) % tp;
+  if (a.order == AgOrder::kMesh) {
+    for (int o = 1; o < tp; ++o) {
+      int dst = (r + o) % tp;
+      cudaStream_t s = a.comm[(o - 1) % a.num_comm];
+      for (int c = 0; c < p.chunks; ++c) {
+        p.copy_rows(s, p.region(dst, r, p.chunk_begin(c)), p.x_rows(p.chunk_begin(c)), p.x_pitch(), p.chunk_rows(c));
+        stream_write_u32(s, p.flag(dst, p.flags.chunk(r, c)), a.epoch);
+      }
+    }
+  } else {
+    cudaStream_t s = a.comm[0];
+    for (int c = 0; c < p.chunks; ++c) {
+      p.copy_rows(s, p.region(right, r, p.chunk_begin(c)), p.x_rows(p.chunk_begin(c)), p.x_pitch(), p.chunk_rows(c));
+      stream_write_u32(s, p.flag(right, p.flags.chunk(r, c)), a.epoch);
+    }
+    for (int step = 1; step < tp - 1; ++step) {
+      int g = (r - step + tp) % tp;
+      for (int c = 0; c < p.chunks; ++c) {
+        stream_wait_u32_geq(s, p.my(p.flags.chunk(g, c)), a.epoch);
+        p.copy_rows(s, p.region(right, g, p.chunk_begin(c)), p.region(r, g, p.chunk_begin(c)), p.row_bytes,
+                    p.chunk_rows(c));
+        stream_write_u32(s, p.flag(right, p.flags.chunk(g, c)), a.epoch);
+      }
+    }
+  }
+}
+
+// gathered_out = the whole gathered input, on comm[0] once every chunk is in (overlaps the GEMM's tail).
+void copy_out_gathered(const AgPlan& p, bool own_in_buffer) {
+  const AgGemmArgs& a = p.a;
+  cudaStream_t s = a.comm[0];
+  char* out = static_cast<char*>(a.gathered_out);
+  size_t shard_bytes = size_t(a.rows_per_group) * p.row_bytes;
+  for (int g = 0; g < a.tp; ++g) {
+    if (g == a.rank) {
+      if (own_in_buffer)
+        p.copy_rows(s, out + g * shard_bytes, p.region(a.rank, g, 0), p.row_bytes, a.rows_per_group);
+      else
+        p.copy_rows(s, out + g * shard_bytes, p.x_rows(0), p.x_pitch(), a.rows_per_group);
+      continue;
+    }
+    for (int c = 0; c < p.chunks; ++c) stream_wait_u32_geq(s, p.my(p.flags.chunk(g, c)), a.epoch);
+    p.copy_rows(s, out + g * shard_bytes, p.region(a.rank, g, 0), p.row_bytes, a.rows_per_group);
+  }
+}
+
+}  // namespace
+
+void ag_gemm(const AgGemmArgs& a) {
+  FLUX_CHECK(a.tp >= 2 && a.tp <= kMaxGroups, "tp ", a.tp, " outside [2, ", kMaxGroups, "]");
+  FLUX_CHECK(a.rank >= 0 && a.rank < a.tp, "rank ", a.rank, " outside [0, ", a.tp, ")");
+  FLUX_CHECK(a.num_comm >= 1, "at least one communication stream is needed");
+  FLUX_CHECK(a.rows_per_chunk > 0, "rows_per_chunk must be positive, got ", a.rows_per_chunk);
+  FLUX_CHECK(a.epoch > 0, "epochs start at 1");
+  if (a.rows_per_group == 0) return;
+  AgPlan p{a, AgFlagLayout{a.tp, a.chunk_capacity}, (a.rows_per_group + a.rows_per_chunk - 1) / a.rows_per_chunk,
+           size_t(a.k) * 2};
+  FLUX_CHECK(p.chunks <= a.chunk_capacity, "this call needs ", p.chunks, " chunks per shard, the workspace holds ",
+             a.chunk_capacity);
+
+  auto& ev = call_events();
+  cudaEvent_t start = ev[0], ready = ev[1];
+  FLUX_CUDA_CHECK(cudaEventRecord(start, a.compute));
+  cudaStream_t s0 = a.comm[0];
+  FLUX_CUDA_CHECK(cudaStreamWaitEvent(s0, start, 0));
+  if (a.epoch > 1) {
+    for (int q = 0; q < a.tp; ++q)
+      if (q != a.rank) stream_wait_u32_geq(s0, p.my(p.flags.done(q)), a.epoch - 1);
+  }
+  FLUX_CUDA_CHECK(cudaEventRecord(ready, s0));
+  for (int i = 1; i < a.num_comm; ++i) FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.comm[i], ready, 0));
+
+  // Issue order matters where the device has a single hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1): the
+  // staging copy goes first, then the GEMM, then the transfers whose flag writes block the queue until their
+  // copy completes; the GEMM is already running by then.
+  bool x_in_buffer = a.x == p.region(a.rank, a.rank, 0) && a.ldx == a.k;
+  if (a.mode == AgMode::kPull) stage_own(p, x_in_buffer);
+
+  GemmProblem g;
+  g.rows_per_group = a.rows_per_group;
+  g.n = a.n;
+  g.k = a.k;
+  g.num_groups = a.tp;
+  ag_group_order(a.rank, a.tp, a.order, g.group_order);
+  g.own_group = a.rank;
+  g.a = a.buffers[a.rank];
+  g.lda = a.k;
+  g.a_group_stride = int64_t(a.rows_per_group) * a.k;
+  g.a_own = a.x;
+  g.lda_own = a.ldx;
+  g.b = a.w;
+  g.ldb = a.ldw;
+  g.bias = a.bias;
+  for (int q = 0; q < a.tp; ++q) g.d[q] = static_cast<char*>(a.out) + size_t(q) * a.rows_per_group * a.n * 2;
+  g.ldd = a.n;
+  g.chunk_flags = p.my(p.flags.chunk(0, 0));
+  g.rows_per_chunk = a.rows_per_chunk;
+  g.chunks_per_group = a.chunk_capacity;
+  g.epoch = a.epoch;
+  g.timeout_ns = a.timeout_ns;
+  g.error_record = a.error_record;
+  g.error_claim = a.error_claim;
+  g.rank = a.rank;
+  g.sm_count = a.sm_count;
+  launch_gemm(g, a.dtype, a.layout, a.tile, a.compute);
+
+  if (a.mode == AgMode::kPull) {
+    pull(p);
+  } else {
+    push(p);
+  }
+
+  // Join the comm streams back into the compute stream only now, so nothing above waits on them.
+  for (int i = 1; i < a.num_comm; ++i) {
+    FLUX_CUDA_CHECK(cudaEventRecord(ev[2 + i], a.comm[i]));
+    FLUX_CUDA_CHECK(cudaStreamWaitEvent(s0, ev[2 + i], 0));
+  }
+  if (a.gathered_out != nullptr) copy_out_gathered(p, a.mode == AgMode::kPull);
+  FLUX_CUDA_CHECK(cudaEventRecord(ev[2], s0));
+  FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.compute, ev[2], 0));
+  for (int q = 0; q < a.tp; ++q)
+    if (q != a.rank) stream_write_u32(a.compute, p.flag(q, p.flags.done(a.rank)), a.epoch);
+}
+
+}  // namespace flux

@@ -1,0 +1,40 @@
+"""The op library's persistent sm90 GEMM as a torch custom op (no communication).
+
+| weight_layout | x | weight | out |
+|---|---|---|---|
+| 'nt' | [M, K] | [N, K] | x @ weight^T + bias  [M, N] |
+| 'nn' | [M, K] | [K, N] | x @ weight + bias    [M, N] |
+
+It is the base the fused operators extend (same mainloop, tile scheduler and epilogue); exposed for tests
+and the GEMM benchmark against cuBLAS.
+"""
+from __future__ import annotations
+
+import torch
+
+from flux_layers import _library
+from flux_layers.ops._checks import check_fused_tensor, check_matmul_args
+from flux_layers.runtime import tuning
+
+
+@torch.library.custom_op("flux::gemm", mutates_args=())
+def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_nn: bool, tile: int,
+          sm_count: int) -> torch.Tensor:
+    return torch.ops.flux_layers.gemm(x, weight, bias, weight_nn, tile, sm_count)
+
+
+@_gemm.register_fake
+def _(x, weight, bias, weight_nn, tile, sm_count):
+    n = weight.shape[1] if weight_nn else weight.shape[0]
+    return x.new_empty((x.shape[0], n))
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_layout: str = "nt",
+         tile: int | None = None, sm_count: int = 0) -> torch.Tensor:
+    _library.require()
+    m, k, n = check_matmul_args("gemm", x, weight, bias, weight_layout)
+    check_fused_tensor("gemm", "x", x)
+    check_fused_tensor("gemm", "weight", weight)
+    if tile is None:
+        tile = tuning.kernel_config("gemm", dtype=x.dtype, tp=1, mkn=(m, k, n))
+    return _gemm(x, weight, bias, weight_layout == "nn", tile, sm_count)

@@ -1,0 +1,61 @@
+"""Fused GEMM + ReduceScatter (row-parallel forward; column-parallel dgrad with weight_layout='nn').
+
+| tensor | shape (this rank) | note |
+|---|---|---|
+| x | [M, K] | K is this rank's shard of the reduction dimension |
+| weight | [N, K] ('nt') or [K, N] ('nn') | |
+| out | [M/tp, N] | rows [rank*M/tp, (rank+1)*M/tp) of sum_r x_r @ op(weight_r), + bias once |
+
+Each tile of a peer's rows is stored by the GEMM epilogue straight into that peer's receive slot and flagged;
+tiles of this rank's rows come last and add the peers' partials in rank order (deterministic), see
+csrc/runtime/gemm_rs.cpp. Partials travel in the input dtype (as with NCCL's reduce-scatter of bf16 data);
+the sum is accumulated in fp32.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from flux_layers import _library
+from flux_layers.ops._checks import check_fused_tensor, check_matmul_args
+from flux_layers.runtime import tuning, workspace
+
+
+@torch.library.custom_op("flux::gemm_rs", mutates_args=())
+def _gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int, weight_nn: bool,
+             tile: int) -> torch.Tensor:
+    ws = workspace.lookup(handle)
+    epoch = ws.next_epoch()
+    n = weight.shape[1] if weight_nn else weight.shape[0]
+    out = x.new_empty((x.shape[0] // ws.tp, n))
+    torch.ops.flux_layers.gemm_rs(
+        x, weight, bias, out, ws.data_ptrs, ws.slot_rows, ws.flag_ptrs, ws.flags_per_source, ws.rank, epoch,
+        ws.timeout_ns, ws.error_record.data_ptr(), ws.error_claim.data_ptr(), weight_nn, tile, 0)
+    return out
+
+
+@_gemm_rs.register_fake
+def _(x, weight, bias, handle, weight_nn, tile):
+    tp = workspace.lookup(handle).tp
+    n = weight.shape[1] if weight_nn else weight.shape[0]
+    return x.new_empty((x.shape[0] // tp, n))
+
+
+def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group,
+            weight_layout: str = "nt", ws: workspace.RsWorkspace | None = None,
+            tile: int | None = None) -> torch.Tensor:
+    _library.require()
+    m, k, n = check_matmul_args("gemm_rs", x, weight, bias, weight_layout)
+    for what, t in (("x", x), ("weight", weight)):
+        check_fused_tensor("gemm_rs", what, t)
+    tp = dist.get_world_size(group)
+    if m % tp != 0:
+        raise ValueError(f"gemm_rs: M={m} rows are not divisible by the group size {tp}")
+    if ws is None:
+        ws = workspace.get_rs_workspace(group, x.dtype, m, n)
+    elif m > ws.max_m or ws.n != n or ws.dtype != x.dtype:
+        raise ValueError(f"gemm_rs: call needs M={m}, N={n}, {x.dtype}; the workspace holds "
+                         f"max_m={ws.max_m}, N={ws.n}, {ws.dtype}")
+    if tile is None:
+        tile = tuning.kernel_config("gemm_rs", dtype=x.dtype, tp=tp, mkn=(m, k, n))
+    return _gemm_rs(x, weight, bias, workspace.register(ws), weight_layout == "nn", tile)

@@ -1,0 +1,92 @@
+"""Tile and chunk orders as plain functions (mirrors of csrc/kernels/tile_schedule.cuh and csrc/runtime).
+
+CPU tests check these against each other and against the properties the fused kernels rely on: every tile
+visited once, own shard first for AllGather, own rows last for ReduceScatter, and at every step of the
+ReduceScatter each rank writing to a different destination (rank-offset swizzle).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_TP = 8
+TILE_CONFIGS = {0: (256, 128), 1: (128, 256)}  # id -> (tile_m, tile_n), matches flux::TileConfig
+CLUSTER_M = 2
+
+
+def ag_group_order(rank: int, tp: int, order: str) -> list[int]:
+    """Shards in the order the AllGather GEMM walks them: own first, then as the copy engine delivers them."""
+    if order == "mesh":
+        return [(rank + s) % tp for s in range(tp)]
+    if order == "ring":
+        return [(rank - s) % tp for s in range(tp)]
+    raise ValueError(f"order must be 'mesh' or 'ring', got {order!r}")
+
+
+def rs_group_order(rank: int, tp: int) -> list[int]:
+    """Destinations in the order the ReduceScatter GEMM writes them: rank+1, rank+2, ..., own rows last."""
+    return [(rank + 1 + s) % tp for s in range(tp)]
+
+
+@dataclass(frozen=True)
+class TileSchedule:
+    """Python twin of flux::TileSchedule."""
+    rows_per_group: int
+    n: int
+    num_groups: int
+    group_order: tuple[int, ...]
+    tile_m: int = 256
+    tile_n: int = 128
+    cluster_m: int = CLUSTER_M
+    swizzle_m: int = 8
+
+    @property
+    def tiles_m(self) -> int:
+        t = -(-self.rows_per_group // self.tile_m)
+        return -(-t // self.cluster_m) * self.cluster_m
+
+    @property
+    def tiles_n(self) -> int:
+        return -(-self.n // self.tile_n)
+
+    @property
+    def swizzle(self) -> int:
+        s = max(1, self.swizzle_m // self.cluster_m)
+        rows = self.tiles_m // self.cluster_m
+        return min(s, rows) if rows > 0 else s
+
+    @property
+    def work_per_group(self) -> int:
+        return self.tiles_m // self.cluster_m * self.tiles_n
+
+    @property
+    def total_work(self) -> int:
+        return self.work_per_group * self.num_groups
+
+    def get(self, work: int, cluster_rank_m: int) -> tuple[int, int, int]:
+        """(group, m tile, n tile) of cluster work item `work` for the CTA at `cluster_rank_m`."""
+        step, r = divmod(work, self.work_per_group)
+        cluster_rows = self.tiles_m // self.cluster_m
+        panel_span = self.swizzle * self.tiles_n
+        panel, rem = divmod(r, panel_span)
+        rows_here = min(self.swizzle, cluster_rows - panel * self.swizzle)
+        cm = panel * self.swizzle + rem % rows_here
+        n = rem // rows_here
+        return self.group_order[step], cm * self.cluster_m + cluster_rank_m, n
+
+    def tiles(self) -> list[tuple[int, int, int]]:
+        return [self.get(w, c) for w in range(self.total_work) for c in range(self.cluster_m)]
+
+
+def default_rows_per_chunk(rows_per_shard: int, row_bytes: int, target_bytes: int = 16 << 20,
+                           max_chunks: int = 8, align: int = 128) -> int:
+    """Copy-engine chunk size: ~target_bytes per copy (each copy is a host-issued command, the copy engines
+    are few, and a flag write follows each), at most max_chunks per shard, aligned to the GEMM tile height."""
+    if rows_per_shard <= 0:
+        return align
+    chunks = min(max_chunks, max(1, -(-rows_per_shard * row_bytes // target_bytes)))
+    rows = -(-rows_per_shard // chunks)
+    return -(-rows // align) * align
+
+
+def chunk_count(rows_per_shard: int, rows_per_chunk: int) -> int:
+    return -(-rows_per_shard // rows_per_chunk)

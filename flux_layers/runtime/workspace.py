@@ -1,0 +1,241 @@
+"""Long-lived workspaces of the fused operators: symmetric buffers, epoch flags, streams, error record.
+
+One workspace per (TP group, operator, dtype, inner size); created once (a collective: every rank of the
+group must create it in the same order) and reused by every call. M may change from call to call up to the
+workspace's ``max_m``; nothing is allocated or exchanged per call.
+
+Symmetric memory comes from ``torch.distributed._symmetric_memory`` (IPC mapping and pointer exchange).
+Each workspace makes one symmetric allocation holding its data buffer and its 32-bit flag words, so the
+offsets of both are identical on every rank.
+
+Flags are epoch-valued (a flag is set for call ``e`` when it holds a value >= e): they are never cleared,
+which removes the reset race between back-to-back calls. Every cross-rank wait is bounded: a waiter that
+times out writes {code, rank, index, epoch} into a host-mapped record, and the next call (or
+:meth:`Workspace.check`) raises a RuntimeError that says who waited for what.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from flux_layers import _env
+from flux_layers.runtime import topology
+from flux_layers.runtime.schedules import MAX_TP
+
+_WAIT_ERRORS = {1: "a copy-engine chunk of the all-gather", 2: "a peer's partial tile of the reduce-scatter",
+                3: "a peer to release its receive slots (previous call)"}
+
+
+class WorkspaceError(RuntimeError):
+    """A bounded wait inside a fused operator timed out; the workspace cannot be used any more."""
+
+
+def _align(n: int, a: int = 256) -> int:
+    return -(-n // a) * a
+
+
+@dataclass(frozen=True)
+class _Key:
+    group_name: str
+    op: str
+    dtype: torch.dtype
+    inner: int  # K for all-gather, N for reduce-scatter
+
+
+class Workspace:
+    """Common part: one symmetric allocation (data + flags), streams, epoch counter, error record."""
+
+    def __init__(self, group, *, data_bytes: int, flag_words: int, num_comm_streams: int, what: str):
+        if not dist.is_initialized():
+            raise RuntimeError(f"{what}: torch.distributed is not initialised")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.tp = dist.get_world_size(group)
+        if not 2 <= self.tp <= MAX_TP:
+            raise ValueError(f"{what}: the fused path supports TP groups of 2 to {MAX_TP} ranks, got {self.tp}")
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self._data_offset = 0
+        self._flag_offset = _align(data_bytes)
+        total = self._flag_offset + _align(flag_words * 4)
+        self._storage = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
+        self._storage[self._flag_offset:].zero_()
+        torch.cuda.current_stream().synchronize()
+        handle = symm_mem.rendezvous(self._storage, self.group)
+        my_base = handle.buffer_ptrs[self.rank]
+        offset = self._storage.data_ptr() - my_base
+        offsets = [None] * self.tp
+        dist.all_gather_object(offsets, offset, group=self.group)
+        if len(set(offsets)) != 1:
+            raise RuntimeError(f"{what}: symmetric allocations are not at the same offset on every rank "
+                               f"({offsets}); create workspaces in the same order on every rank")
+        self._handle = handle
+        self.base_ptrs = [p + offset for p in handle.buffer_ptrs]
+        self.data_ptrs = [p + self._data_offset for p in self.base_ptrs]
+        self.flag_ptrs = [p + self._flag_offset for p in self.base_ptrs]
+        self.flags = self._storage[self._flag_offset:self._flag_offset + flag_words * 4].view(torch.int32)
+        self.comm_streams = [torch.cuda.Stream(device=self.device, priority=-1) for _ in range(num_comm_streams)]
+        self.error_record = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+        self.error_claim = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.epoch = 0
+        self.timeout_s = _env.get_float("TIMEOUT_S")
+        self.what = what
+        self._failed: str | None = None
+        self._lock = threading.Lock()
+        dist.barrier(group=self.group)  # every rank's flags are zero before anyone signals
+
+    # ---- per call
+    def next_epoch(self) -> int:
+        self.raise_if_failed()
+        with self._lock:
+            self.epoch += 1
+            if self.epoch >= 2**31 - 1:
+                raise RuntimeError(f"{self.what}: epoch counter exhausted; create a new workspace")
+            return self.epoch
+
+    @property
+    def timeout_ns(self) -> int:
+        return int(self.timeout_s * 1e9)
+
+    # ---- errors
+    def _describe(self) -> str | None:
+        code, rank, index, epoch = (int(v) for v in self.error_record.tolist())
+        if code == 0:
+            return None
+        what = _WAIT_ERRORS.get(code, f"code {code}")
+        return (f"{self.what}: rank {rank} timed out after {self.timeout_s:g} s waiting for {what} "
+                f"(index {index}, epoch {epoch}). A peer rank did not enter the call, crashed, or is "
+                f"slower than FLUX_LAYERS_TIMEOUT_S allows. Outputs of that call are invalid and this "
+                f"workspace cannot be used again.")
+
+    def raise_if_failed(self) -> None:
+        """Raise WorkspaceError if any earlier call recorded a timeout (reads host memory; no sync)."""
+        if self._failed is None:
+            self._failed = self._describe()
+        if self._failed is not None:
+            raise WorkspaceError(self._failed)
+
+    def check(self, timeout_s: float | None = None) -> None:
+        """Wait (bounded) for the work queued so far on the current stream; raise if a wait timed out.
+
+        Unlike torch.cuda.synchronize(), this never hangs on a peer that does not come: it polls, and after
+        a timeout it releases this rank's stream waits so the device can drain, then raises.
+        """
+        limit = self.timeout_s * 2 + 5 if timeout_s is None else timeout_s
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + limit
+        while not done.query():
+            if self._describe() is not None or time.monotonic() > deadline:
+                self.release()
+                break
+            time.sleep(1e-3)
+        self.raise_if_failed()
+        if not done.query():
+            raise WorkspaceError(f"{self.what}: work did not finish within {limit:g} s on rank {self.rank} "
+                                 f"(epoch {self.epoch}); waits were released and the workspace is unusable")
+
+    def release(self) -> None:
+        """Set every local flag to its maximum so that stream waits on this rank return (after a failure)."""
+        side = torch.cuda.Stream(device=self.device)
+        with torch.cuda.stream(side):
+            self.flags.fill_(2**31 - 1)
+        if self._failed is None:
+            self._failed = self._describe() or f"{self.what}: released after a failed or abandoned call"
+
+
+class AgWorkspace(Workspace):
+    """AllGather+GEMM: a gathered-input buffer [max_m, k] per rank + chunk/avail/done flags (AgFlagLayout)."""
+
+    def __init__(self, group, dtype: torch.dtype, max_m: int, k: int, *, chunk_capacity: int = 16):
+        tp = dist.get_world_size(group)
+        if max_m <= 0 or max_m % tp != 0:
+            raise ValueError(f"AgWorkspace: max_m={max_m} must be a positive multiple of the group size {tp}")
+        self.dtype, self.max_m, self.k, self.chunk_capacity = dtype, max_m, k, chunk_capacity
+        elem = torch.tensor([], dtype=dtype).element_size()
+        super().__init__(group, data_bytes=max_m * k * elem, flag_words=2 * tp * chunk_capacity + tp,
+                         num_comm_streams=tp, what="ag_gemm")
+        self.buffer = self._storage[:max_m * k * elem].view(dtype).view(max_m, k)
+        devices = [None] * self.tp
+        dist.all_gather_object(devices, torch.cuda.current_device(), group=self.group)
+        self.order = topology.ag_order(tuple(devices))
+
+    def input_buffer(self, m: int) -> torch.Tensor:
+        """This rank's rows [m/tp, k] of the gathered buffer: write x here and the op skips its staging copy."""
+        if m % self.tp != 0 or m > self.max_m:
+            raise ValueError(f"input_buffer: m={m} must be a multiple of {self.tp} and at most {self.max_m}")
+        rows = m // self.tp
+        return self.buffer[self.rank * rows:(self.rank + 1) * rows]
+
+
+class RsWorkspace(Workspace):
+    """GEMM+ReduceScatter: receive slots [tp][max_m/tp][n] per rank + per-tile flags + consumed flags."""
+
+    def __init__(self, group, dtype: torch.dtype, max_m: int, n: int, *, min_tile: int = 128):
+        tp = dist.get_world_size(group)
+        if max_m <= 0 or max_m % tp != 0:
+            raise ValueError(f"RsWorkspace: max_m={max_m} must be a positive multiple of the group size {tp}")
+        self.dtype, self.max_m, self.n = dtype, max_m, n
+        self.slot_rows = max_m // tp
+        # Enough tile flags for the smallest tile in either dimension, padded for the 2-CTA cluster.
+        tiles_m = -(-(-(-self.slot_rows // min_tile)) // 2) * 2
+        self.flags_per_source = tiles_m * -(-n // min_tile)
+        elem = torch.tensor([], dtype=dtype).element_size()
+        super().__init__(group, data_bytes=tp * self.slot_rows * n * elem,
+                         flag_words=tp * self.flags_per_source + tp, num_comm_streams=0, what="gemm_rs")
+
+
+_cache: dict[_Key, Workspace] = {}
+_cache_lock = threading.Lock()
+
+
+def _group_name(group) -> str:
+    return group.group_name if group is not None else dist.group.WORLD.group_name
+
+
+def get_ag_workspace(group, dtype: torch.dtype, m: int, k: int) -> AgWorkspace:
+    """The cached all-gather workspace for (group, dtype, k), grown (collectively) if m exceeds it."""
+    key = _Key(_group_name(group), "ag", dtype, k)
+    with _cache_lock:
+        ws = _cache.get(key)
+        if ws is None or ws.max_m < m:
+            ws = AgWorkspace(group, dtype, max(m, ws.max_m if ws else 0), k)
+            _cache[key] = ws
+        return ws
+
+
+def get_rs_workspace(group, dtype: torch.dtype, m: int, n: int) -> RsWorkspace:
+    """The cached reduce-scatter workspace for (group, dtype, n), grown (collectively) if m exceeds it."""
+    key = _Key(_group_name(group), "rs", dtype, n)
+    with _cache_lock:
+        ws = _cache.get(key)
+        if ws is None or ws.max_m < m:
+            ws = RsWorkspace(group, dtype, max(m, ws.max_m if ws else 0), n)
+            _cache[key] = ws
+        return ws
+
+
+def clear_cache() -> None:
+    with _cache_lock:
+        _cache.clear()
+
+
+_by_id: dict[int, Workspace] = {}
+
+
+def register(ws: Workspace) -> int:
+    """A stable integer handle for ``ws`` (custom ops take ints, not Python objects)."""
+    _by_id[id(ws)] = ws
+    return id(ws)
+
+
+def lookup(handle: int) -> Workspace:
+    try:
+        return _by_id[handle]
+    except KeyError:
+        raise RuntimeError(f"no live workspace with handle {handle}") from None
