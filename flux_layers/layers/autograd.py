@@ -33,6 +33,27 @@ def _tp(group) -> int:
     return dist.get_world_size(group) if group is not None else 1
 
 
+def _all_gather_rows_start(x_shard_m: torch.Tensor, group):
+    """Start AG(x_shard_m) over ``group``; returns (gathered, work to wait on or None).
+
+    Under torch.compile the gather is synchronous: Dynamo does not trace ``async_op=True`` and the compiler
+    schedules collectives itself.
+    """
+    if torch.compiler.is_compiling():
+        return reference.all_gather_rows(x_shard_m, group), None
+    x_shard_m = x_shard_m.contiguous()
+    gathered = x_shard_m.new_empty((_tp(group) * x_shard_m.shape[0],) + tuple(x_shard_m.shape[1:]))
+    return gathered, dist.all_gather_into_tensor(gathered, x_shard_m, group=group, async_op=True)
+
+
+def _all_reduce_start(t: torch.Tensor, group):
+    """Start an in-place all-reduce of ``t``; returns the work to wait on (None under torch.compile: synchronous)."""
+    if torch.compiler.is_compiling():
+        dist.all_reduce(t, group=group)
+        return None
+    return dist.all_reduce(t, group=group, async_op=True)
+
+
 def _main_grad_at_fprop(weight: torch.Tensor, grad_accum_fusion: bool):
     if grad_accum_fusion and hasattr(weight, "main_grad"):
         return weight.main_grad
@@ -108,9 +129,7 @@ class AllGatherLinear(torch.autograd.Function):
             if ctx.keep_gathered:
                 x_gathered = x_saved
             else:  # regather, issued before the dgrad GEMM so that it runs underneath it
-                x_gathered = x_saved.new_empty((_tp(ctx.group) * x_saved.shape[0],) + tuple(x_saved.shape[1:]))
-                gather = dist.all_gather_into_tensor(x_gathered, x_saved.contiguous(), group=ctx.group,
-                                                     async_op=True)
+                x_gathered, gather = _all_gather_rows_start(x_saved, ctx.group)
         dx_shard_m = None
         if need_dgrad:
             dx_shard_m = ops.gemm_rs(dy, w_shard_n, group=ctx.group, weight_layout="nn",
@@ -179,7 +198,7 @@ class LocalLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = dy.matmul(w)
             if ctx.allreduce_dgrad:  # runs underneath the wgrad GEMM
-                reduce = dist.all_reduce(dx, group=ctx.group, async_op=True)
+                reduce = _all_reduce_start(dx, ctx.group)
         dw = weight_grad(ctx, w, dy, x) if ctx.needs_input_grad[1] else None
         db = dy.sum(dim=0) if ctx.use_bias and ctx.needs_input_grad[2] else None
         if reduce is not None:

@@ -309,6 +309,42 @@ def _check_paths(rank, tp, group):
     assert {p for p, _ in paths(_config(tp, False)).values()} == {"local"}
 
 
+def _check_compile(rank, tp, group, seed):
+    """A column + row pair traces into one graph under torch.compile (fullgraph; 'aot_eager' keeps it quick) and
+    gives the eager values. With gradient-accumulation fusion the Python side effects on ``weight`` (as in
+    megatron-core's own function) break the graph, so that case runs with fullgraph=False."""
+    from flux_layers.layers import ColumnParallelLinear, OverlapConfig, RowParallelLinear
+    for sp, wgrad_input, ga in ((True, "regather", False), (True, "keep", False), (False, "keep", False),
+                                (True, "keep", True)):
+        config = _config(tp, sp, ga=ga)
+        overlap = OverlapConfig(backend="reference", wgrad_input=wgrad_input)
+        col = ColumnParallelLinear(8, 4 * tp, config=config, init_method=torch.nn.init.normal_, tp_group=group,
+                                   overlap=overlap)
+        row = RowParallelLinear(4 * tp, 8, config=config, init_method=torch.nn.init.normal_, bias=True,
+                                input_is_parallel=True, skip_bias_add=False, tp_group=group, overlap=overlap)
+
+        def block(x):
+            return row(torch.relu(col(x)[0]))[0]
+
+        def step(fn):
+            for p in (*col.parameters(), *row.parameters()):
+                p.grad = None
+            for p in (col.weight, row.weight):
+                if ga:
+                    p.main_grad, p.grad_added_to_main_grad = torch.zeros_like(p), False
+            x = torch.randn(2 * tp, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+            x = x.chunk(tp)[rank].clone().requires_grad_() if sp else x.requires_grad_()
+            y = fn(x)
+            y.backward(torch.ones_like(y))
+            grads = [p.main_grad if ga else p.grad for p in (col.weight, row.weight)] + [col.bias.grad, row.bias.grad]
+            return [t.detach().clone() for t in [y, x.grad] + grads]
+
+        eager = step(block)
+        compiled = step(torch.compile(block, backend="aot_eager", fullgraph=not ga))
+        for a, b in zip(compiled, eager):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def _worker(rank, tp, seed, checks):
     group = megatron_on_cpu(tp)
     if "cases" in checks:
@@ -319,12 +355,14 @@ def _worker(rank, tp, seed, checks):
         _check_errors(rank, tp, group)
     if "paths" in checks:
         _check_paths(rank, tp, group)
+    if "compile" in checks:
+        _check_compile(rank, tp, group, seed)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_parallel_linears(tp):
-    """fp64 and megatron-core agreement for every case at TP 2 and 4; at TP 2 also init, checkpoint, errors
-    and path reports (one process group per TP size keeps the CPU suite short)."""
+    """fp64 and megatron-core agreement for every case at TP 2 and 4; at TP 2 also init, checkpoint, errors,
+    path reports and torch.compile (one process group per TP size keeps the CPU suite short)."""
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    checks = ("cases", "init_checkpoint", "errors", "paths") if tp == 2 else ("cases",)
+    checks = ("cases", "init_checkpoint", "errors", "paths", "compile") if tp == 2 else ("cases",)
     run_distributed(_worker, tp, seed, checks)
