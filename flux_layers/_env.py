@@ -13,6 +13,7 @@ launchers can set them per process.
 | FLUX_LAYERS_TIMEOUT_S | bound on every cross-rank wait, seconds | 30 |
 | FLUX_LAYERS_TUNING | path of a tuning table (JSON) to use instead of configs/tuning | (packaged) |
 | FLUX_LAYERS_DISPATCH | ``table`` (per-shape fused/sequential choice) or ``always`` (fused whenever supported) | table |
+| FLUX_LAYERS_POISON_OUTPUTS | ``1``: fused ops fill their outputs with NaN before launching (tests: proves every element is written) | 0 |
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ _DEFAULTS = {
     "TIMEOUT_S": "30",
     "TUNING": "",
     "DISPATCH": "table",
+    "POISON_OUTPUTS": "0",
 }
 
 _CHOICES = {
@@ -36,6 +38,7 @@ _CHOICES = {
     "AG_MODE": ("pull", "push"),
     "AG_ORDER": ("auto", "mesh", "ring"),
     "DISPATCH": ("table", "always"),
+    "POISON_OUTPUTS": ("0", "1"),
 }
 
 

@@ -76,12 +76,14 @@ void translate_errors(Fn&& fn) {
   }
 }
 
-Tensor gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, bool weight_nn, int64_t tile,
-            int64_t sm_count) {
+void check_out(const Tensor& out, const Tensor& x, int64_t rows, int64_t cols, const char* name);
+
+void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, Tensor out, bool weight_nn,
+          int64_t tile, int64_t sm_count) {
   auto s = check_operands(x, w, bias, weight_nn);
+  check_out(out, x, s.m, s.n, "out");
   c10::cuda::CUDAGuard guard(x.device());
-  Tensor out = at::empty({s.m, s.n}, x.options());
-  if (s.m == 0 || s.n == 0) return out;
+  if (s.m == 0 || s.n == 0) return;
   flux::GemmProblem p;
   p.rows_per_group = int(s.m);
   p.n = int(s.n);
@@ -100,7 +102,6 @@ Tensor gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias,
     flux::launch_gemm(p, to_dtype(x, "x"), weight_nn ? flux::WeightLayout::kNN : flux::WeightLayout::kNT,
                       to_tile(tile), c10::cuda::getCurrentCUDAStream());
   });
-  return out;
 }
 
 template <class T>
@@ -123,7 +124,7 @@ void ag_gemm(const Tensor& x_shard_m, const Tensor& w, const std::optional<Tenso
              std::optional<Tensor> gathered_out, std::vector<int64_t> buffer_ptrs, std::vector<int64_t> flag_ptrs,
              int64_t chunk_capacity, int64_t rows_per_chunk, int64_t rank, int64_t mode, int64_t order,
              int64_t epoch, int64_t timeout_ns, int64_t error_record_ptr, int64_t error_claim_ptr,
-             std::vector<int64_t> comm_streams, bool weight_nn, int64_t tile, int64_t sm_count) {
+             std::vector<int64_t> comm_streams, bool weight_nn, int64_t tile, int64_t sm_count, bool run_gemm) {
   auto s = check_operands(x_shard_m, w, bias, weight_nn);
   int64_t tp = int64_t(buffer_ptrs.size());
   TORCH_CHECK_VALUE(tp >= 2 && tp <= flux::kMaxGroups, "group size ", tp, " outside [2, ", flux::kMaxGroups, "]");
@@ -164,6 +165,7 @@ void ag_gemm(const Tensor& x_shard_m, const Tensor& w, const std::optional<Tenso
   a.compute = c10::cuda::getCurrentCUDAStream();
   a.num_comm = int(comm_streams.size());
   for (size_t i = 0; i < comm_streams.size(); ++i) a.comm[i] = reinterpret_cast<cudaStream_t>(comm_streams[i]);
+  a.run_gemm = run_gemm;
   translate_errors([&] { flux::ag_gemm(a); });
 }
 
@@ -215,12 +217,12 @@ void stream_write_u32(int64_t address, int64_t value) {
 }  // namespace
 
 TORCH_LIBRARY(flux_layers, m) {
-  m.def("gemm(Tensor x, Tensor weight, Tensor? bias, bool weight_nn, int tile, int sm_count) -> Tensor");
+  m.def("gemm(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool weight_nn, int tile, int sm_count) -> ()");
   m.def(
       "ag_gemm(Tensor x_shard_m, Tensor weight, Tensor? bias, Tensor(a!) out, Tensor(b!)? gathered_out, "
       "int[] buffer_ptrs, int[] flag_ptrs, int chunk_capacity, int rows_per_chunk, int rank, int mode, int order, "
       "int epoch, int timeout_ns, int error_record_ptr, int error_claim_ptr, int[] comm_streams, bool weight_nn, "
-      "int tile, int sm_count) -> ()");
+      "int tile, int sm_count, bool run_gemm) -> ()");
   m.def(
       "gemm_rs(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, int[] recv_ptrs, int slot_rows, "
       "int[] flag_ptrs, int flags_per_source, int rank, int epoch, int timeout_ns, int error_record_ptr, "

@@ -210,7 +210,7 @@ void ag_gemm(const AgGemmArgs& a) {
   g.error_claim = a.error_claim;
   g.rank = a.rank;
   g.sm_count = a.sm_count;
-  launch_gemm(g, a.dtype, a.layout, a.tile, a.compute);
+  if (a.run_gemm) launch_gemm(g, a.dtype, a.layout, a.tile, a.compute);
 
   if (a.mode == AgMode::kPull) {
     pull(p);

@@ -44,12 +44,20 @@ def _ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     n = weight.shape[1] if weight_nn else weight.shape[0]
     out = x_shard_m.new_empty((m, n))
     gathered = x_shard_m.new_empty((m, x_shard_m.shape[1]) if return_gathered else (0, x_shard_m.shape[1]))
-    streams = [s.cuda_stream for s in ws.comm_streams]
-    torch.ops.flux_layers.ag_gemm(
-        x_shard_m, weight, bias, out, gathered if return_gathered else None, ws.data_ptrs, ws.flag_ptrs,
-        ws.chunk_capacity, rows_per_chunk, ws.rank, _MODES[mode], _ORDERS[order], epoch, ws.timeout_ns,
-        ws.error_record.data_ptr(), ws.error_claim.data_ptr(), streams, weight_nn, tile, 0)
+    if _env.get("POISON_OUTPUTS") == "1":
+        out.fill_(float("nan"))
+        gathered.fill_(float("nan"))
+    _launch(ws, x_shard_m, weight, bias, out, gathered if return_gathered else None, epoch=epoch,
+            weight_nn=weight_nn, tile=tile, mode=mode, order=order, rows_per_chunk=rows_per_chunk, run_gemm=True)
     return out, gathered
+
+
+def _launch(ws, x_shard_m, weight, bias, out, gathered, *, epoch, weight_nn, tile, mode, order, rows_per_chunk,
+            run_gemm):
+    torch.ops.flux_layers.ag_gemm(
+        x_shard_m, weight, bias, out, gathered, ws.data_ptrs, ws.flag_ptrs, ws.chunk_capacity, rows_per_chunk,
+        ws.rank, _MODES[mode], _ORDERS[order], epoch, ws.timeout_ns, ws.error_record.data_ptr(),
+        ws.error_claim.data_ptr(), [s.cuda_stream for s in ws.comm_streams], weight_nn, tile, 0, run_gemm)
 
 
 @_ag_gemm.register_fake
@@ -81,3 +89,24 @@ def ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     out, gathered = _ag_gemm(x_shard_m, weight, bias, workspace.register(ws), weight_layout == "nn",
                              return_gathered, tile, _env.get("AG_MODE"), ws.order, rows_per_chunk)
     return (out, gathered) if return_gathered else out
+
+
+def copy_engine_all_gather(x_shard_m: torch.Tensor, *, group, ws: workspace.AgWorkspace | None = None
+                           ) -> torch.Tensor:
+    """The copy-engine all-gather alone (no GEMM): returns a view [M, K] of the workspace's gathered buffer,
+    valid until the next call on that workspace. Used to time the transfers the fused op overlaps."""
+    _library.require()
+    check_fused_tensor("copy_engine_all_gather", "x_shard_m", x_shard_m)
+    tp = dist.get_world_size(group)
+    rows, k = x_shard_m.shape
+    m = rows * tp
+    if ws is None:
+        ws = workspace.get_ag_workspace(group, x_shard_m.dtype, m, k)
+    epoch = ws.next_epoch()
+    dummy_w = x_shard_m.new_empty((8, k))
+    dummy_out = x_shard_m.new_empty((m, 8))
+    _launch(ws, x_shard_m, dummy_w, None, dummy_out, None, epoch=epoch, weight_nn=False, tile=0,
+            mode=_env.get("AG_MODE"), order=ws.order, rows_per_chunk=_rows_per_chunk(ws, rows, k,
+            x_shard_m.element_size()), run_gemm=False)
+    # The op leaves our own rows in the buffer only in pull mode; the view is for timing, not for reading.
+    return ws.buffer[:m]

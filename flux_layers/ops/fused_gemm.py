@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from flux_layers import _library
+from flux_layers import _env, _library
 from flux_layers.ops._checks import check_fused_tensor, check_matmul_args
 from flux_layers.runtime import tuning
 
@@ -20,7 +20,12 @@ from flux_layers.runtime import tuning
 @torch.library.custom_op("flux::gemm", mutates_args=())
 def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_nn: bool, tile: int,
           sm_count: int) -> torch.Tensor:
-    return torch.ops.flux_layers.gemm(x, weight, bias, weight_nn, tile, sm_count)
+    n = weight.shape[1] if weight_nn else weight.shape[0]
+    out = x.new_empty((x.shape[0], n))
+    if _env.get("POISON_OUTPUTS") == "1":
+        out.fill_(float("nan"))
+    torch.ops.flux_layers.gemm(x, weight, bias, out, weight_nn, tile, sm_count)
+    return out
 
 
 @_gemm.register_fake

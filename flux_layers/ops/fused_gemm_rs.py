@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flux_layers import _library
+from flux_layers import _env, _library
 from flux_layers.ops._checks import check_fused_tensor, check_matmul_args
 from flux_layers.runtime import tuning, workspace
 
@@ -28,6 +28,8 @@ def _gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, h
     epoch = ws.next_epoch()
     n = weight.shape[1] if weight_nn else weight.shape[0]
     out = x.new_empty((x.shape[0] // ws.tp, n))
+    if _env.get("POISON_OUTPUTS") == "1":
+        out.fill_(float("nan"))
     torch.ops.flux_layers.gemm_rs(
         x, weight, bias, out, ws.data_ptrs, ws.slot_rows, ws.flag_ptrs, ws.flags_per_source, ws.rank, epoch,
         ws.timeout_ns, ws.error_record.data_ptr(), ws.error_claim.data_ptr(), weight_nn, tile, 0)

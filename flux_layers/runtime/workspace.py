@@ -163,7 +163,12 @@ class AgWorkspace(Workspace):
         self.buffer = self._storage[:max_m * k * elem].view(dtype).view(max_m, k)
         devices = [None] * self.tp
         dist.all_gather_object(devices, torch.cuda.current_device(), group=self.group)
-        self.order = topology.ag_order(tuple(devices))
+        self.devices = tuple(devices)
+
+    @property
+    def order(self) -> str:
+        """'mesh' or 'ring': detected from the topology unless FLUX_LAYERS_AG_ORDER forces one."""
+        return topology.ag_order(self.devices)
 
     def input_buffer(self, m: int) -> torch.Tensor:
         """This rank's rows [m/tp, k] of the gathered buffer: write x here and the op skips its staging copy."""

@@ -60,6 +60,7 @@ struct AgGemmArgs {
   cudaStream_t compute = nullptr;
   cudaStream_t comm[kMaxGroups] = {nullptr};  // at least one; mesh uses up to tp - 1
   int num_comm = 0;
+  bool run_gemm = true;  // false: the transfers alone (benchmarks time the copy-engine all-gather this way)
 };
 
 // out = all_gather(x) @ op(w) + bias with copy-engine transfers overlapped with the GEMM.

@@ -1,0 +1,136 @@
+"""AllGather + GEMM: the fused operator beside every baseline, one run, per shape (design.md §6).
+
+    python -m benchmarks.bench_ag_gemm --out benchmarks/results/ag_gemm_h200x2.json
+
+Shapes are MxKxN with M the gathered rows and N the global output size (each rank computes N/tp columns).
+Variants: cuBLAS GEMM alone on the gathered shape, our GEMM alone, NCCL all-gather alone, copy-engine
+all-gather alone, one peer-to-peer copy of a shard (copy-engine bandwidth reference), NCCL then cuBLAS,
+torch.ops.symm_mem.fused_all_gather_matmul, and the fused operator. Derived: bound = max(GEMM alone,
+copy-engine all-gather alone), fused/bound, seq/fused, overlap efficiency E = 1 - (fused - gemm)/(seq - gemm),
+and the path the library's default dispatch takes for the shape.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.harness import environment, parse_shapes, print_table, spawn_ranks, time_ms, write_json
+
+DEFAULT_SHAPES = "4096x8192x8192,8192x8192x28672,8192x12288x12288,2048x4096x4096,16384x4096x4096"
+
+
+def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
+    from flux_layers import ops
+    from flux_layers.ops import fused_ag_gemm, fused_gemm
+    from flux_layers.runtime import workspace
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group = dist.group.WORLD
+    n_local = n // tp
+    rows = m // tp
+    gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    xs = [torch.randn(rows, k, generator=gen, device="cuda").to(dtype) for _ in range(sets)]
+    ws_ = [torch.randn(n_local, k, generator=gen, device="cuda").to(dtype) for _ in range(sets)]
+    gathered = [torch.empty(m, k, device="cuda", dtype=dtype) for _ in range(sets)]
+    for i in range(sets):
+        dist.all_gather_into_tensor(gathered[i], xs[i], group=group)
+    ag_ws = workspace.get_ag_workspace(group, dtype, m, k)
+
+    # Correctness before timing: fused vs cuBLAS on the gathered input.
+    out = fused_ag_gemm.ag_gemm(xs[0], ws_[0], group=group, ws=ag_ws)
+    ref = (gathered[0] @ ws_[0].t()).float()
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    if not err < 1e-2:
+        raise RuntimeError(f"rank {rank}: fused ag_gemm disagrees with NCCL+cuBLAS on {m}x{k}x{n}: {err}")
+
+    t = {}
+    t["gemm_cublas"] = time_ms(lambda i: gathered[i % sets] @ ws_[i % sets].t(), reps=reps, group=group)
+    t["gemm_flux"] = time_ms(lambda i: fused_gemm.gemm(gathered[i % sets], ws_[i % sets]), reps=reps, group=group)
+    t["nccl_ag"] = time_ms(lambda i: dist.all_gather_into_tensor(gathered[i % sets], xs[i % sets], group=group),
+                           reps=reps, group=group)
+    t["ce_ag"] = time_ms(lambda i: fused_ag_gemm.copy_engine_all_gather(xs[i % sets], group=group, ws=ag_ws),
+                         reps=reps, group=group)
+    # One shard copied from a peer's symmetric buffer by the copy engine: the bandwidth the all-gather can reach.
+    peer = (rank + 1) % tp
+    peer_view = ag_ws._handle.get_buffer(peer, (rows, k), dtype, 0)
+    local = torch.empty(rows, k, device="cuda", dtype=dtype)
+    t["p2p_copy_one_shard"] = time_ms(lambda i: local.copy_(peer_view), reps=reps, group=group)
+
+    def seq(i):
+        dist.all_gather_into_tensor(gathered[i % sets], xs[i % sets], group=group)
+        return gathered[i % sets] @ ws_[i % sets].t()
+    t["nccl_then_gemm"] = time_ms(seq, reps=reps, group=group)
+
+    symm_mem.enable_symm_mem_for_group(group.group_name)
+    wts = [w.t() for w in ws_]
+    try:
+        t["torch_symm_mem_fused"] = time_ms(
+            lambda i: torch.ops.symm_mem.fused_all_gather_matmul(xs[i % sets], [wts[i % sets]], 0,
+                                                                 group.group_name, return_A=False),
+            reps=reps, group=group)
+    except Exception as exc:  # report, do not hide
+        t["torch_symm_mem_fused"] = None
+        if rank == 0:
+            print(f"torch fused_all_gather_matmul failed on {m}x{k}x{n}: {exc}", flush=True)
+    t["fused"] = time_ms(lambda i: fused_ag_gemm.ag_gemm(xs[i % sets], ws_[i % sets], group=group, ws=ag_ws),
+                         reps=reps, group=group)
+    ag_ws.check()
+
+    shard_bytes = rows * k * xs[0].element_size()
+    gemm = t["gemm_cublas"]
+    bound = max(gemm, t["ce_ag"])
+    row = {"m": m, "k": k, "n": n, "n_local": n_local, "tp": tp, "dtype": str(dtype).replace("torch.", ""),
+           "times_ms": t, "bound_ms": bound, "fused_over_bound": t["fused"] / bound,
+           "seq_over_fused": t["nccl_then_gemm"] / t["fused"],
+           "overlap_efficiency": 1 - (t["fused"] - gemm) / max(t["nccl_then_gemm"] - gemm, 1e-9),
+           "torch_over_fused": (t["torch_symm_mem_fused"] / t["fused"]) if t["torch_symm_mem_fused"] else None,
+           "ce_ag_gbps": (tp - 1) * shard_bytes / t["ce_ag"] / 1e6,
+           "p2p_gbps": shard_bytes / t["p2p_copy_one_shard"] / 1e6,
+           "rel_err_vs_cublas": err,
+           "ag_mode": os.environ.get("FLUX_LAYERS_AG_MODE", "pull"), "ag_order": ag_ws.order,
+           "dispatch_auto": ops.plan("ag_gemm", xs[0], ws_[0], group=group).path,
+           "implementation": "fused = flux_layers._C ag_gemm (copy-engine chunks + signal-waiting persistent GEMM)"}
+    row["ce_over_p2p"] = row["ce_ag_gbps"] / row["p2p_gbps"]
+    return row
+
+
+def run(rank, tp, args):
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    for (m, k, n) in parse_shapes(args.shapes):
+        r = bench_shape(rank, tp, m, k, n, dtype, args.reps)
+        rows.append(r)
+        if rank == 0:
+            tt = r["times_ms"]
+            print(f"  {m}x{k}x{n}: gemm {tt['gemm_cublas']:.3f} ce_ag {tt['ce_ag']:.3f} seq {tt['nccl_then_gemm']:.3f}"
+                  f" torch {tt['torch_symm_mem_fused']} fused {tt['fused']:.3f} ms", flush=True)
+    if rank == 0:
+        flat = [{**{k: v for k, v in r.items() if k != "times_ms"}, **r["times_ms"]} for r in rows]
+        print_table(flat, [("m", "M", ""), ("k", "K", ""), ("n", "N", ""), ("gemm_cublas", "gemm", ".3f"),
+                           ("ce_ag", "ce_ag", ".3f"), ("nccl_ag", "nccl_ag", ".3f"), ("nccl_then_gemm", "seq", ".3f"),
+                           ("torch_symm_mem_fused", "torch", ".3f"), ("fused", "fused", ".3f"),
+                           ("fused_over_bound", "fused/bound", ".3f"), ("seq_over_fused", "seq/fused", ".3f"),
+                           ("overlap_efficiency", "E", ".2f"), ("ce_over_p2p", "ce/p2p", ".2f"),
+                           ("dispatch_auto", "auto", "")])
+        if args.out:
+            write_json(args.out, {**environment(tp), "method": "CUDA events around one call, GPU sleep + NCCL "
+                                  "all-reduce before each repetition, median of reps after warm-up, max over ranks, "
+                                  "2 rotated random input sets", "results": rows})
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated MxKxN (N global)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--nprocs", type=int, default=0, help="ranks (default: all visible GPUs)")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    spawn_ranks(run, args.nprocs or torch.cuda.device_count(), args)
+
+
+if __name__ == "__main__":
+    main()

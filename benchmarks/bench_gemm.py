@@ -1,0 +1,82 @@
+"""The op library's GEMM against cuBLAS (torch.matmul), same process, same inputs, both weight layouts.
+
+    python -m benchmarks.bench_gemm --shapes 8192x8192x8192,4096x8192x4096 --out benchmarks/results/gemm_h200.json
+
+Shapes are MxKxN. Each row reports cuBLAS and every tile configuration of ours, TFLOP/s, and ours/cuBLAS
+for the best configuration; the implementation that ran is named in each row.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.harness import environment, parse_shapes, print_table, time_ms, write_json
+
+DEFAULT_SHAPES = "8192x8192x8192,4096x8192x4096,8192x8192x14336,8192x28672x8192"
+TILE_NAMES = {0: "256x128_c2", 1: "128x256_c2"}
+
+
+def bench_shape(m, k, n, layout, dtype, reps, sets=2):
+    from flux_layers.ops import fused_gemm
+    gen = torch.Generator(device="cuda").manual_seed(m * 7 + n * 3 + k)
+    xs = [torch.randn(m, k, generator=gen, device="cuda").to(dtype) for _ in range(sets)]
+    ws = [(torch.randn(n, k, generator=gen, device="cuda") if layout == "nt"
+           else torch.randn(k, n, generator=gen, device="cuda")).to(dtype) for _ in range(sets)]
+
+    def cublas(i):
+        x, w = xs[i % sets], ws[i % sets]
+        return x @ (w.t() if layout == "nt" else w)
+
+    row = {"m": m, "k": k, "n": n, "layout": layout, "dtype": str(dtype).replace("torch.", "")}
+    ref = cublas(0).float()
+    for tile, name in TILE_NAMES.items():
+        out = fused_gemm.gemm(xs[0], ws[0], weight_layout=layout, tile=tile)
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        if not (err < 1e-2):
+            raise RuntimeError(f"flux gemm {name} disagrees with cuBLAS on {m}x{k}x{n} {layout}: rel err {err}")
+    flop = 2.0 * m * n * k
+    t = time_ms(cublas, reps=reps)
+    row["cublas_ms"], row["cublas_tflops"] = t, flop / t / 1e9
+    best = None
+    for tile, name in TILE_NAMES.items():
+        t = time_ms(lambda i, tile=tile: fused_gemm.gemm(xs[i % sets], ws[i % sets], weight_layout=layout,
+                                                           tile=tile), reps=reps)
+        row[f"flux_{name}_ms"] = t
+        row[f"flux_{name}_tflops"] = flop / t / 1e9
+        if best is None or t < best[1]:
+            best = (name, t)
+    row["flux_best"] = best[0]
+    row["flux_best_tflops"] = flop / best[1] / 1e9
+    row["flux_over_cublas"] = row["cublas_ms"] / best[1]
+    row["implementation"] = "flux_layers._C gemm (persistent sm90, CUTLASS collective mainloop) vs torch.matmul"
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated MxKxN")
+    ap.add_argument("--layouts", default="nt,nn")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out", default="", help="JSON path (default: print only)")
+    args = ap.parse_args()
+    from flux_layers import _library
+    _library.require()
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    for (m, k, n) in parse_shapes(args.shapes):
+        for layout in args.layouts.split(","):
+            rows.append(bench_shape(m, k, n, layout, dtype, args.reps))
+            print(f"  {m}x{k}x{n} {layout}: cuBLAS {rows[-1]['cublas_tflops']:.0f}  flux "
+                  f"{rows[-1]['flux_best_tflops']:.0f} TFLOP/s ({rows[-1]['flux_best']})", flush=True)
+    print_table(rows, [("m", "M", ""), ("k", "K", ""), ("n", "N", ""), ("layout", "layout", ""),
+                       ("cublas_tflops", "cuBLAS TF/s", ".0f"), ("flux_best_tflops", "flux TF/s", ".0f"),
+                       ("flux_best", "tile", ""), ("flux_over_cublas", "flux/cuBLAS", ".3f")])
+    if args.out:
+        write_json(args.out, {**environment(1), "method": "CUDA events, median of reps after warm-up, 2 rotated "
+                              "random input sets", "results": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""GEMM + ReduceScatter: the fused operator beside every baseline, one run, per shape (design.md §6).
+
+    python -m benchmarks.bench_gemm_rs --out benchmarks/results/gemm_rs_h200x2.json
+
+Shapes are MxKxN with K the global reduction size (each rank holds K/tp). Variants: cuBLAS GEMM alone, our
+GEMM alone, NCCL reduce-scatter alone, GEMM then NCCL reduce_scatter_tensor, torch's
+fused_matmul_reduce_scatter, and the fused operator; bound = max(GEMM alone, reduce-scatter alone).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.harness import environment, parse_shapes, print_table, spawn_ranks, time_ms, write_json
+
+DEFAULT_SHAPES = "4096x8192x8192,8192x28672x8192,8192x12288x12288,2048x4096x4096,16384x4096x4096"
+
+
+def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
+    from flux_layers import ops
+    from flux_layers.ops import fused_gemm, fused_gemm_rs
+    from flux_layers.runtime import workspace
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group = dist.group.WORLD
+    k_local = k // tp
+    gen = torch.Generator(device="cuda").manual_seed(4321 + rank)
+    xs = [torch.randn(m, k_local, generator=gen, device="cuda").to(dtype) for _ in range(sets)]
+    ws_ = [torch.randn(n, k_local, generator=gen, device="cuda").to(dtype) for _ in range(sets)]
+    partial = [torch.empty(m, n, device="cuda", dtype=dtype) for _ in range(sets)]
+    rs_out = [torch.empty(m // tp, n, device="cuda", dtype=dtype) for _ in range(sets)]
+    rs_ws = workspace.get_rs_workspace(group, dtype, m, n)
+
+    out = fused_gemm_rs.gemm_rs(xs[0], ws_[0], group=group, ws=rs_ws)
+    full = xs[0] @ ws_[0].t()
+    ref = torch.empty(m // tp, n, device="cuda", dtype=dtype)
+    dist.reduce_scatter_tensor(ref, full, group=group)
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    if not err < 1e-2:
+        raise RuntimeError(f"rank {rank}: fused gemm_rs disagrees with cuBLAS+NCCL on {m}x{k}x{n}: {err}")
+
+    t = {}
+    t["gemm_cublas"] = time_ms(lambda i: torch.matmul(xs[i % sets], ws_[i % sets].t(), out=partial[i % sets]),
+                               reps=reps, group=group)
+    t["gemm_flux"] = time_ms(lambda i: fused_gemm.gemm(xs[i % sets], ws_[i % sets]), reps=reps, group=group)
+    t["nccl_rs"] = time_ms(lambda i: dist.reduce_scatter_tensor(rs_out[i % sets], partial[i % sets], group=group),
+                           reps=reps, group=group)
+
+    def seq(i):
+        torch.matmul(xs[i % sets], ws_[i % sets].t(), out=partial[i % sets])
+        dist.reduce_scatter_tensor(rs_out[i % sets], partial[i % sets], group=group)
+    t["gemm_then_nccl"] = time_ms(seq, reps=reps, group=group)
+
+    symm_mem.enable_symm_mem_for_group(group.group_name)
+    wts = [w.t() for w in ws_]
+    try:
+        t["torch_symm_mem_fused"] = time_ms(
+            lambda i: torch.ops.symm_mem.fused_matmul_reduce_scatter(xs[i % sets], wts[i % sets], "sum", 0,
+                                                                     group.group_name),
+            reps=reps, group=group)
+    except Exception as exc:
+        t["torch_symm_mem_fused"] = None
+        if rank == 0:
+            print(f"torch fused_matmul_reduce_scatter failed on {m}x{k}x{n}: {exc}", flush=True)
+    t["fused"] = time_ms(lambda i: fused_gemm_rs.gemm_rs(xs[i % sets], ws_[i % sets], group=group, ws=rs_ws),
+                         reps=reps, group=group)
+    rs_ws.check()
+
+    gemm = t["gemm_cublas"]
+    bound = max(gemm, t["nccl_rs"])
+    return {"m": m, "k": k, "n": n, "k_local": k_local, "tp": tp, "dtype": str(dtype).replace("torch.", ""),
+            "times_ms": t, "bound_ms": bound, "fused_over_bound": t["fused"] / bound,
+            "seq_over_fused": t["gemm_then_nccl"] / t["fused"],
+            "overlap_efficiency": 1 - (t["fused"] - gemm) / max(t["gemm_then_nccl"] - gemm, 1e-9),
+            "torch_over_fused": (t["torch_symm_mem_fused"] / t["fused"]) if t["torch_symm_mem_fused"] else None,
+            "rel_err_vs_nccl": err,
+            "dispatch_auto": ops.plan("gemm_rs", xs[0], ws_[0], group=group).path,
+            "implementation": "fused = flux_layers._C gemm_rs (epilogue stores into peer slots, flagged tiles, "
+                              "owner reduces in its epilogue)"}
+
+
+def run(rank, tp, args):
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    for (m, k, n) in parse_shapes(args.shapes):
+        r = bench_shape(rank, tp, m, k, n, dtype, args.reps)
+        rows.append(r)
+        if rank == 0:
+            tt = r["times_ms"]
+            print(f"  {m}x{k}x{n}: gemm {tt['gemm_cublas']:.3f} rs {tt['nccl_rs']:.3f} seq {tt['gemm_then_nccl']:.3f}"
+                  f" torch {tt['torch_symm_mem_fused']} fused {tt['fused']:.3f} ms", flush=True)
+    if rank == 0:
+        flat = [{**{k: v for k, v in r.items() if k != "times_ms"}, **r["times_ms"]} for r in rows]
+        print_table(flat, [("m", "M", ""), ("k", "K", ""), ("n", "N", ""), ("gemm_cublas", "gemm", ".3f"),
+                           ("gemm_flux", "gemm_flux", ".3f"), ("nccl_rs", "nccl_rs", ".3f"),
+                           ("gemm_then_nccl", "seq", ".3f"), ("torch_symm_mem_fused", "torch", ".3f"),
+                           ("fused", "fused", ".3f"), ("fused_over_bound", "fused/bound", ".3f"),
+                           ("seq_over_fused", "seq/fused", ".3f"), ("overlap_efficiency", "E", ".2f"),
+                           ("dispatch_auto", "auto", "")])
+        if args.out:
+            write_json(args.out, {**environment(tp), "method": "CUDA events around one call, GPU sleep + NCCL "
+                                  "all-reduce before each repetition, median of reps after warm-up, max over ranks, "
+                                  "2 rotated random input sets", "results": rows})
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated MxKxN (K global)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--nprocs", type=int, default=0, help="ranks (default: all visible GPUs)")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    spawn_ranks(run, args.nprocs or torch.cuda.device_count(), args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Timing and reporting shared by the benchmarks (design.md §6).
+
+* every variant of a shape is timed in the same process, back to back, on random inputs (rotated among a few
+  sets so small shapes do not run from L2);
+* one timed repetition = CUDA events around one call; before each repetition the GPU sleeps briefly (the CPU
+  runs ahead, so launch overhead is not timed) and, with several ranks, a tiny NCCL all-reduce lines the ranks
+  up on the GPU;
+* the figure is the median over >= 30 repetitions after warm-up, then the maximum over ranks;
+* results go to JSON with the command, commit, GPU model and count.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+from statistics import median
+
+import torch
+import torch.distributed as dist
+
+
+def commit() -> str:
+    env = os.environ.get("FLUX_LAYERS_COMMIT")
+    if env:
+        return env
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        sha = subprocess.check_output(["git", "-C", root, "rev-parse", "HEAD"], text=True,
+                                      stderr=subprocess.DEVNULL).strip()
+        dirty = subprocess.check_output(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                                        text=True, stderr=subprocess.DEVNULL).strip()
+        return sha + ("-dirty" if dirty else "")
+    except Exception:
+        return "unknown"
+
+
+def time_ms(fn, *, reps: int = 30, warmup: int = 5, group=None, sleep_cycles: int = 400_000) -> float:
+    """Median milliseconds of ``fn(i)`` over ``reps`` repetitions, max over the ranks of ``group``."""
+    tiny = torch.zeros(1, device="cuda") if group is not None else None
+    for i in range(warmup):
+        fn(i)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    torch.cuda.synchronize()
+    for i in range(reps):
+        torch.cuda._sleep(sleep_cycles)
+        if group is not None:
+            dist.all_reduce(tiny, group=group)
+        starts[i].record()
+        fn(warmup + i)
+        ends[i].record()
+    torch.cuda.synchronize()
+    ms = median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    if group is not None:
+        t = torch.tensor([ms], device="cuda", dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        ms = t.item()
+    return ms
+
+
+def environment(gpu_count: int) -> dict:
+    return {
+        "commit": commit(),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "gpu_count": gpu_count,
+        "torch": torch.__version__,
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "env": {k: v for k, v in os.environ.items()
+                if k.startswith(("FLUX_LAYERS_", "NCCL_", "TORCH_SYMM", "NVSHMEM_", "CUDA_DEVICE_MAX"))},
+    }
+
+
+def write_json(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+    print(f"wrote {path}", flush=True)
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
+    """columns: (key, header, format)."""
+    header = "  ".join(f"{h:>{max(len(h), 9)}}" for _, h, _ in columns)
+    print(header)
+    for r in rows:
+        cells = []
+        for key, h, fmt in columns:
+            v = r.get(key)
+            s = format(v, fmt) if isinstance(v, (int, float)) and fmt else str(v)
+            cells.append(f"{s:>{max(len(h), 9)}}")
+        print("  ".join(cells))
+    sys.stdout.flush()
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    """'4096x8192x8192,2048x4096x4096' -> [(4096, 8192, 8192), ...] as (M, K, N)."""
+    shapes = []
+    for item in text.split(","):
+        parts = item.lower().split("x")
+        if len(parts) != 3:
+            raise ValueError(f"shape {item!r} is not MxKxN")
+        shapes.append(tuple(int(p) for p in parts))
+    return shapes
+
+
+def spawn_ranks(main, nprocs: int, args) -> None:
+    """Run ``main(rank, world, args)`` in ``nprocs`` processes with NCCL (unless launched by torchrun)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        _init_and_run(rank, world, main, args, None)
+        return
+    import torch.multiprocessing as mp
+    from tests.dist_harness import free_port
+    port = free_port()
+    mp.spawn(_init_and_run, args=(nprocs, main, args, port), nprocs=nprocs, join=True)
+
+
+def _init_and_run(rank, world, main, args, port):
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(k, v)
+    if port is not None:
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", local))
+    try:
+        main(rank, world, args)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# GPU verification and benchmarks in one call, for a GPU machine without a package index.
+#
+#   scripts/gpu_check.sh OUTDIR [STEP ...]
+#
+# Steps (default: all, in this order): env gemm_test ag_test rs_test layers_test gemm_bench ag_bench rs_bench
+# layer_bench. Each step runs under its own time limit; a failing step does not stop the others. Logs and
+# JSON go to a work folder, packed at the end into OUTDIR/gpu_check.tgz (plus OUTDIR/summary.txt).
+#
+# Wheels the machine lacks (megatron-core for the layer steps) are installed from .whl/ if present; the
+# op library is taken prebuilt from flux_layers/_C*.so, else built here (needs nvcc and nvidia-cutlass).
+set -u
+OUTDIR=${1:?usage: scripts/gpu_check.sh OUTDIR [STEP ...]}
+shift
+STEPS=${*:-env gemm_test ag_test rs_test layers_test gemm_bench ag_bench rs_bench layer_bench}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+WORK=$(mktemp -d)
+mkdir -p "$OUTDIR" "$WORK/results"
+cd "$ROOT"
+
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export FLUX_LAYERS_COMMIT=${FLUX_LAYERS_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+PY=${PYTHON:-python3}
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/flux_site .whl/*.whl \
+    && export PYTHONPATH=/tmp/flux_site
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+if ! $PY -c "import flux_layers._library as l, sys; sys.exit(0 if l.load() else 1)"; then
+  echo "no loadable prebuilt op library: building it here"
+  FLUX_LAYERS_BUILD_OPS=1 $PY setup.py build_ext --inplace > "$WORK/build.log" 2>&1 || echo "build failed (build.log)"
+fi
+
+GPUS=$($PY -c "import torch; print(torch.cuda.device_count())")
+GPU_TAG=h200x$GPUS
+summary="$WORK/summary.txt"
+: > "$summary"
+# Whole-run budget (seconds): steps are shortened or skipped so that results always come back.
+DEADLINE=$(( $(date +%s) + ${GPU_CHECK_BUDGET_S:-560} ))
+
+pack() {
+  cp "$summary" "$OUTDIR/summary.txt"
+  tar czf "$OUTDIR/gpu_check.tgz" -C "$WORK" .
+}
+
+step() {  # step NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  local left=$(( DEADLINE - $(date +%s) - 15 ))
+  if [ "$left" -lt 20 ]; then
+    echo "$name skipped (budget spent)" | tee -a "$summary"
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  local t0=$(date +%s)
+  echo "=== $name (limit ${limit}s)"
+  timeout --kill-after=10 "$limit" "$@" > "$WORK/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - t0 ))s" | tee -a "$summary"
+  tail -n 25 "$WORK/$name.log"
+  pack
+}
+
+for s in $STEPS; do
+  case $s in
+    env) step env 60 bash -c "nvidia-smi; nvidia-smi topo -m; $PY -c 'import torch, flux_layers; \
+print(torch.__version__, torch.version.cuda, torch.cuda.device_count(), flux_layers.fused_ops_available(), \
+flux_layers._library.path(), flux_layers._library.unavailable_reason())'" ;;
+    gemm_test) step gemm_test 240 $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_gemm_gpu.py ;;
+    ag_test) step ag_test 300 $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_ag_gemm_gpu.py ;;
+    rs_test) step rs_test 300 $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_gemm_rs_gpu.py ;;
+    layers_test) step layers_test 300 $PY -m pytest -q -p no:cacheprovider tests/gpu -k "layer or spec or norm" ;;
+    gemm_bench) step gemm_bench 300 $PY -m benchmarks.bench_gemm --out "$WORK/results/gemm_h200.json" ;;
+    ag_bench) step ag_bench 400 $PY -m benchmarks.bench_ag_gemm --out "$WORK/results/ag_gemm_$GPU_TAG.json" ;;
+    rs_bench) step rs_bench 400 $PY -m benchmarks.bench_gemm_rs --out "$WORK/results/gemm_rs_$GPU_TAG.json" ;;
+    layer_bench)
+      if [ -f benchmarks/bench_layer.py ]; then
+        step layer_bench 400 $PY -m benchmarks.bench_layer --out "$WORK/results/layer_$GPU_TAG.json"
+      fi ;;
+    *) echo "unknown step $s" | tee -a "$summary" ;;
+  esac
+done
+
+pack
+echo "=== summary"
+cat "$summary"

@@ -1,0 +1,39 @@
+"""Shared pieces of the GPU tests.
+
+Tests skip only when the GPUs they need are absent. Where the GPUs are present, a missing or broken op
+library makes them fail (never pass vacuously).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
+
+
+def needs_gpus(n: int):
+    return pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} CUDA GPUs, "
+                              f"{torch.cuda.device_count()} visible")
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def assert_close_rel(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    nan = torch.isnan(out).sum().item()
+    assert nan == 0, f"{what}: {nan} elements were not written (still NaN)"
+    err = rel_error(out, ref)
+    assert err < TOLERANCE[dtype], f"{what}: relative error {err:.3e} >= {TOLERANCE[dtype]:.0e}"
+
+
+def poison_outputs() -> None:
+    """Fused ops fill their outputs with NaN before launching, so an unwritten element fails the check."""
+    os.environ["FLUX_LAYERS_POISON_OUTPUTS"] = "1"
+
+
+def random_matrix(rows: int, cols: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=gen, device="cuda", dtype=torch.float32).to(dtype)

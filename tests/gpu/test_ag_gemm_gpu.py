@@ -1,0 +1,125 @@
+"""Fused AllGather+GEMM on 2 GPUs (one process each, NCCL) against an fp32 reference."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_harness import run_distributed
+from tests.gpu.gpu_support import assert_close_rel, needs_gpus, poison_outputs, random_matrix
+
+pytestmark = [pytest.mark.gpu, needs_gpus(2)]
+
+TP = 2
+
+
+def _global_inputs(seed, m, k, n, dtype, layout):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = random_matrix(m, k, dtype, gen)
+    w = random_matrix(n, k, dtype, gen) if layout == "nt" else random_matrix(k, n, dtype, gen)
+    b = random_matrix(1, n, dtype, gen)[0]
+    return x, w, b
+
+
+def _one_call(rank, tp, seed, m, k, n, dtype, layout, *, with_bias=True, ws=None, late_rank=None, tile=None):
+    from flux_layers.ops import fused_ag_gemm
+    x, w, b = _global_inputs(seed, m, k, n, dtype, layout)
+    x_shard_m = x.chunk(tp)[rank]
+    w_shard_n = w.chunk(tp, dim=0 if layout == "nt" else 1)[rank].contiguous()
+    b_shard_n = b.chunk(tp)[rank].contiguous() if with_bias else None
+    if late_rank == rank:
+        time.sleep(0.010)
+    out, gathered = fused_ag_gemm.ag_gemm(x_shard_m, w_shard_n, b_shard_n, group=dist.group.WORLD,
+                                          weight_layout=layout, return_gathered=True, ws=ws, tile=tile)
+    ref = x.float() @ (w_shard_n.float().t() if layout == "nt" else w_shard_n.float())
+    if with_bias:
+        ref = ref + b_shard_n.float()
+    tag = f"rank {rank} ag_gemm M={m} K={k} N={n} {dtype} {layout} mode={os.environ.get('FLUX_LAYERS_AG_MODE')} " \
+          f"order={os.environ.get('FLUX_LAYERS_AG_ORDER')}"
+    assert_close_rel(out, ref, dtype, tag)
+    assert torch.equal(gathered, x), f"{tag}: gathered input differs from the global x"
+
+
+def _matrix(rank, tp, seed):
+    poison_outputs()
+    i = 0
+    for mode in ("pull", "push"):
+        for order in ("mesh", "ring"):
+            os.environ["FLUX_LAYERS_AG_MODE"] = mode
+            os.environ["FLUX_LAYERS_AG_ORDER"] = order
+            for dtype in (torch.bfloat16, torch.float16):
+                for layout in ("nt", "nn"):
+                    # per-rank share a multiple of the tile, and one that is not a multiple of 128
+                    for (m, k, n) in ((2048, 1024, 768), (2 * 1000, 520, 264)):
+                        for chunk_rows in ("0", "128"):
+                            os.environ["FLUX_LAYERS_CHUNK_ROWS"] = chunk_rows
+                            _one_call(rank, tp, seed + i, m, k, n, dtype, layout, tile=i % 2)
+                            i += 1
+    torch.cuda.synchronize()
+
+
+def test_ag_gemm_modes_orders_dtypes_layouts():
+    run_distributed(_matrix, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl")
+
+
+def _late_and_many(rank, tp, seed):
+    poison_outputs()
+    os.environ["FLUX_LAYERS_AG_MODE"] = "pull"
+    os.environ["FLUX_LAYERS_AG_ORDER"] = "mesh"
+    os.environ["FLUX_LAYERS_CHUNK_ROWS"] = "0"
+    for late in (0, 1):
+        _one_call(rank, tp, seed + late, 4096, 1024, 1024, torch.bfloat16, "nt", late_rank=late)
+    # 200 back-to-back calls with varying M on one workspace (no re-allocation: max M fixed up front).
+    from flux_layers.runtime.workspace import AgWorkspace
+    ws = AgWorkspace(dist.group.WORLD, torch.bfloat16, 4096, 512)
+    rows = [2048, 1000, 128, 2048, 64, 1536, 8, 4096 // tp]
+    for i in range(200):
+        m = rows[i % len(rows)] * tp
+        _one_call(rank, tp, seed + 100 + i, m, 512, 256, torch.bfloat16, "nt" if i % 3 else "nn",
+                  with_bias=bool(i % 2), ws=ws)
+    with pytest.raises(ValueError, match="max_m"):
+        _one_call(rank, tp, seed, 8192, 512, 256, torch.bfloat16, "nt", ws=ws)
+    torch.cuda.synchronize()
+
+
+def test_ag_gemm_late_rank_and_back_to_back():
+    run_distributed(_late_and_many, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl")
+
+
+def _timeout(rank, tp):
+    from flux_layers.ops import fused_ag_gemm
+    from flux_layers.runtime.workspace import AgWorkspace, WorkspaceError
+    ws = AgWorkspace(dist.group.WORLD, torch.bfloat16, 1024, 256)
+    ws.timeout_s = 0.5
+    if rank == 0:  # rank 1 never enters the call
+        x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+        fused_ag_gemm.ag_gemm(x, w, group=dist.group.WORLD, ws=ws)
+        with pytest.raises(WorkspaceError, match=r"rank 0 timed out .* epoch 1"):
+            ws.check(timeout_s=20)
+        with pytest.raises(WorkspaceError):
+            fused_ag_gemm.ag_gemm(x, w, group=dist.group.WORLD, ws=ws)
+    torch.cuda.synchronize()
+
+
+def test_ag_gemm_timeout_raises_instead_of_hanging():
+    run_distributed(_timeout, TP, backend="nccl", timeout_s=120)
+
+
+def _bad_args(rank, tp):
+    from flux_layers.ops import fused_ag_gemm
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype"):
+        fused_ag_gemm.ag_gemm(x.float(), w.float(), group=dist.group.WORLD)
+    with pytest.raises(ValueError, match="disagree on K"):
+        fused_ag_gemm.ag_gemm(x, w[:, :256], group=dist.group.WORLD)
+    with pytest.raises(ValueError, match="CUDA"):
+        fused_ag_gemm.ag_gemm(x.cpu(), w.cpu(), group=dist.group.WORLD)
+
+
+def test_ag_gemm_bad_arguments():
+    run_distributed(_bad_args, TP, backend="nccl")

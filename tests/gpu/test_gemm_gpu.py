@@ -1,0 +1,70 @@
+"""The op library's persistent GEMM against an fp32 reference (1 GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu.gpu_support import assert_close_rel, needs_gpus, poison_outputs, random_matrix
+
+pytestmark = [pytest.mark.gpu, needs_gpus(1)]
+
+SHAPES = [(1024, 1024, 1024), (1000, 520, 1048), (8, 136, 264), (4104, 4104, 512), (300, 2056, 128)]  # (M, N, K)
+
+
+@pytest.fixture(autouse=True)
+def _poison():
+    poison_outputs()
+
+
+@pytest.mark.parametrize("tile", [0, 1])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("layout", ["nt", "nn"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mnk", SHAPES)
+def test_gemm_matches_fp32_reference(mnk, dtype, layout, with_bias, tile):
+    from flux_layers.ops import fused_gemm
+    m, n, k = mnk
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    x = random_matrix(m, k, dtype, gen)
+    w = random_matrix(n, k, dtype, gen) if layout == "nt" else random_matrix(k, n, dtype, gen)
+    b = random_matrix(1, n, dtype, gen)[0] if with_bias else None
+    out = fused_gemm.gemm(x, w, b, weight_layout=layout, tile=tile)
+    ref = x.float() @ (w.float().t() if layout == "nt" else w.float())
+    if b is not None:
+        ref = ref + b.float()
+    assert_close_rel(out, ref, dtype, f"gemm {mnk} {dtype} {layout} bias={with_bias} tile={tile}")
+
+
+def test_gemm_row_stride_and_views():
+    from flux_layers.ops import fused_gemm
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    big = random_matrix(512, 1024, torch.bfloat16, gen)
+    x = big[:, :512]  # row stride 1024 elements, not contiguous
+    w = random_matrix(256, 512, torch.bfloat16, gen)
+    out = fused_gemm.gemm(x, w)
+    assert_close_rel(out, x.float() @ w.float().t(), torch.bfloat16, "strided x")
+
+
+def test_bad_inputs_raise_and_later_calls_work():
+    from flux_layers.ops import fused_gemm
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = random_matrix(256, 512, torch.bfloat16, gen)
+    w = random_matrix(128, 512, torch.bfloat16, gen)
+    with pytest.raises(ValueError, match="dtype"):
+        fused_gemm.gemm(x, w.float())
+    with pytest.raises(ValueError, match="dtype"):
+        fused_gemm.gemm(x.float(), w.float())
+    with pytest.raises(ValueError, match="CUDA"):
+        fused_gemm.gemm(x.cpu(), w.cpu())
+    with pytest.raises(ValueError, match="disagree on K"):
+        fused_gemm.gemm(x, random_matrix(128, 256, torch.bfloat16, gen))
+    with pytest.raises(ValueError, match="unit stride"):
+        fused_gemm.gemm(random_matrix(512, 256, torch.bfloat16, gen).t(), w)
+    with pytest.raises(ValueError, match="multiple of"):
+        fused_gemm.gemm(random_matrix(256, 510, torch.bfloat16, gen), random_matrix(128, 510, torch.bfloat16, gen))
+    with pytest.raises(ValueError, match="bias"):
+        fused_gemm.gemm(x, w, random_matrix(1, 64, torch.bfloat16, gen)[0])
+    with pytest.raises(ValueError, match="tile"):
+        fused_gemm.gemm(x, w, tile=7)
+    out = fused_gemm.gemm(x, w)
+    assert_close_rel(out, x.float() @ w.float().t(), torch.bfloat16, "valid call after bad ones")

@@ -1,0 +1,96 @@
+"""Fused GEMM+ReduceScatter on 2 GPUs (one process each, NCCL) against an fp32 reference."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_harness import run_distributed
+from tests.gpu.gpu_support import assert_close_rel, needs_gpus, poison_outputs, random_matrix
+
+pytestmark = [pytest.mark.gpu, needs_gpus(2)]
+
+TP = 2
+
+
+def _inputs(seed, m, k, n, dtype, layout):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = random_matrix(m, k, dtype, gen)
+    w = random_matrix(n, k, dtype, gen) if layout == "nt" else random_matrix(k, n, dtype, gen)
+    b = random_matrix(1, n, dtype, gen)[0]
+    return x, w, b
+
+
+def _one_call(rank, tp, seed, m, k, n, dtype, layout, *, with_bias=True, ws=None, late_rank=None, tile=None):
+    from flux_layers.ops import fused_gemm_rs
+    x, w, b = _inputs(seed, m, k, n, dtype, layout)
+    x_shard_k = x.chunk(tp, dim=1)[rank].contiguous()
+    w_shard_k = w.chunk(tp, dim=1 if layout == "nt" else 0)[rank].contiguous()
+    if late_rank == rank:
+        time.sleep(0.010)
+    out = fused_gemm_rs.gemm_rs(x_shard_k, w_shard_k, b if with_bias else None, group=dist.group.WORLD,
+                                weight_layout=layout, ws=ws, tile=tile)
+    full = x.float() @ (w.float().t() if layout == "nt" else w.float())
+    if with_bias:
+        full = full + b.float()
+    assert_close_rel(out, full.chunk(tp)[rank], dtype, f"rank {rank} gemm_rs M={m} K={k} N={n} {dtype} {layout}")
+    return out
+
+
+def _matrix(rank, tp, seed):
+    poison_outputs()
+    i = 0
+    for dtype in (torch.bfloat16, torch.float16):
+        for layout in ("nt", "nn"):
+            for (m, k, n) in ((2048, 1024, 768), (2 * 1000, 528, 264), (4096, 2048, 2048)):
+                for tile in (0, 1):
+                    _one_call(rank, tp, seed + i, m, k, n, dtype, layout, with_bias=bool(i % 2), tile=tile)
+                    i += 1
+    torch.cuda.synchronize()
+
+
+def test_gemm_rs_dtypes_layouts_shapes():
+    run_distributed(_matrix, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl")
+
+
+def _late_many_deterministic(rank, tp, seed):
+    poison_outputs()
+    for late in (0, 1):
+        _one_call(rank, tp, seed + late, 4096, 2048, 1024, torch.bfloat16, "nt", late_rank=late)
+    first = _one_call(rank, tp, seed + 5, 4096, 4096, 2048, torch.bfloat16, "nt")
+    again = _one_call(rank, tp, seed + 5, 4096, 4096, 2048, torch.bfloat16, "nt")
+    assert torch.equal(first, again), f"rank {rank}: two runs on the same inputs differ bitwise"
+    from flux_layers.runtime.workspace import RsWorkspace
+    ws = RsWorkspace(dist.group.WORLD, torch.bfloat16, 4096, 256)
+    rows = [2048, 1000, 128, 2048, 64, 1536, 8, 4096 // tp]
+    for i in range(200):
+        m = rows[i % len(rows)] * tp
+        _one_call(rank, tp, seed + 100 + i, m, 512, 256, torch.bfloat16, "nt" if i % 3 else "nn",
+                  with_bias=bool(i % 2), ws=ws)
+    with pytest.raises(ValueError, match="max_m"):
+        _one_call(rank, tp, seed, 8192, 512, 256, torch.bfloat16, "nt", ws=ws)
+    torch.cuda.synchronize()
+
+
+def test_gemm_rs_late_rank_back_to_back_and_bitwise_repeatable():
+    run_distributed(_late_many_deterministic, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl")
+
+
+def _timeout(rank, tp):
+    from flux_layers.ops import fused_gemm_rs
+    from flux_layers.runtime.workspace import RsWorkspace, WorkspaceError
+    ws = RsWorkspace(dist.group.WORLD, torch.bfloat16, 1024, 256)
+    ws.timeout_s = 0.5
+    if rank == 0:
+        x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+        fused_gemm_rs.gemm_rs(x, w, group=dist.group.WORLD, ws=ws)
+        with pytest.raises(WorkspaceError, match=r"rank 0 timed out .* epoch 1"):
+            ws.check(timeout_s=20)
+    torch.cuda.synchronize()
+
+
+def test_gemm_rs_timeout_raises_instead_of_hanging():
+    run_distributed(_timeout, TP, backend="nccl", timeout_s=120)
