@@ -38,7 +38,7 @@ def commit() -> str:
         return "unknown"
 
 
-def time_ms(fn, *, reps: int = 30, warmup: int = 5, group=None, sleep_cycles: int = 400_000) -> float:
+def time_ms(fn, *, reps: int = 30, warmup: int = 5, group=None, sleep_cycles: int = 2_000_000) -> float:
     """Median milliseconds of ``fn(i)`` over ``reps`` repetitions, max over the ranks of ``group``."""
     tiny = torch.zeros(1, device="cuda") if group is not None else None
     for i in range(warmup):

@@ -7,7 +7,7 @@ launchers can set them per process.
 |---|---|---|
 | FLUX_LAYERS_BACKEND | ``auto`` / ``fused`` / ``reference``: which implementation the ops use | auto |
 | FLUX_LAYERS_OPS_LIB | path of the compiled op library to load instead of the packaged one | (packaged) |
-| FLUX_LAYERS_AG_MODE | copy-engine all-gather direction: ``pull`` or ``push`` | pull |
+| FLUX_LAYERS_AG_MODE | copy-engine all-gather direction: ``push`` or ``pull`` | push |
 | FLUX_LAYERS_AG_ORDER | all-gather order: ``auto`` (from topology), ``mesh`` or ``ring`` | auto |
 | FLUX_LAYERS_CHUNK_ROWS | rows per copy-engine chunk (0: per-shape heuristic) | 0 |
 | FLUX_LAYERS_TIMEOUT_S | bound on every cross-rank wait, seconds | 30 |
@@ -24,7 +24,7 @@ _PREFIX = "FLUX_LAYERS_"
 _DEFAULTS = {
     "BACKEND": "auto",
     "OPS_LIB": "",
-    "AG_MODE": "pull",
+    "AG_MODE": "push",
     "AG_ORDER": "auto",
     "CHUNK_ROWS": "0",
     "TIMEOUT_S": "30",

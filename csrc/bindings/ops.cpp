@@ -79,7 +79,7 @@ void translate_errors(Fn&& fn) {
 void check_out(const Tensor& out, const Tensor& x, int64_t rows, int64_t cols, const char* name);
 
 void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, Tensor out, bool weight_nn,
-          int64_t tile, int64_t sm_count) {
+          int64_t tile, int64_t sm_count, int64_t swizzle) {
   auto s = check_operands(x, w, bias, weight_nn);
   check_out(out, x, s.m, s.n, "out");
   c10::cuda::CUDAGuard guard(x.device());
@@ -98,6 +98,8 @@ void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, T
   p.d[0] = out.data_ptr();
   p.ldd = s.n;
   p.sm_count = int(sm_count);
+  TORCH_CHECK_VALUE(swizzle >= 0 && swizzle <= 64, "swizzle ", swizzle, " outside [0, 64]");
+  p.swizzle_m = int(swizzle);
   translate_errors([&] {
     flux::launch_gemm(p, to_dtype(x, "x"), weight_nn ? flux::WeightLayout::kNN : flux::WeightLayout::kNT,
                       to_tile(tile), c10::cuda::getCurrentCUDAStream());
@@ -217,7 +219,7 @@ void stream_write_u32(int64_t address, int64_t value) {
 }  // namespace
 
 TORCH_LIBRARY(flux_layers, m) {
-  m.def("gemm(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool weight_nn, int tile, int sm_count) -> ()");
+  m.def("gemm(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool weight_nn, int tile, int sm_count, int swizzle) -> ()");
   m.def(
       "ag_gemm(Tensor x_shard_m, Tensor weight, Tensor? bias, Tensor(a!) out, Tensor(b!)? gathered_out, "
       "int[] buffer_ptrs, int[] flag_ptrs, int chunk_capacity, int rows_per_chunk, int rank, int mode, int order, "

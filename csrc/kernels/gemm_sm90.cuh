@@ -195,9 +195,28 @@ struct GemmKernel {
   }
 
   // ---------------------------------------------------------------- consumer epilogue
+  // ReduceScatter signals are deferred by one tile: the flag of a tile sent to a peer is raised after the next
+  // tile's mainloop, when its stores have long drained, so the system-scope fence costs nothing. Raising it
+  // at once would stall the consumer warps for an NVLink round trip per tile. Own-row tiles (which wait on
+  // the peers' flags) flush first, so no rank waits on a flag another rank still holds back.
+  struct PendingSignal {
+    int group = -1;
+    int index = 0;
+  };
+
+  // Called by all consumer threads after a consumer barrier that follows the pending tile's stores.
+  CUTLASS_DEVICE static void flush_signal(GemmProblem const& p, PendingSignal& pending, int mma_thread_idx) {
+    if (pending.group < 0) return;
+    if (mma_thread_idx == 0) {
+      __threadfence_system();
+      st_release_sys(p.rs_signal[pending.group] + pending.index, p.epoch);
+    }
+    pending.group = -1;
+  }
+
   template <class Accum>
   CUTLASS_DEVICE static void epilogue(Params const& params, TileCoord t, Accum const& accum, int mma_thread_idx,
-                                      SharedStorage& ss, uint32_t& consumed_seen) {
+                                      SharedStorage& ss, uint32_t& consumed_seen, PendingSignal& pending) {
     GemmProblem const& p = params.prob;
     int const row0 = t.m * kTileM;
     int const col0 = t.n * kTileN;
@@ -235,6 +254,7 @@ struct GemmKernel {
 
     cute::for_each(make_int_sequence<kTileN / kEpiCols>{}, [&](auto j) {
       epi_barrier();  // previous sub-tile fully read (and thread 0's waits above are done)
+      if constexpr (decltype(j)::value == 0) flush_signal(p, pending, mma_thread_idx);
       cute::for_each(make_int_sequence<decltype(size(accum))::value>{}, [&](auto i) {
         auto offset = tCcD.layout()(i);
         constexpr int r_off = decltype(get<0>(offset))::value;
@@ -284,13 +304,10 @@ struct GemmKernel {
     });
 
     if (to_peer) {
-      // Release: every consumer thread's stores to the peer are ordered before the flag by the barrier and
-      // thread 0's system-scope fence.
-      epi_barrier();
-      if (mma_thread_idx == 0) {
-        __threadfence_system();
-        st_release_sys(p.rs_signal[t.group] + flag_index, p.epoch);
-      }
+      // Release (deferred): every consumer thread's stores to the peer are ordered before the flag by the next
+      // consumer barrier and thread 0's system-scope fence in flush_signal.
+      pending.group = t.group;
+      pending.index = flag_index;
     }
   }
 
@@ -355,13 +372,22 @@ struct GemmKernel {
       Mainloop collective;
       TiledMma tiled_mma;
       uint32_t consumed_seen = 0;
+      PendingSignal pending;
       for (int work = cluster_id; work < sched.total_work; work += num_clusters) {
         TileCoord t = sched.get(work, cluster_rank_m);
+        if (pending.group >= 0 && t.group == p.rs_own_group) {
+          epi_barrier();
+          flush_signal(p, pending, mma_thread_idx);
+        }
         Tensor accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
         collective.mma(pipeline, read_state, accum, k_tiles, mma_thread_idx, ss.mainloop, params.mainloop_own);
         collective.mma_tail(pipeline, read_state, k_tiles);
         read_state.advance(k_tiles);
-        epilogue(params, t, accum, mma_thread_idx, ss, consumed_seen);
+        epilogue(params, t, accum, mma_thread_idx, ss, consumed_seen, pending);
+      }
+      if (pending.group >= 0) {
+        epi_barrier();
+        flush_signal(p, pending, mma_thread_idx);
       }
     }
 #endif

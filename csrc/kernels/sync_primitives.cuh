@@ -29,15 +29,16 @@ __device__ __forceinline__ bool epoch_reached(uint32_t flag, uint32_t epoch) {
   return static_cast<int32_t>(flag - epoch) >= 0;  // wrap-safe
 }
 
-// The error record is host-mapped pinned memory {code, rank, index, epoch}, readable by the host without a
+// The error record is host-mapped pinned memory {code, rank, index, epoch, observed flag}, readable by the host without a
 // synchronisation; the first waiter to time out claims it through a device-memory word (error_claim).
-__device__ __forceinline__ void record_timeout(const GemmProblem& p, int code, int index) {
+__device__ __forceinline__ void record_timeout(const GemmProblem& p, int code, int index, uint32_t observed) {
   if (p.error_record == nullptr || p.error_claim == nullptr) return;
   if (atomicCAS(p.error_claim, 0, code) == 0) {
     volatile int* rec = p.error_record;
     rec[1] = p.rank;
     rec[2] = index;
     rec[3] = static_cast<int>(p.epoch);
+    rec[4] = static_cast<int>(observed);
     __threadfence_system();
     rec[0] = code;
     __threadfence_system();
@@ -51,11 +52,12 @@ __device__ __forceinline__ bool wait_flag(const uint32_t* flag, uint32_t epoch, 
   if (epoch_reached(ld_acquire_sys(flag), epoch)) return true;
   uint64_t start = global_timer_ns();
   for (uint32_t spin = 1;; ++spin) {
-    if (epoch_reached(ld_acquire_sys(flag), epoch)) return true;
+    uint32_t v = ld_acquire_sys(flag);
+    if (epoch_reached(v, epoch)) return true;
     if ((spin & 255) == 0) {
       if (p.error_claim != nullptr && *reinterpret_cast<volatile int*>(p.error_claim) != 0) return false;
       if (global_timer_ns() - start > p.timeout_ns) {
-        record_timeout(p, code, index);
+        record_timeout(p, code, index, v);
         return false;
       }
     }

@@ -1,18 +1,16 @@
 // AllGather + GEMM: copy-engine transfers driven from the host, per-chunk epoch flags, and the persistent
 // GEMM that waits on exactly the chunk its A tile reads (csrc/kernels/gemm_sm90.cuh).
 //
-// One call, rank r, epoch e (flags: AgFlagLayout):
-//   compute : record start ............................. GEMM (own shard at once, peers' tiles wait on chunk
-//             flags) ... join comm streams ... done[r] = e at every peer
-//   comm[0] : wait start; wait done[p] >= e-1 for all p (every peer finished the previous call, so its reads
-//             of our buffer and writes into it are over); then by mode/order:
-//     pull mesh : stage own shard chunk by chunk into our buffer, avail[r][c] = e at every peer;
-//                 comm[i]: per peer p, per chunk: wait avail[p][c] >= e, copy from p, chunk[p][c] = e
-//     pull ring : stage and announce to the right neighbour; then shards r-1, r-2, ... each chunk pulled from
-//                 the left neighbour once it announced it, and announced onwards to the right
-//     push mesh : comm[i]: per peer p, per chunk: copy our shard into p's buffer, chunk[r][c] = e at p
-//     push ring : send our shard right; forward shards r-1, r-2, ... once their chunk flags arrived
-// Every wait here is on this rank's own memory; writes may go to a peer (P2P mapped symmetric memory).
+// One call, rank r, epoch e (flags: AgFlagLayout). Every wait here is on this rank's own memory; writes may
+// go to a peer (P2P-mapped symmetric memory).
+//   push (default): comm[0] waits done[p] >= e-1 for all p (every peer's previous GEMM stopped reading its
+//                   buffer); then per peer, per chunk: copy our shard into the peer's buffer (copy engine),
+//                   chunk[r][c] = e at the peer. Ring: send ours right, forward r-1, r-2, ... as they arrive.
+//   pull          : compute waits done[p] >= e-1, stages our shard into our buffer (same-device copy, which
+//                   may need SMs, hence before the GEMM) and announces avail[r][c] = e to our pullers; comm
+//                   streams wait avail[p][c], copy from p (mesh) or the left neighbour (ring), chunk[p][c] = e.
+//   compute       : the persistent GEMM (own shard at once; peers' tiles wait on chunk flags), then joins the
+//                   comm streams and writes done[r] = e at every peer.
 #include <algorithm>
 
 #include "event_pool.h"
@@ -58,10 +56,9 @@ struct AgPlan {
 
 // Pull modes: stage our shard into our buffer (unless the caller wrote x there) and announce each chunk to
 // the ranks that pull from us.
-void stage_own(const AgPlan& p, bool x_in_buffer) {
+void stage_own(const AgPlan& p, bool x_in_buffer, cudaStream_t stage) {
   const AgGemmArgs& a = p.a;
   const int r = a.rank, tp = a.tp, right = (r + 1) % tp;
-  cudaStream_t stage = a.comm[0];
   for (int c = 0; c < p.chunks; ++c) {
     if (!x_in_buffer)
       p.copy_rows(stage, p.region(r, r, p.chunk_begin(c)), p.x_rows(p.chunk_begin(c)), p.x_pitch(), p.chunk_rows(c));
@@ -80,7 +77,7 @@ void pull(const AgPlan& p) {
   if (a.order == AgOrder::kMesh) {
     for (int o = 1; o < tp; ++o) {
       int src = (r + o) % tp;
-      cudaStream_t s = a.comm[a.num_comm > 1 ? 1 + (o - 1) % (a.num_comm - 1) : 0];
+      cudaStream_t s = a.comm[(o - 1) % a.num_comm];
       for (int c = 0; c < p.chunks; ++c) {
         stream_wait_u32_geq(s, p.my(p.flags.avail(src, c)), a.epoch);
         p.copy_rows(s, p.region(r, src, p.chunk_begin(c)), p.region(src, src, p.chunk_begin(c)), p.row_bytes,
@@ -89,7 +86,7 @@ void pull(const AgPlan& p) {
       }
     }
   } else {
-    cudaStream_t s = a.comm[a.num_comm > 1 ? 1 : 0];
+    cudaStream_t s = a.comm[0];
     for (int step = 1; step < tp; ++step) {
       int g = (r - step + tp) % tp;
       for (int c = 0; c < p.chunks; ++c) {
@@ -167,22 +164,31 @@ void ag_gemm(const AgGemmArgs& a) {
              a.chunk_capacity);
 
   auto& ev = call_events();
-  cudaEvent_t start = ev[0], ready = ev[1];
-  FLUX_CUDA_CHECK(cudaEventRecord(start, a.compute));
+  cudaEvent_t ready = ev[1];
   cudaStream_t s0 = a.comm[0];
-  FLUX_CUDA_CHECK(cudaStreamWaitEvent(s0, start, 0));
-  if (a.epoch > 1) {
-    for (int q = 0; q < a.tp; ++q)
-      if (q != a.rank) stream_wait_u32_geq(s0, p.my(p.flags.done(q)), a.epoch - 1);
-  }
-  FLUX_CUDA_CHECK(cudaEventRecord(ready, s0));
-  for (int i = 1; i < a.num_comm; ++i) FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.comm[i], ready, 0));
-
-  // Issue order matters where the device has a single hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1): the
-  // staging copy goes first, then the GEMM, then the transfers whose flag writes block the queue until their
-  // copy completes; the GEMM is already running by then.
   bool x_in_buffer = a.x == p.region(a.rank, a.rank, 0) && a.ldx == a.k;
-  if (a.mode == AgMode::kPull) stage_own(p, x_in_buffer);
+  if (a.mode == AgMode::kPull) {
+    // Pull: our shard must sit in our symmetric buffer before anyone pulls it. The staging copy is
+    // same-device, which the driver may run on SMs; it therefore goes on the compute stream before the
+    // persistent GEMM (which holds every SM until its chunks arrive). Write x into input_buffer() to skip it.
+    if (a.epoch > 1) {
+      for (int q = 0; q < a.tp; ++q)
+        if (q != a.rank) stream_wait_u32_geq(a.compute, p.my(p.flags.done(q)), a.epoch - 1);
+    }
+    stage_own(p, x_in_buffer, a.compute);
+    FLUX_CUDA_CHECK(cudaEventRecord(ready, a.compute));
+    for (int i = 0; i < a.num_comm; ++i) FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.comm[i], ready, 0));
+  } else {
+    // Push: peer-to-peer copies only (copy engines); the GEMM does not wait for the previous call's peers.
+    FLUX_CUDA_CHECK(cudaEventRecord(ev[0], a.compute));
+    FLUX_CUDA_CHECK(cudaStreamWaitEvent(s0, ev[0], 0));
+    if (a.epoch > 1) {
+      for (int q = 0; q < a.tp; ++q)
+        if (q != a.rank) stream_wait_u32_geq(s0, p.my(p.flags.done(q)), a.epoch - 1);
+    }
+    FLUX_CUDA_CHECK(cudaEventRecord(ready, s0));
+    for (int i = 1; i < a.num_comm; ++i) FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.comm[i], ready, 0));
+  }
 
   GemmProblem g;
   g.rows_per_group = a.rows_per_group;

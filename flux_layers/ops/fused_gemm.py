@@ -19,27 +19,30 @@ from flux_layers.runtime import tuning
 
 @torch.library.custom_op("flux::gemm", mutates_args=())
 def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_nn: bool, tile: int,
-          sm_count: int) -> torch.Tensor:
+          sm_count: int, swizzle: int) -> torch.Tensor:
     n = weight.shape[1] if weight_nn else weight.shape[0]
     out = x.new_empty((x.shape[0], n))
     if _env.get("POISON_OUTPUTS") == "1":
         out.fill_(float("nan"))
-    torch.ops.flux_layers.gemm(x, weight, bias, out, weight_nn, tile, sm_count)
+    torch.ops.flux_layers.gemm(x, weight, bias, out, weight_nn, tile, sm_count, swizzle)
     return out
 
 
 @_gemm.register_fake
-def _(x, weight, bias, weight_nn, tile, sm_count):
+def _(x, weight, bias, weight_nn, tile, sm_count, swizzle):
     n = weight.shape[1] if weight_nn else weight.shape[0]
     return x.new_empty((x.shape[0], n))
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_layout: str = "nt",
-         tile: int | None = None, sm_count: int = 0) -> torch.Tensor:
+         tile: int | None = None, sm_count: int = 0, swizzle: int = 0) -> torch.Tensor:
+    """x @ op(weight) + bias on the persistent kernel. ``tile``: configuration id (None: tuning table or
+    256x128); ``sm_count``: limit the persistent grid (0: all SMs); ``swizzle``: tiles along M visited together
+    (0: 8)."""
     _library.require()
     m, k, n = check_matmul_args("gemm", x, weight, bias, weight_layout)
     check_fused_tensor("gemm", "x", x)
     check_fused_tensor("gemm", "weight", weight)
     if tile is None:
         tile = tuning.kernel_config("gemm", dtype=x.dtype, tp=1, mkn=(m, k, n))
-    return _gemm(x, weight, bias, weight_layout == "nn", tile, sm_count)
+    return _gemm(x, weight, bias, weight_layout == "nn", tile, sm_count, swizzle)

@@ -80,7 +80,7 @@ class Workspace:
         self.flag_ptrs = [p + self._flag_offset for p in self.base_ptrs]
         self.flags = self._storage[self._flag_offset:self._flag_offset + flag_words * 4].view(torch.int32)
         self.comm_streams = [torch.cuda.Stream(device=self.device, priority=-1) for _ in range(num_comm_streams)]
-        self.error_record = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+        self.error_record = torch.zeros(5, dtype=torch.int32, pin_memory=True)
         self.error_claim = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.epoch = 0
         self.timeout_s = _env.get_float("TIMEOUT_S")
@@ -104,12 +104,12 @@ class Workspace:
 
     # ---- errors
     def _describe(self) -> str | None:
-        code, rank, index, epoch = (int(v) for v in self.error_record.tolist())
+        code, rank, index, epoch, observed = (int(v) for v in self.error_record.tolist())
         if code == 0:
             return None
         what = _WAIT_ERRORS.get(code, f"code {code}")
         return (f"{self.what}: rank {rank} timed out after {self.timeout_s:g} s waiting for {what} "
-                f"(index {index}, epoch {epoch}). A peer rank did not enter the call, crashed, or is "
+                f"(index {index}, epoch {epoch}, flag held {observed}). A peer rank did not enter the call, crashed, or is "
                 f"slower than FLUX_LAYERS_TIMEOUT_S allows. Outputs of that call are invalid and this "
                 f"workspace cannot be used again.")
 

@@ -62,7 +62,7 @@ struct GemmProblem {
   // ---- synchronisation common to both
   uint32_t epoch = 0;
   uint64_t timeout_ns = 0;
-  int* error_record = nullptr;  // host-mapped int[4]: {code, rank, index, epoch} of the first timeout
+  int* error_record = nullptr;  // host-mapped int[5]: {code, rank, index, epoch, observed value} of the first timeout
   int* error_claim = nullptr;   // device int: claimed (non-zero) by the first waiter that times out
   int rank = 0;
 
