@@ -26,6 +26,7 @@ import warnings
 from typing import Any, Callable, Optional
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 from torch.nn.parameter import Parameter
 
 from megatron.core.tensor_parallel.layers import (
@@ -36,7 +37,6 @@ from megatron.core.tensor_parallel.layers import (
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size, get_tensor_model_parallel_group_if_none
 
-from flux_layers import ops
 from flux_layers.config import OverlapConfig
 from flux_layers.layers.autograd import (
     AllGatherLinear,
@@ -50,6 +50,15 @@ from flux_layers.ops.backend import Choice, choose
 _LOCAL_NO_SP = "no sequence parallelism: plain GEMM, Megatron's collective separately"
 _LOCAL_TP1 = "tensor-parallel size 1: no communication"
 _LOCAL_EXPERT = "expert layer: communication is the token dispatcher's"
+
+
+@torch.compiler.assume_constant_result
+def _choose(op: str, device: torch.device, dtype: torch.dtype, m: int, k: int, n: int, group,
+            backend: Optional[str]) -> tuple[str, str]:
+    """ops' dispatch decision as (path, reason). It depends only on static facts (op, shape, dtype, device,
+    group, settings), so torch.compile takes it as a constant instead of tracing the dispatcher."""
+    choice = choose(op, device=device, dtype=dtype, mkn=(m, k, n), group=group, backend=backend)
+    return choice.path, choice.reason
 
 
 def _divide(name: str, value: int, tp: int) -> int:
@@ -122,14 +131,18 @@ class _ParallelLinear(torch.nn.Module):
                                f"weight.main_grad (allocated by megatron's DistributedDataParallel); the weight "
                                f"has none")
 
-    def _switched(self, op: str, choice: Choice) -> Choice:
-        """Name the switch in the reason when an overlap switch (not the ops' dispatch) chose the reference path."""
+    def _plan(self, op: str, x: torch.Tensor, mkn: tuple[int, int, int]) -> Choice:
+        """The path of one sequence-parallel GEMM (``mkn`` as ``ops.plan`` counts it: M the gathered rows): the
+        reference path where this layer's overlap switch is off, else what ops' dispatch decides."""
         enabled = self.overlap.ag_enabled if op == "ag_gemm" else self.overlap.rs_enabled
-        if enabled:
-            return choice
-        switch = "tp_comm_overlap" if not self.overlap.tp_comm_overlap else (
-            "tp_comm_overlap_ag" if op == "ag_gemm" else "tp_comm_overlap_rs")
-        return Choice("reference", f"overlap switch {switch}=False")
+        if not enabled:
+            switch = "tp_comm_overlap" if not self.overlap.tp_comm_overlap else (
+                "tp_comm_overlap_ag" if op == "ag_gemm" else "tp_comm_overlap_rs")
+            return Choice("reference", f"overlap switch {switch}=False")
+        # NOTE: the path may depend on the shape (tuning table), so under torch.compile with dynamic shapes
+        # guard_scalar specialises M, K, N: one graph per shape, each with its own path.
+        m, k, n = (guard_scalar(d) for d in mkn)
+        return Choice(*_choose(op, x.device, x.dtype, m, k, n, self.tp_group, self.overlap.backend))
 
     def _local_paths(self, reason: str) -> None:
         local = Choice("local", reason)
@@ -235,14 +248,9 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def _all_gather_linear(self, input_, weight, bias):
         x_shard_m = input_.reshape(-1, input_.shape[-1])
-        fprop = self._switched(
-            "ag_gemm", ops.plan("ag_gemm", x_shard_m, weight, group=self.tp_group, weight_layout="nt",
-                                backend=self.overlap.backend_for("ag_gemm")))
-        m = x_shard_m.shape[0] * self.tp_size
-        dgrad = self._switched(
-            "gemm_rs", choose("gemm_rs", device=x_shard_m.device, dtype=x_shard_m.dtype,
-                              mkn=(m, self.output_size_per_partition, self.input_size), group=self.tp_group,
-                              backend=self.overlap.backend_for("gemm_rs")))
+        m, k, n = x_shard_m.shape[0] * self.tp_size, self.input_size, self.output_size_per_partition
+        fprop = self._plan("ag_gemm", x_shard_m, (m, k, n))   # AG(x) [M, K] @ W^T -> [M, N/tp]
+        dgrad = self._plan("gemm_rs", x_shard_m, (m, n, k))   # dY [M, N/tp] @ W -> RS -> [M/tp, K]
         self.last_paths = {"fprop": fprop, "dgrad": dgrad,
                            "wgrad": Choice("local", f"dY^T @ AG(x), AG(x) {self.overlap.wgrad_input!r}")}
         y = AllGatherLinear.apply(x_shard_m, weight, bias, self.tp_group, fprop.path, dgrad.path,
@@ -332,13 +340,9 @@ class RowParallelLinear(_ParallelLinear):
             raise ValueError(f"RowParallelLinear: the sequence dimension of the input {tuple(x.shape)} "
                              f"({x.shape[0]}) is not divisible by the tensor-parallel size {self.tp_size}")
         x_shard_k = x.reshape(-1, x.shape[-1])
-        fprop = self._switched(
-            "gemm_rs", ops.plan("gemm_rs", x_shard_k, self.weight, group=self.tp_group, weight_layout="nt",
-                                backend=self.overlap.backend_for("gemm_rs")))
-        dgrad = self._switched(
-            "ag_gemm", choose("ag_gemm", device=x.device, dtype=x.dtype,
-                              mkn=(x_shard_k.shape[0], self.output_size, self.input_size_per_partition),
-                              group=self.tp_group, backend=self.overlap.backend_for("ag_gemm")))
+        m, k, n = x_shard_k.shape[0], self.input_size_per_partition, self.output_size
+        fprop = self._plan("gemm_rs", x_shard_k, (m, k, n))   # x [M, K/tp] @ W^T -> RS -> [M/tp, N]
+        dgrad = self._plan("ag_gemm", x_shard_k, (m, n, k))   # AG(dY) [M, N] @ W -> [M, K/tp]
         self.last_paths = {"fprop": fprop, "dgrad": dgrad, "wgrad": Choice("local", "AG(dY)^T @ x, AG(dY) from dgrad")}
         y_shard_m = ReduceScatterLinear.apply(x_shard_k, self.weight, bias, self.tp_group, fprop.path, dgrad.path,
                                               self.gradient_accumulation_fusion)

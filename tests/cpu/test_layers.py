@@ -314,10 +314,11 @@ def _check_compile(rank, tp, group, seed):
     gives the eager values. With gradient-accumulation fusion the Python side effects on ``weight`` (as in
     megatron-core's own function) break the graph, so that case runs with fullgraph=False."""
     from flux_layers.layers import ColumnParallelLinear, OverlapConfig, RowParallelLinear
-    for sp, wgrad_input, ga in ((True, "regather", False), (True, "keep", False), (False, "keep", False),
-                                (True, "keep", True)):
+    # backend None: ops' 'auto' dispatch (reference on CPU) is decided outside the traced graph.
+    for sp, wgrad_input, ga, backend in ((True, "regather", False, None), (True, "keep", False, "reference"),
+                                         (False, "keep", False, "reference"), (True, "keep", True, "reference")):
         config = _config(tp, sp, ga=ga)
-        overlap = OverlapConfig(backend="reference", wgrad_input=wgrad_input)
+        overlap = OverlapConfig(backend=backend, wgrad_input=wgrad_input)
         col = ColumnParallelLinear(8, 4 * tp, config=config, init_method=torch.nn.init.normal_, tp_group=group,
                                    overlap=overlap)
         row = RowParallelLinear(4 * tp, 8, config=config, init_method=torch.nn.init.normal_, bias=True,
