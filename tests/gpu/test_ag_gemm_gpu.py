@@ -13,7 +13,8 @@ from tests.gpu.gpu_support import assert_close_rel, needs_gpus, poison_outputs, 
 
 pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 
-TP = 2
+# Every visible GPU takes part (2 on the 2-GPU machine; 4 or 8 where lent), at least 2.
+TP = min(max(torch.cuda.device_count(), 2), 8)
 
 
 def _global_inputs(seed, m, k, n, dtype, layout):
@@ -53,7 +54,7 @@ def _matrix(rank, tp, seed):
             for dtype in (torch.bfloat16, torch.float16):
                 for layout in ("nt", "nn"):
                     # per-rank share a multiple of the tile, and one that is not a multiple of 128
-                    for (m, k, n) in ((2048, 1024, 768), (2 * 1000, 520, 272)):
+                    for (m, k, n) in ((1024 * tp, 1024, 384 * tp), (1000 * tp, 520, 136 * tp)):
                         for chunk_rows in ("0", "128"):
                             os.environ["FLUX_LAYERS_CHUNK_ROWS"] = chunk_rows
                             _one_call(rank, tp, seed + i, m, k, n, dtype, layout, tile=i % 2)
@@ -71,23 +72,23 @@ def _late_and_many(rank, tp, seed):
     os.environ["FLUX_LAYERS_AG_ORDER"] = "mesh"
     os.environ["FLUX_LAYERS_CHUNK_ROWS"] = "0"
     for late in (0, 1):
-        _one_call(rank, tp, seed + late, 4096, 1024, 1024, torch.bfloat16, "nt", late_rank=late)
+        _one_call(rank, tp, seed + late, 2048 * tp, 1024, 512 * tp, torch.bfloat16, "nt", late_rank=late)
     # 200 back-to-back calls with varying M on one workspace (no re-allocation: max M fixed up front).
     from flux_layers.runtime.workspace import AgWorkspace
-    ws = AgWorkspace(dist.group.WORLD, torch.bfloat16, 4096, 512)
-    rows = [2048, 1000, 128, 2048, 64, 1536, 8, 4096 // tp]
+    ws = AgWorkspace(dist.group.WORLD, torch.bfloat16, 2048 * tp, 512)
+    rows = [2048, 1000, 128, 2048, 64, 1536, 8, 1024]
     for i in range(200):
         m = rows[i % len(rows)] * tp
-        _one_call(rank, tp, seed + 100 + i, m, 512, 256, torch.bfloat16, "nt" if i % 3 else "nn",
+        _one_call(rank, tp, seed + 100 + i, m, 512, 128 * tp, torch.bfloat16, "nt" if i % 3 else "nn",
                   with_bias=bool(i % 2), ws=ws)
     with pytest.raises(ValueError, match="max_m"):
-        _one_call(rank, tp, seed, 8192, 512, 256, torch.bfloat16, "nt", ws=ws)
+        _one_call(rank, tp, seed, 4096 * tp, 512, 128 * tp, torch.bfloat16, "nt", ws=ws)
     # Pull with x written straight into the workspace (no staging copy), both modes on the same workspace.
     from flux_layers.ops import fused_ag_gemm
     for mode in ("pull", "push", "pull"):
         os.environ["FLUX_LAYERS_AG_MODE"] = mode
-        x, w, b = _global_inputs(seed + 7, 2048, 512, 256, torch.bfloat16, "nt")
-        x_shard_m = ws.input_buffer(2048)
+        x, w, b = _global_inputs(seed + 7, 1024 * tp, 512, 128 * tp, torch.bfloat16, "nt")
+        x_shard_m = ws.input_buffer(1024 * tp)
         x_shard_m.copy_(x.chunk(tp)[rank])
         w_shard_n = w.chunk(tp)[rank].contiguous()
         out = fused_ag_gemm.ag_gemm(x_shard_m, w_shard_n, group=dist.group.WORLD, ws=ws)
@@ -102,7 +103,7 @@ def test_ag_gemm_late_rank_and_back_to_back():
 def _timeout(rank, tp):
     from flux_layers.ops import fused_ag_gemm
     from flux_layers.runtime.workspace import AgWorkspace, WorkspaceError
-    ws = AgWorkspace(dist.group.WORLD, torch.bfloat16, 1024, 256)
+    ws = AgWorkspace(dist.group.WORLD, torch.bfloat16, 512 * tp, 256)
     ws.timeout_s = 0.5
     if rank == 0:  # rank 1 never enters the call
         x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)

@@ -12,7 +12,8 @@ from tests.gpu.gpu_support import assert_close_rel, needs_gpus, poison_outputs, 
 
 pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 
-TP = 2
+# Every visible GPU takes part (2 on the 2-GPU machine; 4 or 8 where lent), at least 2.
+TP = min(max(torch.cuda.device_count(), 2), 8)
 
 
 def _inputs(seed, m, k, n, dtype, layout):
@@ -44,7 +45,7 @@ def _matrix(rank, tp, seed):
     i = 0
     for dtype in (torch.bfloat16, torch.float16):
         for layout in ("nt", "nn"):
-            for (m, k, n) in ((2048, 1024, 768), (2 * 1000, 528, 264), (4096, 2048, 2048)):
+            for (m, k, n) in ((1024 * tp, 512 * tp, 768), (1000 * tp, 264 * tp, 264), (2048 * tp, 1024 * tp, 2048)):
                 for tile in (0, 1):
                     _one_call(rank, tp, seed + i, m, k, n, dtype, layout, with_bias=bool(i % 2), tile=tile)
                     i += 1
@@ -58,19 +59,19 @@ def test_gemm_rs_dtypes_layouts_shapes():
 def _late_many_deterministic(rank, tp, seed):
     poison_outputs()
     for late in (0, 1):
-        _one_call(rank, tp, seed + late, 4096, 2048, 1024, torch.bfloat16, "nt", late_rank=late)
-    first = _one_call(rank, tp, seed + 5, 4096, 4096, 2048, torch.bfloat16, "nt")
-    again = _one_call(rank, tp, seed + 5, 4096, 4096, 2048, torch.bfloat16, "nt")
+        _one_call(rank, tp, seed + late, 2048 * tp, 1024 * tp, 1024, torch.bfloat16, "nt", late_rank=late)
+    first = _one_call(rank, tp, seed + 5, 2048 * tp, 2048 * tp, 2048, torch.bfloat16, "nt")
+    again = _one_call(rank, tp, seed + 5, 2048 * tp, 2048 * tp, 2048, torch.bfloat16, "nt")
     assert torch.equal(first, again), f"rank {rank}: two runs on the same inputs differ bitwise"
     from flux_layers.runtime.workspace import RsWorkspace
-    ws = RsWorkspace(dist.group.WORLD, torch.bfloat16, 4096, 256)
-    rows = [2048, 1000, 128, 2048, 64, 1536, 8, 4096 // tp]
+    ws = RsWorkspace(dist.group.WORLD, torch.bfloat16, 2048 * tp, 256)
+    rows = [2048, 1000, 128, 2048, 64, 1536, 8, 1024]
     for i in range(200):
         m = rows[i % len(rows)] * tp
-        _one_call(rank, tp, seed + 100 + i, m, 512, 256, torch.bfloat16, "nt" if i % 3 else "nn",
+        _one_call(rank, tp, seed + 100 + i, m, 256 * tp, 256, torch.bfloat16, "nt" if i % 3 else "nn",
                   with_bias=bool(i % 2), ws=ws)
     with pytest.raises(ValueError, match="max_m"):
-        _one_call(rank, tp, seed, 8192, 512, 256, torch.bfloat16, "nt", ws=ws)
+        _one_call(rank, tp, seed, 4096 * tp, 256 * tp, 256, torch.bfloat16, "nt", ws=ws)
     torch.cuda.synchronize()
 
 
@@ -81,10 +82,10 @@ def test_gemm_rs_late_rank_back_to_back_and_bitwise_repeatable():
 def _timeout(rank, tp):
     from flux_layers.ops import fused_gemm_rs
     from flux_layers.runtime.workspace import RsWorkspace, WorkspaceError
-    ws = RsWorkspace(dist.group.WORLD, torch.bfloat16, 1024, 256)
+    ws = RsWorkspace(dist.group.WORLD, torch.bfloat16, 256 * tp, 256)
     ws.timeout_s = 0.5
     if rank == 0:
-        x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(256 * tp, 256, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
         fused_gemm_rs.gemm_rs(x, w, group=dist.group.WORLD, ws=ws)
         with pytest.raises(WorkspaceError, match=r"rank 0 timed out .* epoch 1"):
