@@ -103,12 +103,13 @@ class AllGatherLinear(torch.autograd.Function):
     """Column-parallel linear under sequence parallelism: y = AG(x_shard_m) @ w_shard_n^T + b_shard_n."""
 
     @staticmethod
-    def forward(ctx, x_shard_m, w_shard_n, b_shard_n, group, fprop_backend, dgrad_backend, wgrad_input,
+    def forward(ctx, x_shard_m, w_shard_n, b_shard_n, group, fprop_backend, dgrad_backend, keep_gathered,
                 grad_accum_fusion):
+        """``keep_gathered``: save AG(x) for wgrad (the caller passes False when no wgrad will run)."""
         _save_linear_ctx(ctx, w_shard_n, b_shard_n is not None, grad_accum_fusion, group)
         ctx.dgrad_backend = dgrad_backend
         need_wgrad = w_shard_n.requires_grad
-        ctx.keep_gathered = need_wgrad and wgrad_input == "keep"
+        ctx.keep_gathered = keep_gathered and need_wgrad
         if ctx.keep_gathered:
             y, x_gathered = ops.ag_gemm(x_shard_m, w_shard_n, b_shard_n, group=group, weight_layout="nt",
                                         return_gathered=True, backend=fprop_backend)

@@ -14,11 +14,16 @@ interchange. Tensors are [s, b, h] (sequence first; any leading dims work) and f
 | row, no SP | GEMM, all-reduce Y -> [s,b,N] | GEMM | dY^T @ x |
 
 Without sequence parallelism, at TP = 1, and for MoE experts with explicit expert communication the layers do
-exactly what megatron-core's do. Which of ``ops``' paths a GEMM takes is up to :class:`~flux_layers.config.
-OverlapConfig` (from the config's ``tp_comm_overlap*`` fields unless ``overlap=`` is given) and ``ops.plan``;
-after every forward, ``layer.last_paths`` maps 'fprop', 'dgrad', 'wgrad' to the :class:`ops.Choice` each GEMM
-of that step takes: path 'fused' or 'reference' for the ops, 'local' for a plain GEMM (whose collective, if any,
-runs separately, as in Megatron).
+what megatron-core's do, with two deliberate differences: a frozen weight keeps its bias gradient (megatron's
+``LinearWithFrozenWeight`` drops it), and the tensor-parallel attributes are set even when
+``perform_initialization`` is False.
+
+Which path a sequence-parallel GEMM takes is up to :class:`~flux_layers.config.OverlapConfig` (from the
+config's ``tp_comm_overlap*`` fields unless ``overlap=`` is given) and ops' dispatcher (``ops.backend.choose``,
+what ``ops.plan`` asks). The layer decides all three GEMMs of a step at fprop and hands the decision to the
+backward, so ``layer.last_paths`` ('fprop', 'dgrad', 'wgrad' -> :class:`ops.Choice`) is what runs: path
+'fused' or 'reference' for the ops, 'local' for a plain GEMM (whose collective, if any, runs separately, as in
+Megatron). Under torch.compile the decision is taken once per shape at trace time (a constant in the graph).
 """
 from __future__ import annotations
 
@@ -252,9 +257,11 @@ class ColumnParallelLinear(_ParallelLinear):
         fprop = self._plan("ag_gemm", x_shard_m, (m, k, n))   # AG(x) [M, K] @ W^T -> [M, N/tp]
         dgrad = self._plan("gemm_rs", x_shard_m, (m, n, k))   # dY [M, N/tp] @ W -> RS -> [M/tp, K]
         self.last_paths = {"fprop": fprop, "dgrad": dgrad,
-                           "wgrad": Choice("local", f"dY^T @ AG(x), AG(x) {self.overlap.wgrad_input!r}")}
-        y = AllGatherLinear.apply(x_shard_m, weight, bias, self.tp_group, fprop.path, dgrad.path,
-                                  self.overlap.wgrad_input, self.gradient_accumulation_fusion)
+                           "wgrad": Choice("local", "dY^T @ AG(x), AG(x) " + (
+                               "kept from fprop" if self.overlap.wgrad_input == "keep" else "gathered again"))}
+        keep_gathered = (self.overlap.wgrad_input == "keep" and weight.requires_grad and torch.is_grad_enabled())
+        y = AllGatherLinear.apply(x_shard_m, weight, bias, self.tp_group, fprop.path, dgrad.path, keep_gathered,
+                                  self.gradient_accumulation_fusion)
         return y.view((input_.shape[0] * self.tp_size,) + tuple(input_.shape[1:-1]) + (y.shape[-1],))
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
