@@ -39,9 +39,15 @@ def summarize(history, cfg: GPTRunConfig, timing_warmup: int, gpus: int, peak: f
 
 
 def git_commit() -> str:
+    """FLUX_LAYERS_COMMIT where a copy of the tree runs without its git history (the GPU machine), else git."""
+    if os.environ.get("FLUX_LAYERS_COMMIT"):
+        return os.environ["FLUX_LAYERS_COMMIT"]
+
     def git(*args):
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
-    commit = git("rev-parse", "HEAD") or "unknown"
+    commit = git("rev-parse", "--verify", "--quiet", "HEAD")
+    if not commit:
+        return "unknown"
     return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 

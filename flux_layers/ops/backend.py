@@ -52,6 +52,11 @@ def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int,
         blockers.append(f"dtype {dtype} is not bfloat16/float16")
     if group is not None and _group_backend(group) not in ("nccl", "none"):
         blockers.append(f"process group backend is {_group_backend(group)!r}, the fused path needs NCCL")
+    if op != "gemm" and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # The epoch that orders back-to-back calls is counted on the host, so a captured call would replay
+        # with a stale epoch; graphs take the NCCL path (which captures).
+        blockers.append("the stream is being captured into a CUDA graph, which the fused operators' host-side "
+                        "epoch flags do not support")
 
     if requested == "fused":
         if blockers:

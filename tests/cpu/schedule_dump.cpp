@@ -1,0 +1,27 @@
+// Prints flux::TileSchedule's tile order for the problem given on the command line, so that the CPU tests can
+// compare it with flux_layers/runtime/schedules.py. Host-only build of the header.
+#define __host__
+#define __device__
+#include <cstdio>
+#include <cstdlib>
+
+#include "../../csrc/kernels/tile_schedule.cuh"
+
+int main(int argc, char** argv) {
+  // rows_per_group n num_groups tile_m tile_n cluster_m swizzle_m order...
+  if (argc < 8) return 2;
+  flux::GemmProblem p;
+  p.rows_per_group = std::atoi(argv[1]);
+  p.n = std::atoi(argv[2]);
+  p.num_groups = std::atoi(argv[3]);
+  int tile_m = std::atoi(argv[4]), tile_n = std::atoi(argv[5]), cluster_m = std::atoi(argv[6]);
+  p.swizzle_m = std::atoi(argv[7]);
+  for (int i = 0; i < p.num_groups && 8 + i < argc; ++i) p.group_order[i] = std::atoi(argv[8 + i]);
+  flux::TileSchedule s = flux::TileSchedule::make(p, tile_m, tile_n, cluster_m);
+  for (int w = 0; w < s.total_work; ++w)
+    for (int c = 0; c < cluster_m; ++c) {
+      flux::TileCoord t = s.get(w, c);
+      std::printf("%d %d %d\n", t.group, t.m, t.n);
+    }
+  return 0;
+}

@@ -1,0 +1,70 @@
+"""Backend choice, op-library loading and the errors a user sees on a machine without the fused path."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import flux_layers
+from flux_layers import _env, ops
+from flux_layers.ops.backend import choose
+from flux_layers.runtime import topology, tuning
+
+
+def test_import_without_op_library():
+    env = dict(os.environ, FLUX_LAYERS_OPS_LIB="/nonexistent/_C.so")
+    code = ("import flux_layers, flux_layers._library as l; assert not flux_layers.fused_ops_available(); "
+            "print(l.unavailable_reason())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert "no such file" in out and "nvidia-cutlass" in out
+
+
+def test_fused_backend_on_cpu_raises_and_auto_falls_back():
+    x = torch.randn(4, 8)
+    w = torch.randn(6, 8)
+    with pytest.raises(flux_layers.FusedOpsUnavailable, match="fused backend requested"):
+        ops.plan("gemm", x, w, backend="fused")
+    choice = ops.plan("gemm", x, w)
+    assert choice.path == "reference" and choice.reason
+    torch.testing.assert_close(ops.gemm(x, w), x @ w.t())
+    with pytest.raises(ValueError, match="backend"):
+        choose("gemm", device=x.device, dtype=x.dtype, mkn=(4, 8, 6), group=None, backend="fastest")
+
+
+def test_env_settings_are_validated(monkeypatch):
+    monkeypatch.setenv("FLUX_LAYERS_AG_MODE", "sideways")
+    with pytest.raises(ValueError, match="FLUX_LAYERS_AG_MODE"):
+        _env.get("AG_MODE")
+    monkeypatch.setenv("FLUX_LAYERS_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="not a number"):
+        _env.get_float("TIMEOUT_S")
+
+
+def test_topology_override(monkeypatch):
+    assert topology.detect_order((0, 1)) == "mesh"
+    monkeypatch.setenv("FLUX_LAYERS_AG_ORDER", "ring")
+    assert topology.ag_order((0, 1)) == "ring"
+
+
+def test_dispatch_table_lookup(monkeypatch, tmp_path):
+    table = tmp_path / "t.json"
+    table.write_text('{"gpu": "cpu", "entries": [{"op": "ag_gemm", "dtype": "bfloat16", "tp": 2, "m": 2048, '
+                     '"k": 4096, "n": 4096, "path": "sequential", "source": "test"}]}')
+    monkeypatch.setenv("FLUX_LAYERS_TUNING", str(table))
+    tuning._load_tables.cache_clear()
+    hit = tuning.dispatch_entry("ag_gemm", dtype=torch.bfloat16, tp=2, mkn=(2048, 4096, 4096))
+    assert hit is not None and hit["path"] == "sequential"
+    assert tuning.dispatch_entry("ag_gemm", dtype=torch.bfloat16, tp=2, mkn=(16384, 8192, 28672)) is None
+    assert tuning.dispatch_entry("gemm_rs", dtype=torch.bfloat16, tp=2, mkn=(2048, 4096, 4096)) is None
+    tuning._load_tables.cache_clear()
+
+
+def test_packaged_dispatch_table_is_well_formed():
+    tables = tuning._load_tables("")
+    assert tables, "configs/tuning holds the measured dispatch table"
+    for t in tables:
+        for e in t["entries"]:
+            assert e["path"] in ("fused", "sequential") and e["op"] in ("ag_gemm", "gemm_rs")
