@@ -84,7 +84,7 @@ def ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         raise ValueError(f"ag_gemm: call needs M={m}, K={k}, {x_shard_m.dtype}; the workspace holds "
                          f"max_m={ws.max_m}, K={ws.k}, {ws.dtype}")
     if tile is None:
-        tile = tuning.kernel_config("ag_gemm", dtype=x_shard_m.dtype, tp=tp, mkn=(m, k, n))
+        tile, _ = tuning.kernel_config("ag_gemm", dtype=x_shard_m.dtype, tp=tp, mkn=(m, k, n))
     rows_per_chunk = _rows_per_chunk(ws, rows, k, x_shard_m.element_size())
     out, gathered = _ag_gemm(x_shard_m, weight, bias, workspace.register(ws), weight_layout == "nn",
                              return_gathered, tile, _env.get("AG_MODE"), ws.order, rows_per_chunk)

@@ -35,14 +35,15 @@ def _(x, weight, bias, weight_nn, tile, sm_count, swizzle):
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_layout: str = "nt",
-         tile: int | None = None, sm_count: int = 0, swizzle: int = 0) -> torch.Tensor:
-    """x @ op(weight) + bias on the persistent kernel. ``tile``: configuration id (None: tuning table or
-    256x128); ``sm_count``: limit the persistent grid (0: all SMs); ``swizzle``: tiles along M visited together
-    (0: 8)."""
+         tile: int | None = None, sm_count: int = 0, swizzle: int | None = None) -> torch.Tensor:
+    """x @ op(weight) + bias on the persistent kernel. ``tile``: configuration id and ``swizzle``: tiles along M
+    visited together (None: tuning table or the measured default); ``sm_count``: limit the persistent grid
+    (0: all SMs)."""
     _library.require()
     m, k, n = check_matmul_args("gemm", x, weight, bias, weight_layout)
     check_fused_tensor("gemm", "x", x)
     check_fused_tensor("gemm", "weight", weight)
-    if tile is None:
-        tile = tuning.kernel_config("gemm", dtype=x.dtype, tp=1, mkn=(m, k, n))
+    default_tile, default_swizzle = tuning.kernel_config("gemm", dtype=x.dtype, tp=1, mkn=(m, k, n))
+    tile = default_tile if tile is None else tile
+    swizzle = default_swizzle if swizzle is None else swizzle
     return _gemm(x, weight, bias, weight_layout == "nn", tile, sm_count, swizzle)

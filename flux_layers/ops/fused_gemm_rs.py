@@ -59,5 +59,5 @@ def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         raise ValueError(f"gemm_rs: call needs M={m}, N={n}, {x.dtype}; the workspace holds "
                          f"max_m={ws.max_m}, N={ws.n}, {ws.dtype}")
     if tile is None:
-        tile = tuning.kernel_config("gemm_rs", dtype=x.dtype, tp=tp, mkn=(m, k, n))
+        tile, _ = tuning.kernel_config("gemm_rs", dtype=x.dtype, tp=tp, mkn=(m, k, n))
     return _gemm_rs(x, weight, bias, workspace.register(ws), weight_layout == "nn", tile)

@@ -56,10 +56,17 @@ def dispatch_entry(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int,
     return best if best_dist <= 1.0 else None
 
 
-def kernel_config(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int]) -> int:
-    """Tile configuration id (flux::TileConfig) for a call: a tuned entry's ``tile`` if one is close enough,
-    else 0 (256 x 128 tiles, cluster 2 x 1)."""
+# Defaults where no tuned entry applies, as measured (benchmarks/results/gemm_h200.json, ag_gemm_*, gemm_rs_*):
+# the plain GEMM is fastest or within 0.5% of fastest with 128 x 256 tiles visited in panels of 16 tiles along
+# M on all 8 measured shapes; the fused operators were measured with 256 x 128 tiles and panels of 8.
+_DEFAULT_KERNEL = {"gemm": (1, 16), "ag_gemm": (0, 8), "gemm_rs": (0, 8)}
+
+
+def kernel_config(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int]) -> tuple[int, int]:
+    """(tile configuration id of flux::TileConfig, swizzle) for a call: a tuned entry's ``tile``/``swizzle``
+    if one is close enough, else the measured default of the operator."""
+    tile, swizzle = _DEFAULT_KERNEL[op]
     entry = dispatch_entry(op, dtype=dtype, tp=tp, mkn=mkn)
-    if entry is not None and "tile" in entry:
-        return int(entry["tile"])
-    return 0
+    if entry is not None:
+        tile, swizzle = int(entry.get("tile", tile)), int(entry.get("swizzle", swizzle))
+    return tile, swizzle
