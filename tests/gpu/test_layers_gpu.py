@@ -1,0 +1,286 @@
+"""The layers on 2 GPUs (one process each, NCCL), bf16: against megatron-core's own layers and an fp32 reference,
+on the reference (NCCL, then GEMM) and the fused path; CUDA-graph capture; torch.compile; the GPT specs.
+
+Skipped where fewer than 2 GPUs are visible. Where they are, the fused cases need the op library and fail
+(never skip) without it. Fused outputs are poisoned with NaN before every launch. megatron-core's
+gradient-accumulation fusion needs APEX, so the ``main_grad`` cases compare against fp32 only.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.dist_harness import run_distributed
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason=(
+    f"needs 2 CUDA GPUs, {torch.cuda.device_count()} visible"))]
+
+TP = 2
+REL_TOL = 1e-2  # bf16
+
+# Known gaps of the fused ops (not of the layers), kept as strict xfails so that a fix shows up as a failure here.
+FUSED_NOT_CAPTURABLE = pytest.param("fused", marks=pytest.mark.xfail(strict=True, reason=(
+    "ops refuse CUDA-graph capture: host-side epoch flags (FusedOpsUnavailable during capture)")))
+FUSED_NOT_TRACEABLE = pytest.param("fused", marks=pytest.mark.xfail(strict=True, reason=(
+    "ops.ag_gemm/gemm_rs Python wrappers (dispatch, library lock, workspaces) are not traceable by Dynamo")))
+
+
+def _rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _close(out, ref, what):
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert not torch.isnan(out).any(), f"{what}: NaN in the result (an element was never written)"
+    err = _rel_error(out, ref)
+    assert err < REL_TOL, f"{what}: relative error {err:.3e} >= {REL_TOL:.0e}"
+
+
+def _setup(backend: str, seed: int):
+    from megatron.core import parallel_state, tensor_parallel
+    os.environ["FLUX_LAYERS_POISON_OUTPUTS"] = "1"
+    if backend == "fused":
+        import flux_layers
+        from flux_layers import _library
+        assert flux_layers.fused_ops_available(), f"fused ops unavailable: {_library.unavailable_reason()}"
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def _config(sp: bool, ga: bool = False, **kw):
+    from megatron.core import ModelParallelConfig
+    return ModelParallelConfig(tensor_model_parallel_size=TP, sequence_parallel=sp, params_dtype=torch.bfloat16,
+                               gradient_accumulation_fusion=ga, **kw)
+
+
+CASES = [  # (kind, sp, bias, skip_bias_add, gather_output / input_is_parallel, wgrad_input, ga)
+    ("column", True, True, False, False, "keep", False),
+    ("column", True, False, False, False, "regather", False),
+    ("column", True, True, True, False, "keep", True),
+    ("column", False, True, False, True, "keep", False),
+    ("column", False, False, False, False, "keep", True),
+    ("row", True, True, False, True, "keep", False),
+    ("row", True, False, True, True, "keep", True),
+    ("row", False, True, False, True, "keep", False),
+    ("row", False, False, False, False, "keep", False),
+]
+
+
+def _layers_vs_megatron(rank, tp, backend, seed):
+    from flux_layers.layers import ColumnParallelLinear, OverlapConfig, RowParallelLinear
+    from megatron.core import tensor_parallel as mtp
+    group = _setup(backend, seed)
+    s, b, k, n = 512, 2, 1024, 1536
+    init = lambda t: torch.nn.init.normal_(t, std=0.05)  # noqa: E731
+    for i, (kind, sp, bias, skip, flag, wgrad_input, ga) in enumerate(CASES):
+        where = f"rank {rank} {backend} {kind} sp={sp} bias={bias} skip={skip} flag={flag} {wgrad_input} ga={ga}"
+        g = torch.Generator(device="cuda").manual_seed(seed + i)
+        overlap = OverlapConfig(backend=backend, wgrad_input=wgrad_input)
+        kw = dict(init_method=init, bias=bias, skip_bias_add=skip, tp_group=group)
+        kw.update(gather_output=flag) if kind == "column" else kw.update(input_is_parallel=flag)
+        cls, mcls = (ColumnParallelLinear, mtp.ColumnParallelLinear) if kind == "column" else \
+            (RowParallelLinear, mtp.RowParallelLinear)
+        # Same seeds -> same weights (megatron's GPU initialisation through the model-parallel RNG tracker).
+        torch.manual_seed(seed + i)
+        mtp.model_parallel_cuda_manual_seed(seed + i)
+        ours = cls(k, n, config=_config(sp, ga), overlap=overlap, **kw)
+        torch.manual_seed(seed + i)
+        mtp.model_parallel_cuda_manual_seed(seed + i)
+        theirs = mcls(k, n, config=_config(sp), **kw)
+        assert torch.equal(ours.weight, theirs.weight), where
+        if bias:
+            with torch.no_grad():  # megatron zeroes biases; make them count
+                ours.bias.normal_(generator=g)
+                theirs.bias.copy_(ours.bias)
+        if ga:
+            ours.weight.main_grad = torch.randn(ours.weight.shape, generator=g, device="cuda")
+            ours.weight.grad_added_to_main_grad = False
+            main_grad0 = ours.weight.main_grad.clone()
+
+        column = kind == "column"
+        rows = s // tp if (sp and column) else s
+        cols = k // tp if (not column and flag) else k
+        x = torch.randn(rows, b, cols, generator=g, device="cuda").to(torch.bfloat16)
+        results = []
+        for layer in (ours, theirs):
+            xl = x.clone().requires_grad_()
+            y, y_bias = layer(xl)
+            dy = torch.randn(y.shape, generator=torch.Generator(device="cuda").manual_seed(seed - i),
+                             device="cuda").to(torch.bfloat16)
+            y.backward(dy)
+            results.append((y, y_bias, xl.grad, dy))
+        (y, y_bias, dx, dy), (my, m_bias, mdx, _) = results
+        if sp and column:
+            assert ours.last_paths["fprop"].path == backend and ours.last_paths["dgrad"].path == backend, where
+        _close(y, my, where + " output vs megatron")
+        _close(dx, mdx, where + " dgrad vs megatron")
+        assert (y_bias is None) == (m_bias is None), where
+
+        # fp32 reference of this rank's part, from the same bf16 operands.
+        x32 = x.float().requires_grad_()
+        w32 = ours.weight.detach().float().requires_grad_()
+        if column:
+            x_full = torch.cat([t for t in _all_gather(x32.detach(), group)]) if sp else x32
+            x_full.requires_grad_()
+            y32 = F.linear(x_full, w32, ours.bias.detach().float() if bias and not skip else None)
+            if flag:  # gather_output
+                y32 = torch.cat(_all_gather(y32.detach().transpose(0, 2).contiguous(), group)).transpose(0, 2)
+        else:
+            x_local = x32 if flag else x32.chunk(tp, dim=2)[rank]
+            partial = F.linear(x_local, w32)
+            total = sum(_all_gather(partial.detach(), group))
+            y32 = total.chunk(tp)[rank] if sp else total
+            if bias and not skip:
+                y32 = y32 + ours.bias.detach().float()
+        _close(y, y32.detach(), where + " output vs fp32")
+        # wgrad from the fp32 reference: dW = dY^T @ X over the rows this rank's weight saw
+        dy32 = dy.float()
+        if column:
+            dy_local = dy32.chunk(tp, dim=2)[rank] if flag else dy32
+            dw32 = dy_local.reshape(-1, dy_local.shape[-1]).t() @ x_full.detach().reshape(-1, k)
+        else:
+            dy_full = torch.cat(_all_gather(dy32, group)) if sp else dy32
+            dw32 = dy_full.reshape(-1, n).t() @ x_local.detach().reshape(-1, x_local.shape[-1])
+        if ga:
+            _close(ours.weight.main_grad - main_grad0, dw32, where + " main_grad accumulation vs fp32")
+            assert ours.weight.main_grad.dtype == torch.float32 and ours.weight.grad_added_to_main_grad, where
+        else:
+            _close(ours.weight.grad, dw32, where + " wgrad vs fp32")
+            _close(ours.weight.grad, theirs.weight.grad, where + " wgrad vs megatron")
+
+
+def _all_gather(t, group):
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+def test_layers_match_megatron_and_fp32(backend):
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    run_distributed(_layers_vs_megatron, TP, backend, seed, backend="nccl")
+
+
+def _pair(group, backend, wgrad_input="keep"):
+    from flux_layers.layers import ColumnParallelLinear, OverlapConfig, RowParallelLinear
+    config = _config(True)
+    overlap = OverlapConfig(backend=backend, wgrad_input=wgrad_input)
+    init = lambda t: torch.nn.init.normal_(t, std=0.05)  # noqa: E731
+    col = ColumnParallelLinear(1024, 2048, config=config, init_method=init, tp_group=group, overlap=overlap)
+    row = RowParallelLinear(2048, 1024, config=config, init_method=init, bias=True, input_is_parallel=True,
+                            skip_bias_add=False, tp_group=group, overlap=overlap)
+
+    def block(x):
+        return row(F.gelu(col(x)[0]))[0]
+    return block, [col.weight, col.bias, row.weight, row.bias]
+
+
+def _cuda_graph(rank, tp, backend, seed):
+    """Forward + backward of a column/row pair captured in one CUDA graph replays to the eager values."""
+    group = _setup(backend, seed)
+    for wgrad_input in ("keep", "regather"):
+        block, params = _pair(group, backend, wgrad_input)
+        static_x = torch.randn(256, 2, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm-up (workspaces, cuBLAS handles) outside the capture
+                block(static_x).sum().backward()
+        torch.cuda.current_stream().wait_stream(side)
+        for p in params + [static_x]:
+            p.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = block(static_x)
+            static_y.sum().backward()
+        # Replays write into the gradient buffers allocated during capture; keep them.
+        static_grads = [static_x.grad] + [p.grad for p in params]
+        for trial in range(2):
+            x = torch.randn(static_x.shape, generator=torch.Generator(device="cuda").manual_seed(seed + trial),
+                            device="cuda").to(torch.bfloat16)
+            with torch.no_grad():
+                static_x.copy_(x)
+            graph.replay()
+            torch.cuda.synchronize()
+            replayed = [static_y.detach().clone()] + [gr.clone() for gr in static_grads]
+            for p in params:
+                p.grad = None
+            xe = x.clone().requires_grad_()
+            ye = block(xe)
+            ye.sum().backward()
+            eager = [ye.detach(), xe.grad] + [p.grad for p in params]
+            for j, (a, b) in enumerate(zip(replayed, eager)):
+                _close(a, b, f"rank {rank} {backend} {wgrad_input} graph replay {trial}, tensor {j}")
+
+
+@pytest.mark.parametrize("backend", ["reference", FUSED_NOT_CAPTURABLE])
+def test_cuda_graph_capture(backend):
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    run_distributed(_cuda_graph, TP, backend, seed, backend="nccl")
+
+
+def _compiled(rank, tp, backend, seed):
+    group = _setup(backend, seed)
+    block, params = _pair(group, backend)
+    x = torch.randn(256, 2, 1024, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda")
+    x = x.to(torch.bfloat16)
+    results = []
+    for fn in (block, torch.compile(block, fullgraph=True)):
+        for p in params:
+            p.grad = None
+        xl = x.clone().requires_grad_()
+        y = fn(xl)
+        y.sum().backward()
+        results.append([y.detach(), xl.grad] + [p.grad.clone() for p in params])
+    for j, (a, b) in enumerate(zip(*results)):
+        _close(a, b, f"rank {rank} {backend} torch.compile vs eager, tensor {j}")
+
+
+@pytest.mark.parametrize("backend", ["reference", FUSED_NOT_TRACEABLE])
+def test_torch_compile(backend):
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    run_distributed(_compiled, TP, backend, seed, backend="nccl")
+
+
+def _gpt_specs(rank, tp, seed):
+    """The flux and the baseline GPT specs give the same loss and gradients on GPUs (bf16, TP 2 + SP)."""
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from flux_layers.layers.spec import get_gpt_decoder_block_spec
+    _setup("reference", seed)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=8, num_query_groups=4,
+        tensor_model_parallel_size=tp, sequence_parallel=True, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, bf16=True,
+        params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, bias_activation_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, tp_comm_overlap=True)
+    models = []
+    for baseline in (False, True):
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        models.append(GPTModel(config, get_gpt_decoder_block_spec(config, baseline=baseline), vocab_size=4096,
+                               max_sequence_length=512, position_embedding_type="rope",
+                               share_embeddings_and_output_weights=False).cuda())
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    tokens = torch.randint(0, 4096, (2, 512), generator=g, device="cuda")
+    labels = torch.randint(0, 4096, (2, 512), generator=g, device="cuda")
+    position_ids = torch.arange(512, device="cuda").unsqueeze(0).expand(2, 512)
+    losses = [m(tokens, position_ids, None, labels=labels) for m in models]
+    for loss in losses:
+        loss.float().mean().backward()
+    _close(losses[0].float(), losses[1].float(), f"rank {rank} GPT loss flux vs baseline")
+    flux_fc2 = models[0].decoder.layers[0].mlp.linear_fc2.weight.grad
+    base_fc2 = models[1].decoder.layers[0].mlp.linear_fc2.weight.grad
+    _close(flux_fc2, base_fc2, f"rank {rank} GPT fc2 wgrad flux vs baseline")
+
+
+def test_gpt_specs_agree():
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    run_distributed(_gpt_specs, TP, seed, backend="nccl")
