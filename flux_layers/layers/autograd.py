@@ -17,8 +17,10 @@ is a dummy of the weight's shape with ``weight.grad_added_to_main_grad = True`` 
 else None. Biases get ordinary gradients; the row-parallel SP bias gradient is this rank's partial sum, which
 Megatron's ``finalize_model_grads`` all-reduces because the bias carries ``sequence_parallel = True``.
 
-Nothing here reads tensor values on the host (no ``.item()``, no syncs, no data-dependent branches), so the
-functions stay capturable by CUDA graphs; the ops they call are ``torch.library`` custom ops.
+Nothing here reads tensor values on the host (no ``.item()``, no syncs, no data-dependent branches): forward and
+backward capture into one CUDA graph and trace into one torch.compile graph (tests/gpu/test_layers_gpu.py;
+whether the fused ops themselves allow it is theirs to say). Under torch.compile the backward collectives that
+otherwise run asynchronously under a GEMM are issued synchronously (Dynamo does not trace ``async_op=True``).
 """
 from __future__ import annotations
 
