@@ -8,12 +8,11 @@ fused_matmul_reduce_scatter, and the fused operator; bound = max(GEMM alone, red
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.harness import environment, parse_shapes, print_table, spawn_ranks, time_ms, write_json
+from benchmarks.harness import operator_main, parse_shapes, report_operator_rows, time_ms
 
 DEFAULT_SHAPES = "4096x8192x8192,8192x28672x8192,8192x12288x12288,2048x4096x4096,16384x4096x4096"
 
@@ -91,29 +90,16 @@ def run(rank, tp, args):
             tt = r["times_ms"]
             print(f"  {m}x{k}x{n}: gemm {tt['gemm_cublas']:.3f} rs {tt['nccl_rs']:.3f} seq {tt['gemm_then_nccl']:.3f}"
                   f" torch {tt['torch_symm_mem_fused']} fused {tt['fused']:.3f} ms", flush=True)
-    if rank == 0:
-        flat = [{**{k: v for k, v in r.items() if k != "times_ms"}, **r["times_ms"]} for r in rows]
-        print_table(flat, [("m", "M", ""), ("k", "K", ""), ("n", "N", ""), ("gemm_cublas", "gemm", ".3f"),
+    report_operator_rows(rank, tp, rows, [("m", "M", ""), ("k", "K", ""), ("n", "N", ""), ("gemm_cublas", "gemm", ".3f"),
                            ("gemm_flux", "gemm_flux", ".3f"), ("nccl_rs", "nccl_rs", ".3f"),
                            ("gemm_then_nccl", "seq", ".3f"), ("torch_symm_mem_fused", "torch", ".3f"),
                            ("fused", "fused", ".3f"), ("fused_over_bound", "fused/bound", ".3f"),
                            ("seq_over_fused", "seq/fused", ".3f"), ("overlap_efficiency", "E", ".2f"),
-                           ("dispatch_auto", "auto", "")])
-        if args.out:
-            write_json(args.out, {**environment(tp), "method": "CUDA events around one call, GPU sleep + NCCL "
-                                  "all-reduce before each repetition, median of reps after warm-up, max over ranks, "
-                                  "2 rotated random input sets", "results": rows})
+                           ("dispatch_auto", "auto", "")], args.out)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated MxKxN (K global)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--nprocs", type=int, default=0, help="ranks (default: all visible GPUs)")
-    ap.add_argument("--out", default="")
-    args = ap.parse_args()
-    spawn_ranks(run, args.nprocs or torch.cuda.device_count(), args)
+    operator_main(__doc__, DEFAULT_SHAPES, run)
 
 
 if __name__ == "__main__":

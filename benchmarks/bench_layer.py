@@ -75,7 +75,7 @@ def run(rank, tp, args):
                          "paths": linear_paths(block) if not baseline else "megatron-core linears (NCCL + cuBLAS)"}
         if rank == 0:
             print(f"  {name}: {ms:.2f} ms/step, {tokens / ms * 1e3:,.0f} tokens/s", flush=True)
-        del block
+        block = None  # free the parameters before the next variant is built
         torch.cuda.empty_cache()
     base = min(results["baseline"]["step_ms"], results["baseline_again"]["step_ms"])
     summary = {"speedup_vs_best_baseline": base / results["flux"]["step_ms"],

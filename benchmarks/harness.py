@@ -134,3 +134,30 @@ def _init_and_run(rank, world, main, args, port):
         main(rank, world, args)
     finally:
         dist.destroy_process_group()
+
+
+OPERATOR_METHOD = ("CUDA events around one call, GPU sleep + NCCL all-reduce before each repetition, median of reps "
+                   "after warm-up, max over ranks, 2 rotated random input sets")
+
+
+def report_operator_rows(rank: int, tp: int, rows: list[dict], columns: list[tuple[str, str, str]], out: str) -> None:
+    """Rank 0: print the per-shape table (times flattened next to the derived figures) and write the JSON."""
+    if rank != 0:
+        return
+    flat = [{**{k: v for k, v in r.items() if k != "times_ms"}, **r["times_ms"]} for r in rows]
+    print_table(flat, columns)
+    if out:
+        write_json(out, {**environment(tp), "method": OPERATOR_METHOD, "results": rows})
+
+
+def operator_main(doc: str, default_shapes: str, run) -> None:
+    """Command line shared by the operator benchmarks; ``run(rank, world, args)`` runs in every rank."""
+    import argparse
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=default_shapes, help="comma-separated MxKxN")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--nprocs", type=int, default=0, help="ranks (default: all visible GPUs)")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    spawn_ranks(run, args.nprocs or torch.cuda.device_count(), args)

@@ -39,6 +39,8 @@ def _candidates() -> list[str]:
 
 def load() -> bool:
     """Load the op library once; returns whether it is loaded. Never raises."""
+    if _state["tried"]:  # no lock once decided: this runs on every fused call (and under tracing)
+        return _state["loaded"]
     with _lock:
         if _state["tried"]:
             return _state["loaded"]

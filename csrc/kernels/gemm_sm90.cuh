@@ -418,23 +418,30 @@ struct Launcher {
     }
   }
 
+  // Launch configuration of `clusters` clusters of kClusterM CTAs along x; `attr` must outlive the config.
+  static cudaLaunchConfig_t launch_config(int clusters, cudaStream_t stream, cudaLaunchAttribute* attr) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(clusters * Cfg::kClusterM, 1, 1);
+    cfg.blockDim = dim3(Kernel::kThreads, 1, 1);
+    cfg.dynamicSmemBytes = Kernel::kSmemBytes;
+    cfg.stream = stream;
+    attr->id = cudaLaunchAttributeClusterDimension;
+    attr->val.clusterDim.x = Cfg::kClusterM;
+    attr->val.clusterDim.y = 1;
+    attr->val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cfg;
+  }
+
   // Largest number of clusters that can be resident at once (cached per device).
   static int max_resident_clusters(int device) {
     static std::mutex mu;
     static int cached[64] = {0};
     std::lock_guard<std::mutex> lock(mu);
     if (cached[device] > 0) return cached[device];
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(Cfg::kClusterM * 64, 1, 1);
-    cfg.blockDim = dim3(Kernel::kThreads, 1, 1);
-    cfg.dynamicSmemBytes = Kernel::kSmemBytes;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = Cfg::kClusterM;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cudaLaunchAttribute attr;
+    cudaLaunchConfig_t cfg = launch_config(64, nullptr, &attr);
     int clusters = 0;
     FLUX_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, gemm_kernel<Cfg>, &cfg));
     FLUX_CHECK(clusters > 0, "the GEMM kernel cannot be resident (", Kernel::kSmemBytes,
@@ -491,18 +498,8 @@ struct Launcher {
     if (prob.sm_count > 0) clusters = std::min(clusters, prob.sm_count / Cfg::kClusterM);
     clusters = std::max(1, std::min(clusters, params.sched.total_work));
 
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(clusters * Cfg::kClusterM, 1, 1);
-    cfg.blockDim = dim3(Kernel::kThreads, 1, 1);
-    cfg.dynamicSmemBytes = Kernel::kSmemBytes;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = Cfg::kClusterM;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cudaLaunchAttribute attr;
+    cudaLaunchConfig_t cfg = launch_config(clusters, stream, &attr);
     FLUX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, gemm_kernel<Cfg>, params));
   }
 };

@@ -37,3 +37,12 @@ def poison_outputs() -> None:
 
 def random_matrix(rows: int, cols: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(rows, cols, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+
+
+def global_inputs(seed: int, m: int, k: int, n: int, dtype: torch.dtype, layout: str):
+    """The unsharded x [M, K], weight ([N, K] for 'nt', [K, N] for 'nn') and bias [N]; identical on every rank."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = random_matrix(m, k, dtype, gen)
+    w = random_matrix(n, k, dtype, gen) if layout == "nt" else random_matrix(k, n, dtype, gen)
+    b = random_matrix(1, n, dtype, gen)[0]
+    return x, w, b

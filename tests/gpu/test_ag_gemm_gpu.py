@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_harness import run_distributed
-from tests.gpu.gpu_support import assert_close_rel, needs_gpus, poison_outputs, random_matrix
+from tests.gpu.gpu_support import assert_close_rel, global_inputs, needs_gpus, poison_outputs
 
 pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 
@@ -17,17 +17,9 @@ pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 TP = min(max(torch.cuda.device_count(), 2), 8)
 
 
-def _global_inputs(seed, m, k, n, dtype, layout):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = random_matrix(m, k, dtype, gen)
-    w = random_matrix(n, k, dtype, gen) if layout == "nt" else random_matrix(k, n, dtype, gen)
-    b = random_matrix(1, n, dtype, gen)[0]
-    return x, w, b
-
-
 def _one_call(rank, tp, seed, m, k, n, dtype, layout, *, with_bias=True, ws=None, late_rank=None, tile=None):
     from flux_layers.ops import fused_ag_gemm
-    x, w, b = _global_inputs(seed, m, k, n, dtype, layout)
+    x, w, b = global_inputs(seed, m, k, n, dtype, layout)
     x_shard_m = x.chunk(tp)[rank]
     w_shard_n = w.chunk(tp, dim=0 if layout == "nt" else 1)[rank].contiguous()
     b_shard_n = b.chunk(tp)[rank].contiguous() if with_bias else None
@@ -87,7 +79,7 @@ def _late_and_many(rank, tp, seed):
     from flux_layers.ops import fused_ag_gemm
     for mode in ("pull", "push", "pull"):
         os.environ["FLUX_LAYERS_AG_MODE"] = mode
-        x, w, b = _global_inputs(seed + 7, 1024 * tp, 512, 128 * tp, torch.bfloat16, "nt")
+        x, w, b = global_inputs(seed + 7, 1024 * tp, 512, 128 * tp, torch.bfloat16, "nt")
         x_shard_m = ws.input_buffer(1024 * tp)
         x_shard_m.copy_(x.chunk(tp)[rank])
         w_shard_n = w.chunk(tp)[rank].contiguous()

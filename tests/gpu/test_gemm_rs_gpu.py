@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_harness import run_distributed
-from tests.gpu.gpu_support import assert_close_rel, needs_gpus, poison_outputs, random_matrix
+from tests.gpu.gpu_support import assert_close_rel, global_inputs, needs_gpus, poison_outputs
 
 pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 
@@ -16,17 +16,9 @@ pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 TP = min(max(torch.cuda.device_count(), 2), 8)
 
 
-def _inputs(seed, m, k, n, dtype, layout):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = random_matrix(m, k, dtype, gen)
-    w = random_matrix(n, k, dtype, gen) if layout == "nt" else random_matrix(k, n, dtype, gen)
-    b = random_matrix(1, n, dtype, gen)[0]
-    return x, w, b
-
-
 def _one_call(rank, tp, seed, m, k, n, dtype, layout, *, with_bias=True, ws=None, late_rank=None, tile=None):
     from flux_layers.ops import fused_gemm_rs
-    x, w, b = _inputs(seed, m, k, n, dtype, layout)
+    x, w, b = global_inputs(seed, m, k, n, dtype, layout)
     x_shard_k = x.chunk(tp, dim=1)[rank].contiguous()
     w_shard_k = w.chunk(tp, dim=1 if layout == "nt" else 0)[rank].contiguous()
     if late_rank == rank:
