@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -196,6 +197,7 @@ class RsWorkspace(Workspace):
 
 
 _cache: dict[_Key, Workspace] = {}
+_retired: list[Workspace] = []  # outgrown workspaces, never freed while the process runs
 _cache_lock = threading.Lock()
 
 
@@ -203,38 +205,44 @@ def _group_name(group) -> str:
     return group.group_name if group is not None else dist.group.WORLD.group_name
 
 
-def get_ag_workspace(group, dtype: torch.dtype, m: int, k: int) -> AgWorkspace:
-    """The cached all-gather workspace for (group, dtype, k), grown (collectively) if m exceeds it."""
-    key = _Key(_group_name(group), "ag", dtype, k)
+def _cached(op: str, group, dtype: torch.dtype, inner: int, m: int, make) -> Workspace:
+    """The cached workspace for (group, op, dtype, inner), re-created (collectively) with a larger max_m if ``m``
+    exceeds it; every rank sees the same M, so every rank re-creates it in the same call."""
+    key = _Key(_group_name(group), op, dtype, inner)
     with _cache_lock:
         ws = _cache.get(key)
         if ws is None or ws.max_m < m:
-            ws = AgWorkspace(group, dtype, max(m, ws.max_m if ws else 0), k)
+            if ws is not None:
+                # Copies and kernels of its last call may still be in flight, and peers still map it: keep it.
+                _retired.append(ws)
+            ws = make(max(m, ws.max_m if ws is not None else 0))
             _cache[key] = ws
         return ws
+
+
+def get_ag_workspace(group, dtype: torch.dtype, m: int, k: int) -> AgWorkspace:
+    """The cached all-gather workspace for (group, dtype, k), grown if m exceeds it."""
+    return _cached("ag", group, dtype, k, m, lambda max_m: AgWorkspace(group, dtype, max_m, k))
 
 
 def get_rs_workspace(group, dtype: torch.dtype, m: int, n: int) -> RsWorkspace:
-    """The cached reduce-scatter workspace for (group, dtype, n), grown (collectively) if m exceeds it."""
-    key = _Key(_group_name(group), "rs", dtype, n)
-    with _cache_lock:
-        ws = _cache.get(key)
-        if ws is None or ws.max_m < m:
-            ws = RsWorkspace(group, dtype, max(m, ws.max_m if ws else 0), n)
-            _cache[key] = ws
-        return ws
+    """The cached reduce-scatter workspace for (group, dtype, n), grown if m exceeds it."""
+    return _cached("rs", group, dtype, n, m, lambda max_m: RsWorkspace(group, dtype, max_m, n))
 
 
 def clear_cache() -> None:
+    """Forget the cached workspaces (the caller guarantees no call on them is in flight on any rank)."""
     with _cache_lock:
         _cache.clear()
+        _retired.clear()
 
 
-_by_id: dict[int, Workspace] = {}
+# Weak: a workspace lives as long as its owner (the cache or the caller) holds it, not because an op saw it.
+_by_id: "weakref.WeakValueDictionary[int, Workspace]" = weakref.WeakValueDictionary()
 
 
 def register(ws: Workspace) -> int:
-    """A stable integer handle for ``ws`` (custom ops take ints, not Python objects)."""
+    """An integer handle for ``ws`` (custom ops take ints, not Python objects), valid while ``ws`` is alive."""
     _by_id[id(ws)] = ws
     return id(ws)
 
