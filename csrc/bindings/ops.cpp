@@ -209,13 +209,6 @@ void gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias
   translate_errors([&] { flux::gemm_rs(a); });
 }
 
-// Write `value` into a uint32 word (any device or peer address) in stream order: used to release waits.
-void stream_write_u32(int64_t address, int64_t value) {
-  translate_errors([&] {
-    flux::stream_write_u32(c10::cuda::getCurrentCUDAStream(), reinterpret_cast<uint32_t*>(address), uint32_t(value));
-  });
-}
-
 }  // namespace
 
 TORCH_LIBRARY(flux_layers, m) {
@@ -229,7 +222,6 @@ TORCH_LIBRARY(flux_layers, m) {
       "gemm_rs(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, int[] recv_ptrs, int slot_rows, "
       "int[] flag_ptrs, int flags_per_source, int rank, int epoch, int timeout_ns, int error_record_ptr, "
       "int error_claim_ptr, bool weight_nn, int tile, int sm_count) -> ()");
-  m.def("stream_write_u32(int address, int value) -> ()", &stream_write_u32);
 }
 
 TORCH_LIBRARY_IMPL(flux_layers, CUDA, m) {

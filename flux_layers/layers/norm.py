@@ -55,33 +55,32 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     return F.layer_norm(x.to(dtype), (x.shape[-1],), gamma, bias.to(dtype), eps).to(x.dtype)
 
 
-class RMSNorm(torch.nn.Module):
-    """RMSNorm over the hidden dimension that runs on a sequence shard. Parameter: ``weight`` [h]."""
+class _SequenceShardNorm(torch.nn.Module):
+    """Common part of the norms: megatron's norm constructor, a ``weight`` [h] tagged for sequence parallelism."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
-                 zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
+                 zero_centered_gamma: bool = False, normalization: str = ""):
         super().__init__()
         self.config = config
         self.hidden_size = hidden_size
         self.eps = eps
         self.zero_centered_gamma = zero_centered_gamma or config.layernorm_zero_centered_gamma
         self.weight = _norm_param(config, hidden_size, 0.0 if self.zero_centered_gamma else 1.0)
+
+
+class RMSNorm(_SequenceShardNorm):
+    """RMSNorm over the hidden dimension that runs on a sequence shard. Parameter: ``weight`` [h]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, self.zero_centered_gamma)
 
 
-class LayerNorm(torch.nn.Module):
+class LayerNorm(_SequenceShardNorm):
     """LayerNorm over the hidden dimension that runs on a sequence shard. Parameters: ``weight``, ``bias`` [h]."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
                  zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
-        super().__init__()
-        self.config = config
-        self.hidden_size = hidden_size
-        self.eps = eps
-        self.zero_centered_gamma = zero_centered_gamma or config.layernorm_zero_centered_gamma
-        self.weight = _norm_param(config, hidden_size, 0.0 if self.zero_centered_gamma else 1.0)
+        super().__init__(config, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization)
         self.bias = _norm_param(config, hidden_size, 0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

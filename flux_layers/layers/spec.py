@@ -105,12 +105,10 @@ def _qk_norm(qk_layernorm: bool, qk_l2_norm: bool):
     return Norm if qk_layernorm else IdentityOp
 
 
-def get_gpt_layer_flux_spec(num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
-                            qk_layernorm: bool = False, moe_use_legacy_grouped_gemm: bool = False,
-                            qk_l2_norm: bool = False, overlap: Optional[OverlapConfig] = None) -> ModuleSpec:
-    """GPT ``TransformerLayer`` spec with flux_layers' linears (arguments as megatron-core's
-    ``get_gpt_layer_with_transformer_engine_spec``; ``overlap`` as in :class:`FluxSpecProvider`)."""
-    backend = FluxSpecProvider(overlap)
+def _gpt_layer_spec(backend, *, linear_qkv, linear_proj, input_layernorm, pre_mlp_layernorm, num_experts,
+                    moe_grouped_gemm, qk_layernorm, moe_use_legacy_grouped_gemm, qk_l2_norm,
+                    sharded_state_dict_keys_map=None) -> ModuleSpec:
+    """The GPT ``TransformerLayer`` both specs share; they differ only in the pieces passed in."""
     mlp = get_mlp_module_spec_for_backend(backend=backend, num_experts=num_experts,
                                           moe_grouped_gemm=moe_grouped_gemm,
                                           moe_use_legacy_grouped_gemm=moe_use_legacy_grouped_gemm)
@@ -118,24 +116,38 @@ def get_gpt_layer_flux_spec(num_experts: Optional[int] = None, moe_grouped_gemm:
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=IdentityOp,
+            input_layernorm=input_layernorm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
-                    linear_qkv=backend.column_parallel_layer_norm_linear(),
+                    linear_qkv=linear_qkv,
                     core_attention=backend.core_attention(),
-                    linear_proj=backend.row_parallel_linear(),
+                    linear_proj=linear_proj,
                     q_layernorm=qk_norm,
                     k_layernorm=qk_norm,
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=Norm if num_experts else IdentityOp,
+            pre_mlp_layernorm=pre_mlp_layernorm,
             mlp=mlp,
             mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=sharded_state_dict_keys_map or {},
         ),
     )
+
+
+def get_gpt_layer_flux_spec(num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
+                            qk_layernorm: bool = False, moe_use_legacy_grouped_gemm: bool = False,
+                            qk_l2_norm: bool = False, overlap: Optional[OverlapConfig] = None) -> ModuleSpec:
+    """GPT ``TransformerLayer`` spec with flux_layers' linears (arguments as megatron-core's
+    ``get_gpt_layer_with_transformer_engine_spec``; ``overlap`` as in :class:`FluxSpecProvider`)."""
+    backend = FluxSpecProvider(overlap)
+    return _gpt_layer_spec(
+        backend, linear_qkv=backend.column_parallel_layer_norm_linear(), linear_proj=backend.row_parallel_linear(),
+        input_layernorm=IdentityOp, pre_mlp_layernorm=Norm if num_experts else IdentityOp,
+        num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm,
+        moe_use_legacy_grouped_gemm=moe_use_legacy_grouped_gemm, qk_l2_norm=qk_l2_norm)
 
 
 def get_gpt_layer_baseline_spec(num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
@@ -143,33 +155,12 @@ def get_gpt_layer_baseline_spec(num_experts: Optional[int] = None, moe_grouped_g
                                 qk_l2_norm: bool = False) -> ModuleSpec:
     """The same GPT layer with megatron-core's ``ColumnParallelLinear``/``RowParallelLinear`` and separate
     :class:`Norm` modules."""
-    backend = BaselineSpecProvider()
-    mlp = get_mlp_module_spec_for_backend(backend=backend, num_experts=num_experts,
-                                          moe_grouped_gemm=moe_grouped_gemm,
-                                          moe_use_legacy_grouped_gemm=moe_use_legacy_grouped_gemm)
-    qk_norm = _qk_norm(qk_layernorm, qk_l2_norm)
-    return ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=Norm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=MegatronColumnParallelLinear,
-                    core_attention=backend.core_attention(),
-                    linear_proj=MegatronRowParallelLinear,
-                    q_layernorm=qk_norm,
-                    k_layernorm=qk_norm,
-                ),
-            ),
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=Norm,
-            mlp=mlp,
-            mlp_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map=dict(_BASELINE_NORM_KEYS) if not num_experts else {},
-        ),
-    )
+    return _gpt_layer_spec(
+        BaselineSpecProvider(), linear_qkv=MegatronColumnParallelLinear, linear_proj=MegatronRowParallelLinear,
+        input_layernorm=Norm, pre_mlp_layernorm=Norm,
+        num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm,
+        moe_use_legacy_grouped_gemm=moe_use_legacy_grouped_gemm, qk_l2_norm=qk_l2_norm,
+        sharded_state_dict_keys_map=dict(_BASELINE_NORM_KEYS) if not num_experts else None)
 
 
 def get_gpt_decoder_block_spec(config, *, baseline: bool = False, overlap: Optional[OverlapConfig] = None,
