@@ -16,7 +16,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from benchmarks.harness import operator_main, parse_shapes, report_operator_rows, time_ms
+from benchmarks.harness import (KERNEL_VARIANTS, operator_main, parse_shapes, report_operator_rows,
+                                time_kernel_variants, time_ms)
 
 DEFAULT_SHAPES = "4096x8192x8192,8192x8192x28672,8192x12288x12288,2048x4096x4096,16384x4096x4096"
 
@@ -24,7 +25,7 @@ DEFAULT_SHAPES = "4096x8192x8192,8192x8192x28672,8192x12288x12288,2048x4096x4096
 def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
     from flux_layers import ops
     from flux_layers.ops import fused_ag_gemm, fused_gemm
-    from flux_layers.runtime import workspace
+    from flux_layers.runtime import tuning, workspace
     import torch.distributed._symmetric_memory as symm_mem
 
     group = dist.group.WORLD
@@ -44,6 +45,11 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
     err = ((out.float() - ref).norm() / ref.norm()).item()
     if not err < 1e-2:
         raise RuntimeError(f"rank {rank}: fused ag_gemm disagrees with NCCL+cuBLAS on {m}x{k}x{n}: {err}")
+    for name, (tile, swizzle, sk) in KERNEL_VARIANTS.items():
+        out = fused_ag_gemm.ag_gemm(xs[0], ws_[0], group=group, ws=ag_ws, tile=tile, swizzle=swizzle, stream_k=sk)
+        e = ((out.float() - ref).norm() / ref.norm()).item()
+        if not e < 1e-2:
+            raise RuntimeError(f"rank {rank}: fused ag_gemm {name} disagrees with NCCL+cuBLAS on {m}x{k}x{n}: {e}")
 
     t = {}
     t["gemm_cublas"] = time_ms(lambda i: gathered[i % sets] @ ws_[i % sets].t(), reps=reps, group=group)
@@ -76,6 +82,8 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
             print(f"torch fused_all_gather_matmul failed on {m}x{k}x{n}: {exc}", flush=True)
     t["fused"] = time_ms(lambda i: fused_ag_gemm.ag_gemm(xs[i % sets], ws_[i % sets], group=group, ws=ag_ws),
                          reps=reps, group=group)
+    t.update(time_kernel_variants(lambda i, **cfg: fused_ag_gemm.ag_gemm(xs[i % sets], ws_[i % sets], group=group,
+                                                                        ws=ag_ws, **cfg), reps=reps, group=group))
     ag_ws.check()
 
     shard_bytes = rows * k * xs[0].element_size()
@@ -91,9 +99,16 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
            "rel_err_vs_cublas": err,
            "ag_mode": os.environ.get("FLUX_LAYERS_AG_MODE", "pull"), "ag_order": ag_ws.order,
            "dispatch_auto": ops.plan("ag_gemm", xs[0], ws_[0], group=group).path,
+           "fused_default_config": _config_name(tuning.kernel_config("ag_gemm", dtype=dtype, tp=tp, mkn=(m, k, n))),
            "implementation": "fused = flux_layers._C ag_gemm (copy-engine chunks + signal-waiting persistent GEMM)"}
     row["ce_over_p2p"] = row["ce_ag_gbps"] / row["p2p_gbps"]
     return row
+
+
+def _config_name(tile_swizzle) -> str:
+    tile, swizzle = tile_swizzle
+    stream_k = os.environ.get("FLUX_LAYERS_STREAM_K", "1") == "1"
+    return f"{'256x128' if tile == 0 else '128x256'}_swz{swizzle}_{'sk' if stream_k else 'dp'}"
 
 
 def run(rank, tp, args):

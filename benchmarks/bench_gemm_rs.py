@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from benchmarks.harness import operator_main, parse_shapes, report_operator_rows, time_ms
+from benchmarks.bench_ag_gemm import _config_name
+from benchmarks.harness import (KERNEL_VARIANTS, operator_main, parse_shapes, report_operator_rows,
+                                time_kernel_variants, time_ms)
 
 DEFAULT_SHAPES = "4096x8192x8192,8192x28672x8192,8192x12288x12288,2048x4096x4096,16384x4096x4096"
 
@@ -20,7 +22,7 @@ DEFAULT_SHAPES = "4096x8192x8192,8192x28672x8192,8192x12288x12288,2048x4096x4096
 def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
     from flux_layers import ops
     from flux_layers.ops import fused_gemm, fused_gemm_rs
-    from flux_layers.runtime import workspace
+    from flux_layers.runtime import tuning, workspace
     import torch.distributed._symmetric_memory as symm_mem
 
     group = dist.group.WORLD
@@ -39,6 +41,11 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     if not err < 1e-2:
         raise RuntimeError(f"rank {rank}: fused gemm_rs disagrees with cuBLAS+NCCL on {m}x{k}x{n}: {err}")
+    for name, (tile, swizzle, sk) in KERNEL_VARIANTS.items():
+        out = fused_gemm_rs.gemm_rs(xs[0], ws_[0], group=group, ws=rs_ws, tile=tile, swizzle=swizzle, stream_k=sk)
+        e = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        if not e < 1e-2:
+            raise RuntimeError(f"rank {rank}: fused gemm_rs {name} disagrees with cuBLAS+NCCL on {m}x{k}x{n}: {e}")
 
     t = {}
     t["gemm_cublas"] = time_ms(lambda i: torch.matmul(xs[i % sets], ws_[i % sets].t(), out=partial[i % sets]),
@@ -65,6 +72,8 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
             print(f"torch fused_matmul_reduce_scatter failed on {m}x{k}x{n}: {exc}", flush=True)
     t["fused"] = time_ms(lambda i: fused_gemm_rs.gemm_rs(xs[i % sets], ws_[i % sets], group=group, ws=rs_ws),
                          reps=reps, group=group)
+    t.update(time_kernel_variants(lambda i, **cfg: fused_gemm_rs.gemm_rs(xs[i % sets], ws_[i % sets], group=group,
+                                                                        ws=rs_ws, **cfg), reps=reps, group=group))
     rs_ws.check()
 
     gemm = t["gemm_cublas"]
@@ -76,6 +85,7 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
             "torch_over_fused": (t["torch_symm_mem_fused"] / t["fused"]) if t["torch_symm_mem_fused"] else None,
             "rel_err_vs_nccl": err,
             "dispatch_auto": ops.plan("gemm_rs", xs[0], ws_[0], group=group).path,
+            "fused_default_config": _config_name(tuning.kernel_config("gemm_rs", dtype=dtype, tp=tp, mkn=(m, k, n))),
             "implementation": "fused = flux_layers._C gemm_rs (epilogue stores into peer slots, flagged tiles, "
                               "owner reduces in its epilogue)"}
 

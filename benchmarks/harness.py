@@ -140,6 +140,19 @@ OPERATOR_METHOD = ("CUDA events around one call, GPU sleep + NCCL all-reduce bef
                    "after warm-up, max over ranks, 2 rotated random input sets")
 
 
+# Kernel configurations the operator benchmarks time side by side with the default one:
+# (tile configuration id, swizzle panel, stream-K tail).
+KERNEL_VARIANTS = {"256x128_swz8_dp": (0, 8, False), "256x128_swz8_sk": (0, 8, True),
+                   "128x256_swz16_dp": (1, 16, False), "128x256_swz16_sk": (1, 16, True)}
+
+
+def time_kernel_variants(call, *, reps: int, group) -> dict[str, float]:
+    """``call(i, tile=, swizzle=, stream_k=)`` timed for every KERNEL_VARIANTS entry: {'fused_<name>': ms}."""
+    return {f"fused_{name}": time_ms(lambda i, c=cfg: call(i, tile=c[0], swizzle=c[1], stream_k=c[2]),
+                                     reps=reps, group=group)
+            for name, cfg in KERNEL_VARIANTS.items()}
+
+
 def report_operator_rows(rank: int, tp: int, rows: list[dict], columns: list[tuple[str, str, str]], out: str) -> None:
     """Rank 0: print the per-shape table (times flattened next to the derived figures) and write the JSON."""
     if rank != 0:

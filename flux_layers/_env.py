@@ -13,6 +13,7 @@ launchers can set them per process.
 | FLUX_LAYERS_TIMEOUT_S | bound on every cross-rank wait, seconds | 30 |
 | FLUX_LAYERS_TUNING | path of a tuning table (JSON) to use instead of configs/tuning | (packaged) |
 | FLUX_LAYERS_DISPATCH | ``table`` (per-shape fused/sequential choice) or ``always`` (fused whenever supported) | table |
+| FLUX_LAYERS_STREAM_K | ``1``: the persistent GEMMs split the items of a last, partial wave along K (stream-K tail); ``0``: whole tiles only | 1 |
 | FLUX_LAYERS_POISON_OUTPUTS | ``1``: fused ops fill their outputs with NaN before launching (tests: proves every element is written) | 0 |
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ _DEFAULTS = {
     "TUNING": "",
     "DISPATCH": "table",
     "POISON_OUTPUTS": "0",
+    "STREAM_K": "1",
 }
 
 _CHOICES = {
@@ -39,6 +41,7 @@ _CHOICES = {
     "AG_ORDER": ("auto", "mesh", "ring"),
     "DISPATCH": ("table", "always"),
     "POISON_OUTPUTS": ("0", "1"),
+    "STREAM_K": ("0", "1"),
 }
 
 

@@ -4,7 +4,7 @@
 #   scripts/gpu_check.sh OUTDIR [STEP ...]
 #
 # Steps (default: all, in this order): env gemm_test ag_test rs_test layers_test gemm_bench ag_bench rs_bench
-# layer_bench. Each step runs under its own time limit; a failing step does not stop the others. Logs and
+# layer_bench layer_bench_conn1. Each step runs under its own time limit; a failing step does not stop the others. Logs and
 # JSON go to a work folder, packed at the end into OUTDIR/gpu_check.tgz (plus OUTDIR/summary.txt).
 #
 # Wheels the machine lacks (megatron-core for the layer steps) are installed from .whl/ if present; the
@@ -12,7 +12,7 @@
 set -u
 OUTDIR=${1:?usage: scripts/gpu_check.sh OUTDIR [STEP ...]}
 shift
-STEPS=${*:-env gemm_test ag_test rs_test layers_test gemm_bench ag_bench rs_bench layer_bench}
+STEPS=${*:-env gemm_test ag_test rs_test layers_test gemm_bench ag_bench rs_bench layer_bench layer_bench_conn1}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WORK=$(mktemp -d)
 mkdir -p "$OUTDIR" "$WORK/results"
@@ -75,10 +75,10 @@ flux_layers._library.path(), flux_layers._library.unavailable_reason())'" ;;
     gemm_bench) step gemm_bench 300 $PY -m benchmarks.bench_gemm --out "$WORK/results/gemm_h200.json" ;;
     ag_bench) step ag_bench 400 $PY -m benchmarks.bench_ag_gemm --out "$WORK/results/ag_gemm_$GPU_TAG.json" ;;
     rs_bench) step rs_bench 400 $PY -m benchmarks.bench_gemm_rs --out "$WORK/results/gemm_rs_$GPU_TAG.json" ;;
-    layer_bench)
-      if [ -f benchmarks/bench_layer.py ]; then
-        step layer_bench 400 $PY -m benchmarks.bench_layer --out "$WORK/results/layer_$GPU_TAG.json"
-      fi ;;
+    layer_bench) step layer_bench 400 $PY -m benchmarks.bench_layer --out "$WORK/results/layer_$GPU_TAG.json" ;;
+    layer_bench_conn1)  # megatron-core's recommended setting for its SP overlap, one hardware queue per GPU
+      step layer_bench_conn1 400 env CUDA_DEVICE_MAX_CONNECTIONS=1 $PY -m benchmarks.bench_layer \
+        --out "$WORK/results/layer_${GPU_TAG}_conn1.json" ;;
     *) echo "unknown step $s" | tee -a "$summary" ;;
   esac
 done

@@ -78,8 +78,21 @@ void translate_errors(Fn&& fn) {
 
 void check_out(const Tensor& out, const Tensor& x, int64_t rows, int64_t cols, const char* name);
 
+// Scratch for the stream-K tail of one launch, from the caching allocator on the current stream (so
+// launches on different streams never share it). Empty when stream-K is off.
+Tensor split_workspace(const Tensor& like, bool stream_k) {
+  if (!stream_k) return Tensor();
+  int sms = 0;
+  FLUX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, like.device().index()));
+  return at::empty({flux::split_workspace_bytes(sms)}, like.options().dtype(at::kByte));
+}
+
+void check_swizzle(int64_t swizzle) {
+  TORCH_CHECK_VALUE(swizzle >= 0 && swizzle <= 64, "swizzle ", swizzle, " outside [0, 64]");
+}
+
 void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, Tensor out, bool weight_nn,
-          int64_t tile, int64_t sm_count, int64_t swizzle) {
+          int64_t tile, int64_t sm_count, int64_t swizzle, bool stream_k) {
   auto s = check_operands(x, w, bias, weight_nn);
   check_out(out, x, s.m, s.n, "out");
   c10::cuda::CUDAGuard guard(x.device());
@@ -98,8 +111,11 @@ void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, T
   p.d[0] = out.data_ptr();
   p.ldd = s.n;
   p.sm_count = int(sm_count);
-  TORCH_CHECK_VALUE(swizzle >= 0 && swizzle <= 64, "swizzle ", swizzle, " outside [0, 64]");
+  check_swizzle(swizzle);
   p.swizzle_m = int(swizzle);
+  Tensor scratch = split_workspace(x, stream_k);
+  p.split_workspace = scratch.defined() ? scratch.data_ptr() : nullptr;
+  p.split_workspace_bytes = scratch.defined() ? scratch.numel() : 0;
   translate_errors([&] {
     flux::launch_gemm(p, to_dtype(x, "x"), weight_nn ? flux::WeightLayout::kNN : flux::WeightLayout::kNT,
                       to_tile(tile), c10::cuda::getCurrentCUDAStream());
@@ -126,7 +142,8 @@ void ag_gemm(const Tensor& x_shard_m, const Tensor& w, const std::optional<Tenso
              std::optional<Tensor> gathered_out, std::vector<int64_t> buffer_ptrs, std::vector<int64_t> flag_ptrs,
              int64_t chunk_capacity, int64_t rows_per_chunk, int64_t rank, int64_t mode, int64_t order,
              int64_t epoch, int64_t timeout_ns, int64_t error_record_ptr, int64_t error_claim_ptr,
-             std::vector<int64_t> comm_streams, bool weight_nn, int64_t tile, int64_t sm_count, bool run_gemm) {
+             std::vector<int64_t> comm_streams, bool weight_nn, int64_t tile, int64_t sm_count, int64_t swizzle,
+             bool stream_k, bool run_gemm) {
   auto s = check_operands(x_shard_m, w, bias, weight_nn);
   int64_t tp = int64_t(buffer_ptrs.size());
   TORCH_CHECK_VALUE(tp >= 2 && tp <= flux::kMaxGroups, "group size ", tp, " outside [2, ", flux::kMaxGroups, "]");
@@ -168,13 +185,19 @@ void ag_gemm(const Tensor& x_shard_m, const Tensor& w, const std::optional<Tenso
   a.num_comm = int(comm_streams.size());
   for (size_t i = 0; i < comm_streams.size(); ++i) a.comm[i] = reinterpret_cast<cudaStream_t>(comm_streams[i]);
   a.run_gemm = run_gemm;
+  check_swizzle(swizzle);
+  a.swizzle_m = int(swizzle);
+  Tensor scratch = split_workspace(x_shard_m, stream_k && run_gemm);
+  a.split_workspace = scratch.defined() ? scratch.data_ptr() : nullptr;
+  a.split_workspace_bytes = scratch.defined() ? scratch.numel() : 0;
   translate_errors([&] { flux::ag_gemm(a); });
 }
 
 void gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, Tensor out,
              std::vector<int64_t> recv_ptrs, int64_t slot_rows, std::vector<int64_t> flag_ptrs,
              int64_t flags_per_source, int64_t rank, int64_t epoch, int64_t timeout_ns, int64_t error_record_ptr,
-             int64_t error_claim_ptr, bool weight_nn, int64_t tile, int64_t sm_count) {
+             int64_t error_claim_ptr, bool weight_nn, int64_t tile, int64_t sm_count, int64_t swizzle,
+             bool stream_k) {
   auto s = check_operands(x, w, bias, weight_nn);
   int64_t tp = int64_t(recv_ptrs.size());
   TORCH_CHECK_VALUE(tp >= 2 && tp <= flux::kMaxGroups, "group size ", tp, " outside [2, ", flux::kMaxGroups, "]");
@@ -205,6 +228,11 @@ void gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias
   a.error_record = reinterpret_cast<int*>(error_record_ptr);
   a.error_claim = reinterpret_cast<int*>(error_claim_ptr);
   a.sm_count = int(sm_count);
+  check_swizzle(swizzle);
+  a.swizzle_m = int(swizzle);
+  Tensor scratch = split_workspace(x, stream_k);
+  a.split_workspace = scratch.defined() ? scratch.data_ptr() : nullptr;
+  a.split_workspace_bytes = scratch.defined() ? scratch.numel() : 0;
   a.compute = c10::cuda::getCurrentCUDAStream();
   translate_errors([&] { flux::gemm_rs(a); });
 }
@@ -212,16 +240,17 @@ void gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias
 }  // namespace
 
 TORCH_LIBRARY(flux_layers, m) {
-  m.def("gemm(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool weight_nn, int tile, int sm_count, int swizzle) -> ()");
+  m.def("gemm(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool weight_nn, int tile, int sm_count, int swizzle, "
+        "bool stream_k) -> ()");
   m.def(
       "ag_gemm(Tensor x_shard_m, Tensor weight, Tensor? bias, Tensor(a!) out, Tensor(b!)? gathered_out, "
       "int[] buffer_ptrs, int[] flag_ptrs, int chunk_capacity, int rows_per_chunk, int rank, int mode, int order, "
       "int epoch, int timeout_ns, int error_record_ptr, int error_claim_ptr, int[] comm_streams, bool weight_nn, "
-      "int tile, int sm_count, bool run_gemm) -> ()");
+      "int tile, int sm_count, int swizzle, bool stream_k, bool run_gemm) -> ()");
   m.def(
       "gemm_rs(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, int[] recv_ptrs, int slot_rows, "
       "int[] flag_ptrs, int flags_per_source, int rank, int epoch, int timeout_ns, int error_record_ptr, "
-      "int error_claim_ptr, bool weight_nn, int tile, int sm_count) -> ()");
+      "int error_claim_ptr, bool weight_nn, int tile, int sm_count, int swizzle, bool stream_k) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flux_layers, CUDA, m) {

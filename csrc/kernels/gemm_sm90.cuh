@@ -9,6 +9,10 @@
 //              coalesced stores to the group's destination, which may be a peer GPU's receive slot (NVLink
 //              P2P). ReduceScatter: a tile for a peer is followed by a release flag in the peer's memory; a
 //              tile of own rows first waits for the peers' flags and sums their partials in a fixed order.
+//   tail     : stream-K (tile_schedule.cuh StreamK): the items of a last, partial wave are split along K over
+//              every cluster; a segment without k = 0 stores its fp32 accumulators to the split workspace and
+//              flags them, the segment with k = 0 adds them in cluster order (same bits every run) and runs
+//              the epilogue. Producer and consumers walk the same segment list.
 //   launcher : launch<Config>(GemmProblem, stream), C-style, no torch.
 //
 // Invariants
@@ -78,6 +82,9 @@ struct KernelParams {
   typename Cfg::Mainloop::Params mainloop_own;  // A: own rows [Mg, K, 1]; B: W (used for every tile)
   GemmProblem prob;
   TileSchedule sched;
+  StreamK split;
+  uint32_t* split_flags;  // [CTAs] (valid when split.active())
+  float4* split_partials; // [CTAs][kTileM * kTileN / 4]
 };
 
 // ------------------------------------------------------------------------------------------------ kernel
@@ -104,6 +111,7 @@ struct GemmKernel {
   static constexpr uint32_t kMmaRegs = 232;
   static_assert(size(TiledMma{}) == kMmaThreads, "cooperative mainloop: two consumer warp groups");
   static_assert(kTileN % kEpiCols == 0, "epilogue sub-tiles must divide the tile");
+  static_assert(kTileM * kTileN <= kSplitTileFloats, "split workspace sized for 32768 accumulators per CTA");
 
   struct SharedStorage {
     typename Mainloop::TensorStorage mainloop;                   // aligned to 128 bytes by its type
@@ -123,7 +131,8 @@ struct GemmKernel {
   }
 
   // ---------------------------------------------------------------- producer: TMA loads of one tile
-  CUTLASS_DEVICE static void load_tile(Params const& params, TileCoord t, int k_tiles, MainloopPipeline& pipeline,
+  CUTLASS_DEVICE static void load_tile(Params const& params, TileCoord t, int k_begin, int k_end,
+                                       MainloopPipeline& pipeline,
                                        PipelineState& write_state, SharedStorage& ss,
                                        uint32_t block_rank_in_cluster) {
     GemmProblem const& p = params.prob;
@@ -169,7 +178,7 @@ struct GemmKernel {
     }
 
     CUTLASS_PRAGMA_NO_UNROLL
-    for (int k = 0; k < k_tiles; ++k) {
+    for (int k = k_begin; k < k_end; ++k) {
       pipeline.producer_acquire(write_state);
       auto* tma_barrier = pipeline.producer_get_barrier(write_state);
       int stage = write_state.index();
@@ -192,6 +201,60 @@ struct GemmKernel {
     }
     // The chunk was written by the copy engine; the TMA loads that follow read through the async proxy.
     asm volatile("fence.proxy.async.global;" ::: "memory");
+  }
+
+  // ---------------------------------------------------------------- stream-K partials
+  // Layout of a CTA's partial: float4 j of consumer thread i at [j * kMmaThreads + i] (coalesced; the reducer
+  // reads it back with the same thread/fragment mapping, so no shuffle is needed).
+  template <class Accum>
+  CUTLASS_DEVICE static void store_partial(Params const& params, Accum const& accum, int slot,
+                                           int mma_thread_idx) {
+    float4* dst = params.split_partials + int64_t(slot) * (kTileM * kTileN / 4);
+    constexpr int kVecs = decltype(size(accum))::value / 4;
+    cute::for_each(make_int_sequence<kVecs>{}, [&](auto j) {
+      constexpr int i = decltype(j)::value * 4;
+      __stcg(dst + decltype(j)::value * kMmaThreads + mma_thread_idx,
+             make_float4(accum(i), accum(i + 1), accum(i + 2), accum(i + 3)));
+    });
+    epi_barrier();  // every consumer thread's partial is written before the flag
+    if (mma_thread_idx == 0) {
+      __threadfence();
+      st_release_gpu(params.split_flags + slot, 1u);
+    }
+  }
+
+  // Adds the partials of clusters [first, last] (the same CTA rank) in cluster order.
+  template <class Accum>
+  CUTLASS_DEVICE static void add_partials(Params const& params, Accum& accum, int first, int last,
+                                          int cluster_rank_m, int mma_thread_idx) {
+    if (first > last) return;
+    if (mma_thread_idx == 0) {
+      for (int c = first; c <= last; ++c) {
+        int slot = c * kClusterM + cluster_rank_m;
+        wait_grid_flag(params.split_flags + slot, params.prob, slot);
+      }
+    }
+    epi_barrier();
+    constexpr int kVecs = decltype(size(accum))::value / 4;
+    constexpr int kBatch = 8;  // float4 loads in flight at once: more would not fit beside the accumulators
+    static_assert(kVecs % kBatch == 0);
+    for (int c = first; c <= last; ++c) {
+      float4 const* src = params.split_partials + int64_t(c * kClusterM + cluster_rank_m) * (kTileM * kTileN / 4);
+      cute::for_each(make_int_sequence<kVecs / kBatch>{}, [&](auto b) {
+        float4 v[kBatch];
+        CUTLASS_PRAGMA_UNROLL
+        for (int u = 0; u < kBatch; ++u)
+          v[u] = __ldcg(src + (decltype(b)::value * kBatch + u) * kMmaThreads + mma_thread_idx);
+        cute::for_each(make_int_sequence<kBatch>{}, [&](auto u) {
+          constexpr int i = (decltype(b)::value * kBatch + decltype(u)::value) * 4;
+          accum(i) += v[u].x;
+          accum(i + 1) += v[u].y;
+          accum(i + 2) += v[u].z;
+          accum(i + 3) += v[u].w;
+        });
+        asm volatile("" ::: "memory");  // keep the next batch's loads behind these adds
+      });
+    }
   }
 
   // ---------------------------------------------------------------- consumer epilogue
@@ -356,10 +419,11 @@ struct GemmKernel {
       cutlass::arch::warpgroup_reg_dealloc<kLoadRegs>();
       if (warp_in_group == 0 && lane_predicate) {
         PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
-        for (int work = cluster_id; work < sched.total_work; work += num_clusters) {
-          TileCoord t = sched.get(work, cluster_rank_m);
+        Segment seg;
+        for (SegmentCursor cur = params.split.begin(cluster_id, num_clusters); params.split.next(cur, seg);) {
+          TileCoord t = sched.get(seg.work, cluster_rank_m);
           if (p.chunk_flags != nullptr && t.group != p.own_group) wait_chunks(p, t);
-          load_tile(params, t, k_tiles, pipeline, write_state, ss, block_rank_in_cluster);
+          load_tile(params, t, seg.k_begin, seg.k_end, pipeline, write_state, ss, block_rank_in_cluster);
         }
         // Keep the CTA alive until every stage was released by the cluster's consumers (no remote
         // arrivals on this CTA's barriers after it exits).
@@ -373,16 +437,26 @@ struct GemmKernel {
       TiledMma tiled_mma;
       uint32_t consumed_seen = 0;
       PendingSignal pending;
-      for (int work = cluster_id; work < sched.total_work; work += num_clusters) {
-        TileCoord t = sched.get(work, cluster_rank_m);
+      Segment seg;
+      for (SegmentCursor cur = params.split.begin(cluster_id, num_clusters); params.split.next(cur, seg);) {
+        TileCoord t = sched.get(seg.work, cluster_rank_m);
         if (pending.group >= 0 && t.group == p.rs_own_group) {
           epi_barrier();
           flush_signal(p, pending, mma_thread_idx);
         }
+        int const k_count = seg.k_end - seg.k_begin;
         Tensor accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
-        collective.mma(pipeline, read_state, accum, k_tiles, mma_thread_idx, ss.mainloop, params.mainloop_own);
-        collective.mma_tail(pipeline, read_state, k_tiles);
-        read_state.advance(k_tiles);
+        collective.mma(pipeline, read_state, accum, k_count, mma_thread_idx, ss.mainloop, params.mainloop_own);
+        collective.mma_tail(pipeline, read_state, k_count);
+        read_state.advance(k_count);
+        if (seg.k_begin > 0) {  // a later segment of a split item: hand the partial to the item's reducer
+          store_partial(params, accum, cluster_id * kClusterM + cluster_rank_m, mma_thread_idx);
+          continue;
+        }
+        if (seg.k_end < k_tiles) {  // reducer of a split item
+          add_partials(params, accum, cluster_id + 1, params.split.last_contributor(seg.work), cluster_rank_m,
+                       mma_thread_idx);
+        }
         epilogue(params, t, accum, mma_thread_idx, ss, consumed_seen, pending);
       }
       if (pending.group >= 0) {
@@ -496,7 +570,25 @@ struct Launcher {
 
     int clusters = max_resident_clusters(device);
     if (prob.sm_count > 0) clusters = std::min(clusters, prob.sm_count / Cfg::kClusterM);
-    clusters = std::max(1, std::min(clusters, params.sched.total_work));
+    clusters = std::max(1, clusters);
+    int const ctas = clusters * Cfg::kClusterM;
+    int const k_tiles = (prob.k + Cfg::kTileK - 1) / Cfg::kTileK;
+    bool split_ok = prob.split_workspace != nullptr && prob.split_workspace_bytes >= split_workspace_bytes(ctas);
+    params.split = StreamK::make(params.sched.total_work, clusters, k_tiles, split_ok);
+    // ReduceScatter: split items must all be own rows (the last group), which no peer waits on; a reducer
+    // of a peer's rows could otherwise hold back a flag that the peer's own reducers wait for.
+    if (prob.rs_own_group >= 0 && params.sched.total_work - params.split.dp_work > params.sched.work_per_group)
+      params.split = StreamK::make(params.sched.total_work, clusters, k_tiles, false);
+    if (params.split.active()) {
+      params.split_flags = static_cast<uint32_t*>(prob.split_workspace);
+      params.split_partials = reinterpret_cast<float4*>(static_cast<char*>(prob.split_workspace) +
+                                                        split_flags_bytes(ctas));
+      FLUX_CUDA_CHECK(cudaMemsetAsync(params.split_flags, 0, size_t(ctas) * 4, stream));
+    } else {
+      params.split_flags = nullptr;
+      params.split_partials = nullptr;
+      clusters = std::min(clusters, params.sched.total_work);
+    }
 
     cudaLaunchAttribute attr;
     cudaLaunchConfig_t cfg = launch_config(clusters, stream, &attr);

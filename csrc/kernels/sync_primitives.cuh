@@ -64,4 +64,36 @@ __device__ __forceinline__ bool wait_flag(const uint32_t* flag, uint32_t epoch, 
   }
 }
 
+// ---- flags inside one grid (stream-K partials): 0 = empty, 1 = written; cleared before each launch.
+__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_gpu(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Wait for another CTA of this grid (all CTAs are co-resident, so only a bug can make this time out). The
+// fused operators record the timeout and the host raises; the plain GEMM has no error record and traps
+// rather than return wrong numbers.
+__device__ __forceinline__ void wait_grid_flag(const uint32_t* flag, const GemmProblem& p, int index) {
+  if (ld_acquire_gpu(flag) != 0) return;
+  uint64_t const limit = p.timeout_ns > 0 ? p.timeout_ns : uint64_t(20) * 1000000000ull;
+  uint64_t start = global_timer_ns();
+  for (uint32_t spin = 1;; ++spin) {
+    uint32_t v = ld_acquire_gpu(flag);
+    if (v != 0) return;
+    if ((spin & 255) == 0) {
+      if (p.error_claim != nullptr && *reinterpret_cast<volatile int*>(p.error_claim) != 0) return;
+      if (global_timer_ns() - start > limit) {
+        if (p.error_record == nullptr) __trap();
+        record_timeout(p, kSplitTimeout, index, v);
+        return;
+      }
+    }
+  }
+}
+
 }  // namespace flux

@@ -14,7 +14,11 @@
 //   AllGather     : own shard first, then shards in the order the copy engine delivers them;
 //   ReduceScatter : destinations rank+1, rank+2, ..., own rows last (rank-offset swizzle: at each step every
 //                   rank writes to a different destination, and own rows are reduced after peers delivered).
-// flux_layers/runtime/schedules.py mirrors this function; CPU tests check the two agree.
+// Stream-K tail (StreamK below): when the work does not fill whole waves of the persistent grid, the leading
+// work items stay whole (round robin over clusters) and the k iterations of the trailing items are spread
+// evenly over the clusters, so no cluster idles through a last, partial wave.
+//
+// flux_layers/runtime/schedules.py mirrors both; CPU tests check the two agree.
 #pragma once
 
 #include "flux/gemm_params.h"
@@ -64,6 +68,93 @@ struct TileSchedule {
     int cm = panel * swizzle + rem % rows_here;
     int n = rem / rows_here;
     return TileCoord{group_order[step], cm * cluster_m + cluster_rank_m, n};
+  }
+};
+
+struct Segment {
+  int work;     // work item (cluster tile), as for TileSchedule::get
+  int k_begin;  // k tiles [k_begin, k_end) of it
+  int k_end;
+};
+
+struct SegmentCursor {
+  int work, stride;  // next whole item, clusters
+  int it, end;       // next and end stream-K iteration of the cluster's range
+};
+
+// Work assignment of the persistent grid: data-parallel items, then a stream-K tail.
+//
+//   items [0, dp_work)         : whole items; cluster c takes c, c + C, c + 2C, ... (the same count each)
+//   items [dp_work, total_work): their k iterations, numbered item-major from 0 to sk_iters, are cut into
+//                                contiguous ranges of iters_per_cluster, cluster c taking range c.
+// A split item's segment holding k = 0 is its reducer: it adds the other segments' fp32 partials, in cluster
+// order (deterministic), and runs the epilogue. Every other segment is the first segment of its cluster's
+// range, so a cluster writes at most one partial (the workspace holds one per CTA), and a reducer, which is
+// the last segment of its cluster's range, finds its contributors (who began with it) long finished.
+struct StreamK {
+  int dp_work = 0;
+  int sk_clusters = 0;        // clusters with a stream-K range (0: no tail split)
+  int iters_per_cluster = 0;  // q
+  int sk_iters = 0;
+  int k_tiles = 0;
+
+  // Fewest k iterations a cluster's range may hold: below that the partials' traffic outweighs the gain.
+  static constexpr int kMinIters = 8;
+
+  static StreamK make(int total_work, int clusters, int k_tiles, bool enabled) {
+    StreamK s;
+    s.dp_work = total_work;
+    s.k_tiles = k_tiles;
+    int rem = clusters > 0 ? total_work % clusters : 0;
+    if (!enabled || rem == 0 || k_tiles < 2) return s;
+    long long iters = (long long)rem * k_tiles;
+    long long want = iters / kMinIters;
+    int sk_clusters = int(want < clusters ? want : clusters);
+    if (sk_clusters <= rem) return s;  // splitting would not shorten the last wave
+    int q = int((iters + sk_clusters - 1) / sk_clusters);
+    s.dp_work = total_work - rem;
+    s.iters_per_cluster = q;
+    s.sk_clusters = int((iters + q - 1) / q);
+    s.sk_iters = int(iters);
+    return s;
+  }
+
+  __host__ __device__ bool active() const { return sk_clusters > 0; }
+
+  // The segments of a cluster, in the order it runs them: its whole items, then its stream-K range. The
+  // producer and the consumers of a CTA walk the same list:
+  //   for (SegmentCursor c = split.begin(cluster, clusters); split.next(c, seg);) ...
+  // (a plain loop rather than a callback: the consumer's body must stay inlined, or its accumulators
+  // would cross a call and spill).
+  __host__ __device__ SegmentCursor begin(int cluster, int num_clusters) const {
+    SegmentCursor c;
+    c.work = cluster;
+    c.stride = num_clusters;
+    c.it = cluster < sk_clusters ? cluster * iters_per_cluster : 0;
+    int const end = c.it + iters_per_cluster;
+    c.end = cluster < sk_clusters ? (end < sk_iters ? end : sk_iters) : 0;
+    return c;
+  }
+
+  __host__ __device__ bool next(SegmentCursor& c, Segment& s) const {
+    if (c.work < dp_work) {
+      s = Segment{c.work, 0, k_tiles};
+      c.work += c.stride;
+      return true;
+    }
+    if (c.it >= c.end) return false;
+    int const item = c.it / k_tiles;
+    int const k_begin = c.it - item * k_tiles;
+    int const k_end = k_begin + (c.end - c.it) < k_tiles ? k_begin + (c.end - c.it) : k_tiles;
+    s = Segment{dp_work + item, k_begin, k_end};
+    c.it += k_end - k_begin;
+    return true;
+  }
+
+  // The reducer of split item `work` (running on cluster c) adds the partials of clusters c+1 ..
+  // last_contributor(work): their ranges begin inside the item.
+  __host__ __device__ int last_contributor(int work) const {
+    return ((work - dp_work + 1) * k_tiles - 1) / iters_per_cluster;
   }
 };
 

@@ -19,26 +19,27 @@ from flux_layers.runtime import tuning
 
 @torch.library.custom_op("flux::gemm", mutates_args=())
 def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_nn: bool, tile: int,
-          sm_count: int, swizzle: int) -> torch.Tensor:
+          sm_count: int, swizzle: int, stream_k: bool) -> torch.Tensor:
     n = weight.shape[1] if weight_nn else weight.shape[0]
     out = x.new_empty((x.shape[0], n))
     if _env.get("POISON_OUTPUTS") == "1":
         out.fill_(float("nan"))
-    torch.ops.flux_layers.gemm(x, weight, bias, out, weight_nn, tile, sm_count, swizzle)
+    torch.ops.flux_layers.gemm(x, weight, bias, out, weight_nn, tile, sm_count, swizzle, stream_k)
     return out
 
 
 @_gemm.register_fake
-def _(x, weight, bias, weight_nn, tile, sm_count, swizzle):
+def _(x, weight, bias, weight_nn, tile, sm_count, swizzle, stream_k):
     n = weight.shape[1] if weight_nn else weight.shape[0]
     return x.new_empty((x.shape[0], n))
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_layout: str = "nt",
-         tile: int | None = None, sm_count: int = 0, swizzle: int | None = None) -> torch.Tensor:
+         tile: int | None = None, sm_count: int = 0, swizzle: int | None = None,
+         stream_k: bool | None = None) -> torch.Tensor:
     """x @ op(weight) + bias on the persistent kernel. ``tile``: configuration id and ``swizzle``: tiles along M
     visited together (None: tuning table or the measured default); ``sm_count``: limit the persistent grid
-    (0: all SMs)."""
+    (0: all SMs); ``stream_k``: split a last, partial wave of tiles along K (None: FLUX_LAYERS_STREAM_K)."""
     _library.require()
     m, k, n = check_matmul_args("gemm", x, weight, bias, weight_layout)
     check_fused_tensor("gemm", "x", x)
@@ -46,4 +47,8 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     default_tile, default_swizzle = tuning.kernel_config("gemm", dtype=x.dtype, tp=1, mkn=(m, k, n))
     tile = default_tile if tile is None else tile
     swizzle = default_swizzle if swizzle is None else swizzle
-    return _gemm(x, weight, bias, weight_layout == "nn", tile, sm_count, swizzle)
+    return _gemm(x, weight, bias, weight_layout == "nn", tile, sm_count, swizzle, _stream_k(stream_k))
+
+
+def _stream_k(requested: bool | None) -> bool:
+    return _env.get("STREAM_K") == "1" if requested is None else bool(requested)

@@ -18,12 +18,13 @@ import torch.distributed as dist
 
 from flux_layers import _env, _library
 from flux_layers.ops._checks import check_fused_tensor, check_matmul_args
+from flux_layers.ops.fused_gemm import _stream_k
 from flux_layers.runtime import tuning, workspace
 
 
 @torch.library.custom_op("flux::gemm_rs", mutates_args=())
 def _gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int, weight_nn: bool,
-             tile: int) -> torch.Tensor:
+             tile: int, swizzle: int, stream_k: bool, sm_count: int) -> torch.Tensor:
     ws = workspace.lookup(handle)
     epoch = ws.next_epoch()
     n = weight.shape[1] if weight_nn else weight.shape[0]
@@ -32,12 +33,13 @@ def _gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, h
         out.fill_(float("nan"))
     torch.ops.flux_layers.gemm_rs(
         x, weight, bias, out, ws.data_ptrs, ws.slot_rows, ws.flag_ptrs, ws.flags_per_source, ws.rank, epoch,
-        ws.timeout_ns, ws.error_record.data_ptr(), ws.error_claim.data_ptr(), weight_nn, tile, 0)
+        ws.timeout_ns, ws.error_record.data_ptr(), ws.error_claim.data_ptr(), weight_nn, tile, sm_count, swizzle,
+        stream_k)
     return out
 
 
 @_gemm_rs.register_fake
-def _(x, weight, bias, handle, weight_nn, tile):
+def _(x, weight, bias, handle, weight_nn, tile, swizzle, stream_k, sm_count):
     tp = workspace.lookup(handle).tp
     n = weight.shape[1] if weight_nn else weight.shape[0]
     return x.new_empty((x.shape[0] // tp, n))
@@ -45,7 +47,11 @@ def _(x, weight, bias, handle, weight_nn, tile):
 
 def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group,
             weight_layout: str = "nt", ws: workspace.RsWorkspace | None = None,
-            tile: int | None = None) -> torch.Tensor:
+            tile: int | None = None, swizzle: int | None = None, stream_k: bool | None = None,
+            sm_count: int = 0) -> torch.Tensor:
+    """See the module docstring. ``tile``/``swizzle``: kernel configuration (None: tuning table or the measured
+    default); ``stream_k``: split a last, partial wave of tiles along K (None: FLUX_LAYERS_STREAM_K);
+    ``sm_count``: SMs the persistent GEMM may hold (0: all)."""
     _library.require()
     m, k, n = check_matmul_args("gemm_rs", x, weight, bias, weight_layout)
     for what, t in (("x", x), ("weight", weight)):
@@ -58,6 +64,8 @@ def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     elif m > ws.max_m or ws.n != n or ws.dtype != x.dtype:
         raise ValueError(f"gemm_rs: call needs M={m}, N={n}, {x.dtype}; the workspace holds "
                          f"max_m={ws.max_m}, N={ws.n}, {ws.dtype}")
-    if tile is None:
-        tile, _ = tuning.kernel_config("gemm_rs", dtype=x.dtype, tp=tp, mkn=(m, k, n))
-    return _gemm_rs(x, weight, bias, workspace.register(ws), weight_layout == "nn", tile)
+    default_tile, default_swizzle = tuning.kernel_config("gemm_rs", dtype=x.dtype, tp=tp, mkn=(m, k, n))
+    tile = default_tile if tile is None else tile
+    swizzle = default_swizzle if swizzle is None else swizzle
+    return _gemm_rs(x, weight, bias, workspace.register(ws), weight_layout == "nn", tile, swizzle,
+                    _stream_k(stream_k), sm_count)

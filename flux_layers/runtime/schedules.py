@@ -77,6 +77,55 @@ class TileSchedule:
         return [self.get(w, c) for w in range(self.total_work) for c in range(self.cluster_m)]
 
 
+@dataclass(frozen=True)
+class StreamK:
+    """Python twin of flux::StreamK: whole items first, then the k iterations of a last, partial wave spread
+    over the clusters."""
+    total_work: int
+    clusters: int
+    k_tiles: int
+    enabled: bool = True
+    min_iters: int = 8  # flux::StreamK::kMinIters
+
+    def _plan(self) -> tuple[int, int, int, int]:
+        """(dp_work, sk_clusters, iters_per_cluster, sk_iters)."""
+        rem = self.total_work % self.clusters if self.clusters > 0 else 0
+        if not self.enabled or rem == 0 or self.k_tiles < 2:
+            return self.total_work, 0, 0, 0
+        iters = rem * self.k_tiles
+        sk_clusters = min(iters // self.min_iters, self.clusters)
+        if sk_clusters <= rem:
+            return self.total_work, 0, 0, 0
+        q = -(-iters // sk_clusters)
+        return self.total_work - rem, -(-iters // q), q, iters
+
+    @property
+    def active(self) -> bool:
+        return self._plan()[1] > 0
+
+    def segments(self, cluster: int) -> list[tuple[int, int, int]]:
+        """(work item, k_begin, k_end) of `cluster`, in the order it runs them."""
+        dp_work, sk_clusters, q, sk_iters = self._plan()
+        segs = [(w, 0, self.k_tiles) for w in range(cluster, dp_work, self.clusters)]
+        if cluster < sk_clusters:
+            it, end = cluster * q, min(cluster * q + q, sk_iters)
+            while it < end:
+                item, k_begin = divmod(it, self.k_tiles)
+                k_end = min(self.k_tiles, k_begin + end - it)
+                segs.append((dp_work + item, k_begin, k_end))
+                it += k_end - k_begin
+        return segs
+
+    def contributors(self, item: int) -> list[int]:
+        """Clusters whose partials the reducer of split `item` adds, in order (empty if the item is whole)."""
+        dp_work, sk_clusters, q, _ = self._plan()
+        if item < dp_work or sk_clusters == 0:
+            return []
+        first_iter = (item - dp_work) * self.k_tiles
+        last_iter = first_iter + self.k_tiles - 1
+        return list(range(first_iter // q + 1, last_iter // q + 1))
+
+
 def default_rows_per_chunk(rows_per_shard: int, row_bytes: int, target_bytes: int = 16 << 20,
                            max_chunks: int = 8, align: int = 128) -> int:
     """Copy-engine chunk size: ~target_bytes per copy (each copy is a host-issued command, the copy engines

@@ -4,10 +4,26 @@
 #define __device__
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 
 #include "../../csrc/kernels/tile_schedule.cuh"
 
+// streamk total_work clusters k_tiles: per cluster "c work k_begin k_end last_contributor" lines.
+int dump_stream_k(int argc, char** argv) {
+  if (argc < 5) return 2;
+  int total = std::atoi(argv[2]), clusters = std::atoi(argv[3]), k_tiles = std::atoi(argv[4]);
+  flux::StreamK sk = flux::StreamK::make(total, clusters, k_tiles, true);
+  flux::Segment s;
+  for (int c = 0; c < clusters; ++c)
+    for (flux::SegmentCursor cur = sk.begin(c, clusters); sk.next(cur, s);) {
+      int last = s.k_begin == 0 && s.k_end < k_tiles ? sk.last_contributor(s.work) : -1;
+      std::printf("%d %d %d %d %d\n", c, s.work, s.k_begin, s.k_end, last);
+    }
+  return 0;
+}
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "streamk") return dump_stream_k(argc, argv);
   // rows_per_group n num_groups tile_m tile_n cluster_m swizzle_m order...
   if (argc < 8) return 2;
   flux::GemmProblem p;

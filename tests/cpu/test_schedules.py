@@ -72,3 +72,60 @@ def test_cpp_schedule_matches_python(tmp_path, rows, n, tp, tile, swizzle):
                          check=True, capture_output=True, text=True).stdout
     cpp = [tuple(int(v) for v in line.split()) for line in out.splitlines()]
     assert cpp == _sched(rows, n, tp, order, tile, swizzle).tiles()
+
+
+STREAM_K_CASES = [(1024, 66, 128), (256, 66, 128), (1792, 66, 128), (128, 66, 64), (34, 66, 128), (67, 66, 8),
+                  (1000, 18, 7), (5, 66, 1000), (2, 66, 16)]  # (work items, clusters, k tiles)
+
+
+@pytest.mark.parametrize("total,clusters,k_tiles", STREAM_K_CASES)
+def test_stream_k_covers_every_iteration_once(total, clusters, k_tiles):
+    sk = schedules.StreamK(total, clusters, k_tiles)
+    covered = {}
+    for c in range(clusters):
+        segs = sk.segments(c)
+        for i, (work, k_begin, k_end) in enumerate(segs):
+            assert 0 <= k_begin < k_end <= k_tiles
+            if k_begin > 0:  # a partial: only ever a cluster's first split segment, so one slot per CTA holds it
+                assert not any(kb > 0 for _, kb, _ in segs[:i])
+            for k in range(k_begin, k_end):
+                assert (work, k) not in covered
+                covered[(work, k)] = c
+    assert set(covered) == {(w, k) for w in range(total) for k in range(k_tiles)}
+    # Every split item is reduced by the cluster holding k = 0, from exactly the clusters holding its other
+    # k iterations, and the per-cluster work differs by at most one item's worth of iterations.
+    for w in range(total):
+        owners = sorted({covered[(w, k)] for k in range(k_tiles)})
+        reducer = covered[(w, 0)]
+        assert owners[0] == reducer
+        assert sk.contributors(w) == owners[1:]
+    loads = [sum(ke - kb for _, kb, ke in sk.segments(c)) for c in range(clusters)]
+    if sk.active:
+        assert max(loads) < (total // clusters + 1) * k_tiles, "the tail split must shorten the longest cluster"
+
+
+def test_stream_k_stays_off_where_it_cannot_help():
+    assert not schedules.StreamK(132, 66, 128).active      # whole waves
+    assert not schedules.StreamK(100, 66, 2).active        # too few iterations to split
+    assert not schedules.StreamK(100, 66, 128, enabled=False).active
+    assert schedules.StreamK(1024, 66, 128).active
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the C++ schedule")
+def test_cpp_stream_k_matches_python(tmp_path):
+    exe = tmp_path / "schedule_dump"
+    include = os.path.join(HERE, "..", "..", "csrc", "include")
+    subprocess.run(["g++", "-std=c++17", "-O1", "-I", include, "-o", str(exe), os.path.join(HERE, "schedule_dump.cpp")],
+                   check=True)
+    for total, clusters, k_tiles in STREAM_K_CASES:
+        out = subprocess.run([str(exe), "streamk", str(total), str(clusters), str(k_tiles)], check=True,
+                             capture_output=True, text=True).stdout
+        cpp = [tuple(int(v) for v in line.split()) for line in out.splitlines()]
+        sk = schedules.StreamK(total, clusters, k_tiles)
+        py = []
+        for c in range(clusters):
+            for work, kb, ke in sk.segments(c):
+                contrib = sk.contributors(work)
+                last = (contrib[-1] if contrib else c) if kb == 0 and ke < k_tiles else -1
+                py.append((c, work, kb, ke, last))
+        assert cpp == py, (total, clusters, k_tiles)

@@ -46,3 +46,17 @@ def global_inputs(seed: int, m: int, k: int, n: int, dtype: torch.dtype, layout:
     w = random_matrix(n, k, dtype, gen) if layout == "nt" else random_matrix(k, n, dtype, gen)
     b = random_matrix(1, n, dtype, gen)[0]
     return x, w, b
+
+
+def stream_k_active(rows_per_group: int, n: int, k: int, groups: int, tile: int, sm_count: int,
+                    reduce_scatter: bool = False) -> bool:
+    """Whether the persistent GEMM splits its last wave along K for this problem with `sm_count` SMs (the
+    Python mirror of the kernel's plan, checked against the C++ one by the CPU tests). ReduceScatter splits
+    only when the split items all lie in its last group (its own rows)."""
+    from flux_layers.runtime import schedules
+    tile_m, tile_n = schedules.TILE_CONFIGS[tile]
+    s = schedules.TileSchedule(rows_per_group=rows_per_group, n=n, num_groups=groups,
+                               group_order=tuple(range(groups)), tile_m=tile_m, tile_n=tile_n)
+    sk = schedules.StreamK(s.total_work, sm_count // schedules.CLUSTER_M, -(-k // 64))
+    split_items = s.total_work % (sm_count // schedules.CLUSTER_M)
+    return sk.active and (not reduce_scatter or split_items <= s.work_per_group)

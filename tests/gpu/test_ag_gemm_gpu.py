@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_harness import run_distributed
-from tests.gpu.gpu_support import assert_close_rel, global_inputs, needs_gpus, poison_outputs
+from tests.gpu.gpu_support import assert_close_rel, global_inputs, needs_gpus, poison_outputs, stream_k_active
 
 pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 
@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 TP = min(max(torch.cuda.device_count(), 2), 8)
 
 
-def _one_call(rank, tp, seed, m, k, n, dtype, layout, *, with_bias=True, ws=None, late_rank=None, tile=None):
+def _one_call(rank, tp, seed, m, k, n, dtype, layout, *, with_bias=True, ws=None, late_rank=None, tile=None,
+              **kernel):
     from flux_layers.ops import fused_ag_gemm
     x, w, b = global_inputs(seed, m, k, n, dtype, layout)
     x_shard_m = x.chunk(tp)[rank]
@@ -26,7 +27,8 @@ def _one_call(rank, tp, seed, m, k, n, dtype, layout, *, with_bias=True, ws=None
     if late_rank == rank:
         time.sleep(0.010)
     out, gathered = fused_ag_gemm.ag_gemm(x_shard_m, w_shard_n, b_shard_n, group=dist.group.WORLD,
-                                          weight_layout=layout, return_gathered=True, ws=ws, tile=tile)
+                                          weight_layout=layout, return_gathered=True, ws=ws, tile=tile,
+                                          **kernel)
     ref = x.float() @ (w_shard_n.float().t() if layout == "nt" else w_shard_n.float())
     if with_bias:
         ref = ref + b_shard_n.float()
@@ -86,6 +88,26 @@ def _late_and_many(rank, tp, seed):
         out = fused_ag_gemm.ag_gemm(x_shard_m, w_shard_n, group=dist.group.WORLD, ws=ws)
         assert_close_rel(out, x.float() @ w_shard_n.float().t(), torch.bfloat16, f"rank {rank} {mode} in-buffer x")
     torch.cuda.synchronize()
+
+
+def _stream_k(rank, tp, seed):
+    poison_outputs()
+    os.environ["FLUX_LAYERS_AG_MODE"] = "push"
+    os.environ["FLUX_LAYERS_AG_ORDER"] = "mesh"
+    os.environ["FLUX_LAYERS_CHUNK_ROWS"] = "0"
+    i = 0
+    for tile in (0, 1):
+        for layout in ("nt", "nn"):
+            for (rows, k, n_local, sms) in ((2048, 2048, 1024, 40), (1000, 4096, 520, 36)):
+                assert stream_k_active(rows, n_local, k, tp, tile, sms), "the stream-K tail would not run"
+                _one_call(rank, tp, seed + i, rows * tp, k, n_local * tp, torch.bfloat16, layout, tile=tile,
+                          stream_k=True, sm_count=sms)
+                i += 1
+    torch.cuda.synchronize()
+
+
+def test_ag_gemm_stream_k_tail():
+    run_distributed(_stream_k, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl")
 
 
 def test_ag_gemm_late_rank_and_back_to_back():

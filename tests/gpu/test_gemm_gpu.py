@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.gpu_support import assert_close_rel, needs_gpus, poison_outputs, random_matrix
+from tests.gpu.gpu_support import assert_close_rel, needs_gpus, poison_outputs, random_matrix, stream_k_active
 
 pytestmark = [pytest.mark.gpu, needs_gpus(1)]
 
@@ -68,3 +68,27 @@ def test_bad_inputs_raise_and_later_calls_work():
         fused_gemm.gemm(x, w, tile=7)
     out = fused_gemm.gemm(x, w)
     assert_close_rel(out, x.float() @ w.float().t(), torch.bfloat16, "valid call after bad ones")
+
+
+# (M, N, K, tile, SMs): the persistent grid is limited so that the split of the last wave is known here.
+STREAM_K_CASES = [(4096, 4096, 4096, 1, 40), (1000, 1048, 4096, 0, 40), (2048, 3072, 8192, 1, 132),
+                  (4104, 4104, 1032, 0, 36), (384, 512, 16384, 1, 64)]
+
+
+@pytest.mark.parametrize("layout", ["nt", "nn"])
+@pytest.mark.parametrize("case", STREAM_K_CASES)
+def test_stream_k_tail_matches_reference_and_repeats_bitwise(case, layout):
+    from flux_layers.ops import fused_gemm
+    m, n, k, tile, sms = case
+    assert stream_k_active(m, n, k, 1, tile, sms) or sms >= 132, f"{case}: the stream-K tail would not run"
+    gen = torch.Generator(device="cuda").manual_seed(m + n + k)
+    x = random_matrix(m, k, torch.bfloat16, gen)
+    w = random_matrix(n, k, torch.bfloat16, gen) if layout == "nt" else random_matrix(k, n, torch.bfloat16, gen)
+    b = random_matrix(1, n, torch.bfloat16, gen)[0]
+    ref = x.float() @ (w.float().t() if layout == "nt" else w.float()) + b.float()
+    first = fused_gemm.gemm(x, w, b, weight_layout=layout, tile=tile, sm_count=sms, stream_k=True)
+    assert_close_rel(first, ref, torch.bfloat16, f"stream-K {case} {layout}")
+    again = fused_gemm.gemm(x, w, b, weight_layout=layout, tile=tile, sm_count=sms, stream_k=True)
+    assert torch.equal(first, again), f"stream-K {case} {layout}: two runs differ bitwise"
+    whole = fused_gemm.gemm(x, w, b, weight_layout=layout, tile=tile, sm_count=sms, stream_k=False)
+    assert_close_rel(whole, ref, torch.bfloat16, f"whole tiles {case} {layout}")

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_harness import run_distributed
-from tests.gpu.gpu_support import assert_close_rel, global_inputs, needs_gpus, poison_outputs
+from tests.gpu.gpu_support import assert_close_rel, global_inputs, needs_gpus, poison_outputs, stream_k_active
 
 pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 
@@ -16,7 +16,8 @@ pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 TP = min(max(torch.cuda.device_count(), 2), 8)
 
 
-def _one_call(rank, tp, seed, m, k, n, dtype, layout, *, with_bias=True, ws=None, late_rank=None, tile=None):
+def _one_call(rank, tp, seed, m, k, n, dtype, layout, *, with_bias=True, ws=None, late_rank=None, tile=None,
+              **kernel):
     from flux_layers.ops import fused_gemm_rs
     x, w, b = global_inputs(seed, m, k, n, dtype, layout)
     x_shard_k = x.chunk(tp, dim=1)[rank].contiguous()
@@ -24,7 +25,7 @@ def _one_call(rank, tp, seed, m, k, n, dtype, layout, *, with_bias=True, ws=None
     if late_rank == rank:
         time.sleep(0.010)
     out = fused_gemm_rs.gemm_rs(x_shard_k, w_shard_k, b if with_bias else None, group=dist.group.WORLD,
-                                weight_layout=layout, ws=ws, tile=tile)
+                                weight_layout=layout, ws=ws, tile=tile, **kernel)
     full = x.float() @ (w.float().t() if layout == "nt" else w.float())
     if with_bias:
         full = full + b.float()
@@ -65,6 +66,27 @@ def _late_many_deterministic(rank, tp, seed):
     with pytest.raises(ValueError, match="max_m"):
         _one_call(rank, tp, seed, 4096 * tp, 256 * tp, 256, torch.bfloat16, "nt", ws=ws)
     torch.cuda.synchronize()
+
+
+def _stream_k(rank, tp, seed):
+    poison_outputs()
+    i = 0
+    for tile in (0, 1):
+        for layout in ("nt", "nn"):
+            # (M / tp, K / tp, N, SMs): the split items (the last wave) all lie in this rank's own rows
+            for (rows, k_local, n, sms) in ((2048, 2048, 1024, 40), (1000, 4096, 520, 36)):
+                assert stream_k_active(rows, n, k_local, tp, tile, sms, reduce_scatter=True), "the stream-K tail would not run"
+                first = _one_call(rank, tp, seed + i, rows * tp, k_local * tp, n, torch.bfloat16, layout, tile=tile,
+                                  stream_k=True, sm_count=sms)
+                again = _one_call(rank, tp, seed + i, rows * tp, k_local * tp, n, torch.bfloat16, layout, tile=tile,
+                                  stream_k=True, sm_count=sms)
+                assert torch.equal(first, again), f"rank {rank}: stream-K gemm_rs differs bitwise between runs"
+                i += 1
+    torch.cuda.synchronize()
+
+
+def test_gemm_rs_stream_k_tail():
+    run_distributed(_stream_k, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl")
 
 
 def test_gemm_rs_late_rank_back_to_back_and_bitwise_repeatable():

@@ -57,6 +57,9 @@ struct AgGemmArgs {
   int* error_record = nullptr;
   int* error_claim = nullptr;
   int sm_count = 0;
+  int swizzle_m = 0;                 // GemmProblem::swizzle_m
+  void* split_workspace = nullptr;   // GemmProblem::split_workspace (stream-K tail), or null
+  int64_t split_workspace_bytes = 0;
   cudaStream_t compute = nullptr;
   cudaStream_t comm[kMaxGroups] = {nullptr};  // at least one; mesh uses up to tp - 1
   int num_comm = 0;
@@ -93,6 +96,9 @@ struct GemmRsArgs {
   int* error_record = nullptr;
   int* error_claim = nullptr;
   int sm_count = 0;
+  int swizzle_m = 0;
+  void* split_workspace = nullptr;
+  int64_t split_workspace_bytes = 0;
   cudaStream_t compute = nullptr;
 };
 

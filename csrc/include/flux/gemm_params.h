@@ -21,7 +21,13 @@ enum class DType : int { kBF16 = 0, kFP16 = 1 };
 enum class WeightLayout : int { kNT = 0 /* W [N, K]: x @ W^T */, kNN = 1 /* W [K, N]: x @ W */ };
 
 // Error codes written into GemmProblem::error_record[0] when a bounded wait times out.
-enum WaitError : int { kNoError = 0, kChunkTimeout = 1, kTileTimeout = 2, kConsumedTimeout = 3 };
+enum WaitError : int {
+  kNoError = 0,
+  kChunkTimeout = 1,
+  kTileTimeout = 2,
+  kConsumedTimeout = 3,
+  kSplitTimeout = 4,  // a stream-K reducer waited too long for a partial of its own grid (a kernel bug)
+};
 
 struct GemmProblem {
   // ---- shape
@@ -69,6 +75,19 @@ struct GemmProblem {
   // ---- launch
   int sm_count = 0;    // CTAs resident at once (persistent grid); 0: all SMs of the device
   int swizzle_m = 0;   // tiles along M visited together (L2 locality); 0: default
+
+  // ---- stream-K tail (tile_schedule.cuh StreamK): scratch for the fp32 partials of split tiles and their
+  // flags, stream-ordered (allocated for this launch); null or too small: whole tiles only
+  void* split_workspace = nullptr;
+  int64_t split_workspace_bytes = 0;
 };
+
+// Bytes of split_workspace that any launch on a device with `sm_count` SMs can use: one flag and one fp32
+// tile of partials per CTA (every tile configuration has 32768 accumulators per CTA).
+constexpr int64_t kSplitTileFloats = 128 * 256;
+inline int64_t split_flags_bytes(int ctas) { return (int64_t(ctas) * 4 + 255) / 256 * 256; }
+inline int64_t split_workspace_bytes(int ctas) {
+  return split_flags_bytes(ctas) + int64_t(ctas) * kSplitTileFloats * 4;
+}
 
 }  // namespace flux
