@@ -5,12 +5,17 @@ A layer's sequence-parallel GEMMs come in two kinds:
 | switch | fused op | column-parallel layer | row-parallel layer |
 |---|---|---|---|
 | ``tp_comm_overlap_ag`` | AllGather + GEMM (``ops.ag_gemm``) | fprop | dgrad |
-| ``tp_comm_overlap_rs`` | GEMM + ReduceScatter (``ops.gemm_rs``) | dgrad | fprop |
+| ``tp_comm_overlap_rs`` | GEMM + ReduceScatter (``ops.gemm_rs``) | (with ``_rs_dgrad``) dgrad | fprop |
+| ``tp_comm_overlap_rs_dgrad`` | GEMM + ReduceScatter for the column dgrad | dgrad | |
 
 A switch that is off sends that GEMM down the sequential path (``backend='reference'``: the collective, then
 the GEMM), which is what megatron-core's own layers do. ``tp_comm_overlap`` is the master switch, as in
-Megatron. TE's userbuffer modes (``tp_comm_bulk_*``, ``tp_comm_split_*``, ``tp_comm_atomic_*``,
-``tp_comm_overlap_rs_dgrad``) have no counterpart here: the RS switch covers the column dgrad as well.
+Megatron. The column dgrad's reduce-scatter has a second overlap that needs no fused kernel, as with TE's
+``tp_comm_bulk_dgrad``: with ``tp_comm_overlap_rs_dgrad=False`` the dgrad GEMM runs alone and its NCCL
+reduce-scatter runs underneath the wgrad GEMM (megatron-core's own column layer does the same); with True the
+dgrad is the fused GEMM+ReduceScatter. As in Megatron, ``tp_comm_overlap_rs_dgrad`` defaults to False when
+read from a megatron config. TE's other userbuffer modes (``tp_comm_split_*``, ``tp_comm_atomic_*``) have no
+counterpart here.
 
 Column-parallel wgrad needs AG(x). ``wgrad_input`` says where it comes from:
 - ``'keep'`` (default): the fprop AG+GEMM hands the gathered x back (``return_gathered=True``) and the layer
@@ -39,7 +44,11 @@ class OverlapConfig:
     """AllGather + GEMM fused: column fprop, row dgrad."""
 
     tp_comm_overlap_rs: bool = True
-    """GEMM + ReduceScatter fused: row fprop, column dgrad."""
+    """GEMM + ReduceScatter fused: row fprop (and column dgrad if ``tp_comm_overlap_rs_dgrad``)."""
+
+    tp_comm_overlap_rs_dgrad: bool = True
+    """Column dgrad as fused GEMM + ReduceScatter; False: dgrad GEMM, then NCCL reduce-scatter underneath the
+    wgrad GEMM."""
 
     wgrad_input: str = "keep"
     """Where column wgrad gets AG(x): 'keep' it from fprop or 'regather' it in backward."""
@@ -69,13 +78,19 @@ class OverlapConfig:
     def rs_enabled(self) -> bool:
         return self.tp_comm_overlap and self.tp_comm_overlap_rs
 
+    @property
+    def rs_dgrad_enabled(self) -> bool:
+        return self.rs_enabled and self.tp_comm_overlap_rs_dgrad
+
     def backend_for(self, op: str) -> str | None:
         """The ``backend=`` to pass to ``ops.ag_gemm`` / ``ops.gemm_rs``: 'reference' where the switch is off."""
         if op == "ag_gemm":
             return self.backend if self.ag_enabled else "reference"
         if op == "gemm_rs":
             return self.backend if self.rs_enabled else "reference"
-        raise ValueError(f"backend_for: op must be 'ag_gemm' or 'gemm_rs', got {op!r}")
+        if op == "gemm_rs_dgrad":
+            return self.backend if self.rs_dgrad_enabled else "reference"
+        raise ValueError(f"backend_for: op must be 'ag_gemm', 'gemm_rs' or 'gemm_rs_dgrad', got {op!r}")
 
     @classmethod
     def from_megatron(cls, config, tp_comm_buffer_name: str | None = None, **overrides) -> "OverlapConfig":
@@ -92,5 +107,6 @@ class OverlapConfig:
             ag = False
         base = cls(tp_comm_overlap=getattr(config, "tp_comm_overlap", cls.tp_comm_overlap),
                    tp_comm_overlap_ag=ag,
-                   tp_comm_overlap_rs=getattr(config, "tp_comm_overlap_rs", cls.tp_comm_overlap_rs))
+                   tp_comm_overlap_rs=getattr(config, "tp_comm_overlap_rs", cls.tp_comm_overlap_rs),
+                   tp_comm_overlap_rs_dgrad=getattr(config, "tp_comm_overlap_rs_dgrad", cls.tp_comm_overlap_rs_dgrad))
         return replace(base, **overrides) if overrides else base

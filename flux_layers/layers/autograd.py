@@ -5,7 +5,7 @@ the sequence shard of a rank is one contiguous block of rows. ``tp`` is the size
 
 | function | fprop | dgrad | wgrad |
 |---|---|---|---|
-| :class:`AllGatherLinear` (column, SP) | y [M, N/tp] = AG(x_shard_m) @ w_shard_n^T: ``ops.ag_gemm`` 'nt' | dx_shard_m = RS(dy @ w_shard_n): ``ops.gemm_rs`` 'nn' | dw [N/tp, K] = dy^T @ AG(x) |
+| :class:`AllGatherLinear` (column, SP) | y [M, N/tp] = AG(x_shard_m) @ w_shard_n^T: ``ops.ag_gemm`` 'nt' | dx_shard_m = RS(dy @ w_shard_n): ``ops.gemm_rs`` 'nn', or (reference path) the GEMM, then NCCL RS under the wgrad GEMM | dw [N/tp, K] = dy^T @ AG(x) |
 | :class:`ReduceScatterLinear` (row, SP) | y_shard_m [M/tp, N] = RS(x_shard_k @ w_shard_k^T): ``ops.gemm_rs`` 'nt' | dx_shard_k = AG(dy_shard_m) @ w_shard_k: ``ops.ag_gemm`` 'nn' | dw [N, K/tp] = AG(dy)^T @ x_shard_k |
 | :class:`LocalLinear` (no SP) | y = x @ w^T (+ all-reduce of y for row) | dx = dy @ w (+ all-reduce of dx for column) | dw = dy^T @ x |
 
@@ -46,6 +46,14 @@ def _all_gather_rows_start(x_shard_m: torch.Tensor, group):
     x_shard_m = x_shard_m.contiguous()
     gathered = x_shard_m.new_empty((_tp(group) * x_shard_m.shape[0],) + tuple(x_shard_m.shape[1:]))
     return gathered, dist.all_gather_into_tensor(gathered, x_shard_m, group=group, async_op=True)
+
+
+def _reduce_scatter_rows_start(t: torch.Tensor, group):
+    """Start RS(t) over rows; returns (this rank's [rows/tp, ...] block, work to wait on or None)."""
+    if torch.compiler.is_compiling() or dist.get_backend(group) == "gloo":  # gloo: no tensor reduce-scatter
+        return reference.reduce_scatter_rows(t, group), None
+    out = t.new_empty((t.shape[0] // _tp(group),) + tuple(t.shape[1:]))
+    return out, dist.reduce_scatter_tensor(out, t.contiguous(), group=group, async_op=True)
 
 
 def _all_reduce_start(t: torch.Tensor, group):
@@ -133,15 +141,21 @@ class AllGatherLinear(torch.autograd.Function):
                 x_gathered = x_saved
             else:  # regather, issued before the dgrad GEMM so that it runs underneath it
                 x_gathered, gather = _all_gather_rows_start(x_saved, ctx.group)
-        dx_shard_m = None
+        dx_shard_m, scatter = None, None
         if need_dgrad:
-            dx_shard_m = ops.gemm_rs(dy, w_shard_n, group=ctx.group, weight_layout="nn",
-                                     backend=ctx.dgrad_backend)
+            if ctx.dgrad_backend == "reference" and need_wgrad:
+                # As megatron-core's column layer: the NCCL reduce-scatter runs underneath the wgrad GEMM.
+                dx_shard_m, scatter = _reduce_scatter_rows_start(dy @ w_shard_n, ctx.group)
+            else:
+                dx_shard_m = ops.gemm_rs(dy, w_shard_n, group=ctx.group, weight_layout="nn",
+                                         backend=ctx.dgrad_backend)
         dw = None
         if need_wgrad:
             if gather is not None:
                 gather.wait()
             dw = weight_grad(ctx, w_shard_n, dy, x_gathered)
+        if scatter is not None:
+            scatter.wait()
         db = dy.sum(dim=0) if ctx.use_bias and ctx.needs_input_grad[2] else None
         return dx_shard_m, dw, db, None, None, None, None, None
 

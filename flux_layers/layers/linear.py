@@ -136,13 +136,21 @@ class _ParallelLinear(torch.nn.Module):
                                f"weight.main_grad (allocated by megatron's DistributedDataParallel); the weight "
                                f"has none")
 
-    def _plan(self, op: str, x: torch.Tensor, mkn: tuple[int, int, int]) -> Choice:
+    def _plan(self, op: str, x: torch.Tensor, mkn: tuple[int, int, int], dgrad: bool = False) -> Choice:
         """The path of one sequence-parallel GEMM (``mkn`` as ``ops.plan`` counts it: M the gathered rows): the
-        reference path where this layer's overlap switch is off, else what ops' dispatch decides."""
-        enabled = self.overlap.ag_enabled if op == "ag_gemm" else self.overlap.rs_enabled
+        reference path where this layer's overlap switch is off, else what ops' dispatch decides. ``dgrad``:
+        the column dgrad's GEMM+RS, which has its own switch."""
+        if op == "ag_gemm":
+            enabled, switch = self.overlap.ag_enabled, "tp_comm_overlap_ag"
+        elif dgrad:
+            enabled, switch = self.overlap.rs_dgrad_enabled, "tp_comm_overlap_rs_dgrad"
+        else:
+            enabled, switch = self.overlap.rs_enabled, "tp_comm_overlap_rs"
         if not enabled:
-            switch = "tp_comm_overlap" if not self.overlap.tp_comm_overlap else (
-                "tp_comm_overlap_ag" if op == "ag_gemm" else "tp_comm_overlap_rs")
+            if not self.overlap.tp_comm_overlap:
+                switch = "tp_comm_overlap"
+            elif not self.overlap.rs_enabled and op == "gemm_rs":
+                switch = "tp_comm_overlap_rs"
             return Choice("reference", f"overlap switch {switch}=False")
         # NOTE: the path may depend on the shape (tuning table), so under torch.compile with dynamic shapes
         # guard_scalar specialises M, K, N: one graph per shape, each with its own path.
@@ -255,7 +263,9 @@ class ColumnParallelLinear(_ParallelLinear):
         x_shard_m = input_.reshape(-1, input_.shape[-1])
         m, k, n = x_shard_m.shape[0] * self.tp_size, self.input_size, self.output_size_per_partition
         fprop = self._plan("ag_gemm", x_shard_m, (m, k, n))   # AG(x) [M, K] @ W^T -> [M, N/tp]
-        dgrad = self._plan("gemm_rs", x_shard_m, (m, n, k))   # dY [M, N/tp] @ W -> RS -> [M/tp, K]
+        dgrad = self._plan("gemm_rs", x_shard_m, (m, n, k), dgrad=True)   # dY [M, N/tp] @ W -> RS -> [M/tp, K]
+        if dgrad.path == "reference":
+            dgrad = Choice("reference", dgrad.reason + "; NCCL reduce-scatter under the wgrad GEMM")
         self.last_paths = {"fprop": fprop, "dgrad": dgrad,
                            "wgrad": Choice("local", "dY^T @ AG(x), AG(x) " + (
                                "kept from fprop" if self.overlap.wgrad_input == "keep" else "gathered again"))}

@@ -292,14 +292,20 @@ def _check_paths(rank, tp, group):
 
     off = paths(_config(tp, True))  # megatron's default: tp_comm_overlap=False
     assert off["fprop"] == ("reference", "overlap switch tp_comm_overlap=False")
-    assert off["dgrad"] == ("reference", "overlap switch tp_comm_overlap=False")
+    under_wgrad = "; NCCL reduce-scatter under the wgrad GEMM"
+    assert off["dgrad"] == ("reference", "overlap switch tp_comm_overlap=False" + under_wgrad)
     on = _config(tp, True, tp_comm_overlap=True, tp_comm_overlap_rs=False)
     # With its switch on, a GEMM goes where ops' dispatch sends it ('auto' on CPU: reference, for a named reason).
     auto = ops.plan("ag_gemm", x.reshape(-1, 4), torch.zeros(4 // tp, 4, dtype=torch.float64), group=group)
     assert auto.path == "reference" and auto.reason not in ("requested", "")
     col = paths(on)
     assert col["fprop"] == (auto.path, auto.reason)
-    assert col["dgrad"] == ("reference", "overlap switch tp_comm_overlap_rs=False")
+    assert col["dgrad"] == ("reference", "overlap switch tp_comm_overlap_rs=False" + under_wgrad)
+    # Megatron's tp_comm_overlap_rs_dgrad (default False) is the column dgrad's own switch.
+    dgrad_off = paths(_config(tp, True, tp_comm_overlap=True))
+    assert dgrad_off["dgrad"] == ("reference", "overlap switch tp_comm_overlap_rs_dgrad=False" + under_wgrad)
+    dgrad_on = paths(_config(tp, True, tp_comm_overlap=True, tp_comm_overlap_rs_dgrad=True))
+    assert dgrad_on["dgrad"][0] == auto.path and dgrad_on["dgrad"][1].startswith(auto.reason)
     row = paths(on, RowParallelLinear)
     assert row["fprop"] == ("reference", "overlap switch tp_comm_overlap_rs=False")
     assert row["dgrad"] == (auto.path, auto.reason)

@@ -20,7 +20,10 @@ def test_switches_select_the_reference_path_per_op():
     assert cfg.backend_for("ag_gemm") == "auto" and cfg.backend_for("gemm_rs") == "reference"
     off = OverlapConfig(tp_comm_overlap=False, backend="auto")
     assert off.backend_for("ag_gemm") == "reference" and off.backend_for("gemm_rs") == "reference"
-    with pytest.raises(ValueError, match="op must be 'ag_gemm' or 'gemm_rs'"):
+    assert cfg.backend_for("gemm_rs_dgrad") == "reference"  # the RS switch covers the column dgrad too
+    dgrad_off = OverlapConfig(tp_comm_overlap_rs_dgrad=False, backend="auto")
+    assert dgrad_off.backend_for("gemm_rs") == "auto" and dgrad_off.backend_for("gemm_rs_dgrad") == "reference"
+    with pytest.raises(ValueError, match="op must be 'ag_gemm', 'gemm_rs' or 'gemm_rs_dgrad'"):
         cfg.backend_for("gemm")
 
 
@@ -29,6 +32,9 @@ def test_from_megatron_reads_the_config_fields():
     assert not OverlapConfig.from_megatron(ModelParallelConfig()).ag_enabled  # Megatron's default: off
     cfg = OverlapConfig.from_megatron(ModelParallelConfig(tp_comm_overlap=True, tp_comm_overlap_ag=False))
     assert not cfg.ag_enabled and cfg.rs_enabled
+    assert not cfg.rs_dgrad_enabled  # Megatron's tp_comm_overlap_rs_dgrad defaults to False
+    assert OverlapConfig.from_megatron(ModelParallelConfig(tp_comm_overlap=True,
+                                                           tp_comm_overlap_rs_dgrad=True)).rs_dgrad_enabled
     # Attributes a config lacks keep the defaults (on).
     assert OverlapConfig.from_megatron(SimpleNamespace()) == OverlapConfig()
     qkv = SimpleNamespace(tp_comm_overlap=True, tp_comm_overlap_disable_qkv=True)
