@@ -4,7 +4,7 @@
 #   scripts/gpu_check.sh OUTDIR [STEP ...]
 #
 # Steps (default: all, in this order): env gemm_test ag_test rs_test layers_test gemm_bench ag_bench rs_bench
-# layer_bench layer_bench_conn1. Each step runs under its own time limit; a failing step does not stop the others. Logs and
+# layer_bench layer_bench_conn1. Also: split_tests (only the stream-K tail's GPU tests). Each step runs under its own time limit; a failing step does not stop the others. Logs and
 # JSON go to a work folder, packed at the end into OUTDIR/gpu_check.tgz (plus OUTDIR/summary.txt).
 #
 # Wheels the machine lacks (megatron-core for the layer steps) are installed from .whl/ if present; the
@@ -71,6 +71,7 @@ flux_layers._library.path(), flux_layers._library.unavailable_reason())'" ;;
     gemm_test) step gemm_test 240 $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_gemm_gpu.py ;;
     ag_test) step ag_test 300 $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_ag_gemm_gpu.py ;;
     rs_test) step rs_test 300 $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_gemm_rs_gpu.py ;;
+    split_tests) step split_tests 300 $PY -m pytest -q -x -p no:cacheprovider tests/gpu -k stream_k ;;
     layers_test) step layers_test 300 $PY -m pytest -q -p no:cacheprovider tests/gpu -k "layer or spec or norm" ;;
     gemm_bench) step gemm_bench 300 $PY -m benchmarks.bench_gemm --out "$WORK/results/gemm_h200.json" ;;
     ag_bench) step ag_bench 400 $PY -m benchmarks.bench_ag_gemm --out "$WORK/results/ag_gemm_$GPU_TAG.json" ;;

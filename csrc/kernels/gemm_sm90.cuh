@@ -9,10 +9,10 @@
 //              coalesced stores to the group's destination, which may be a peer GPU's receive slot (NVLink
 //              P2P). ReduceScatter: a tile for a peer is followed by a release flag in the peer's memory; a
 //              tile of own rows first waits for the peers' flags and sums their partials in a fixed order.
-//   tail     : stream-K (tile_schedule.cuh StreamK): the items of a last, partial wave are split along K over
-//              every cluster; a segment without k = 0 stores its fp32 accumulators to the split workspace and
-//              flags them, the segment with k = 0 adds them in cluster order (same bits every run) and runs
-//              the epilogue. Producer and consumers walk the same segment list.
+//   tail     : stream-K (tile_schedule.cuh StreamK; 128 x 256 tiles): the items of a last, partial wave are
+//              split along K over every cluster; a segment without k = 0 stores its fp32 accumulators to the
+//              split workspace and flags them, the segment with k = 0 adds them in cluster order (same bits
+//              every run) and runs the epilogue. Producer and consumers walk the same segment list.
 //   launcher : launch<Config>(GemmProblem, stream), C-style, no torch.
 //
 // Invariants
@@ -112,6 +112,9 @@ struct GemmKernel {
   static_assert(size(TiledMma{}) == kMmaThreads, "cooperative mainloop: two consumer warp groups");
   static_assert(kTileN % kEpiCols == 0, "epilogue sub-tiles must divide the tile");
   static_assert(kTileM * kTileN <= kSplitTileFloats, "split workspace sized for 32768 accumulators per CTA");
+  // The stream-K tail is built for 128 x 256 tiles only: with 256 x 128 tiles the reducer's partial adds
+  // push the consumer past its register budget (ptxas spills, and the whole kernel runs ~8% slower).
+  static constexpr bool kSplitCapable = kTileM == 128;
 
   struct SharedStorage {
     typename Mainloop::TensorStorage mainloop;                   // aligned to 128 bytes by its type
@@ -449,13 +452,15 @@ struct GemmKernel {
         collective.mma(pipeline, read_state, accum, k_count, mma_thread_idx, ss.mainloop, params.mainloop_own);
         collective.mma_tail(pipeline, read_state, k_count);
         read_state.advance(k_count);
-        if (seg.k_begin > 0) {  // a later segment of a split item: hand the partial to the item's reducer
-          store_partial(params, accum, cluster_id * kClusterM + cluster_rank_m, mma_thread_idx);
-          continue;
-        }
-        if (seg.k_end < k_tiles) {  // reducer of a split item
-          add_partials(params, accum, cluster_id + 1, params.split.last_contributor(seg.work), cluster_rank_m,
-                       mma_thread_idx);
+        if constexpr (kSplitCapable) {
+          if (seg.k_begin > 0) {  // a later segment of a split item: hand the partial to the item's reducer
+            store_partial(params, accum, cluster_id * kClusterM + cluster_rank_m, mma_thread_idx);
+            continue;
+          }
+          if (seg.k_end < k_tiles) {  // reducer of a split item
+            add_partials(params, accum, cluster_id + 1, params.split.last_contributor(seg.work), cluster_rank_m,
+                         mma_thread_idx);
+          }
         }
         epilogue(params, t, accum, mma_thread_idx, ss, consumed_seen, pending);
       }
@@ -573,7 +578,8 @@ struct Launcher {
     clusters = std::max(1, clusters);
     int const ctas = clusters * Cfg::kClusterM;
     int const k_tiles = (prob.k + Cfg::kTileK - 1) / Cfg::kTileK;
-    bool split_ok = prob.split_workspace != nullptr && prob.split_workspace_bytes >= split_workspace_bytes(ctas);
+    bool split_ok = Kernel::kSplitCapable && prob.split_workspace != nullptr &&
+                    prob.split_workspace_bytes >= split_workspace_bytes(ctas);
     params.split = StreamK::make(params.sched.total_work, clusters, k_tiles, split_ok);
     // ReduceScatter: split items must all be own rows (the last group), which no peer waits on; a reducer
     // of a peer's rows could otherwise hold back a flag that the peer's own reducers wait for.

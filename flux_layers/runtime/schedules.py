@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 MAX_TP = 8
 TILE_CONFIGS = {0: (256, 128), 1: (128, 256)}  # id -> (tile_m, tile_n), matches flux::TileConfig
+SPLIT_TILE_CONFIGS = (1,)  # configurations built with the stream-K tail (GemmKernel::kSplitCapable)
 CLUSTER_M = 2
 
 
@@ -90,7 +91,7 @@ class StreamK:
     def _plan(self) -> tuple[int, int, int, int]:
         """(dp_work, sk_clusters, iters_per_cluster, sk_iters)."""
         rem = self.total_work % self.clusters if self.clusters > 0 else 0
-        if not self.enabled or rem == 0 or self.k_tiles < 2:
+        if not self.enabled or rem == 0 or 4 * rem > 3 * self.clusters or self.k_tiles < 2:
             return self.total_work, 0, 0, 0
         iters = rem * self.k_tiles
         sk_clusters = min(iters // self.min_iters, self.clusters)

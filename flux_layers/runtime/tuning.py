@@ -57,10 +57,10 @@ def dispatch_entry(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int,
 
 
 # Defaults where no tuned entry applies, as measured (benchmarks/results/gemm_h200.json, ag_gemm_*, gemm_rs_*):
-# the plain GEMM is fastest or within 0.5% of fastest with 128 x 256 tiles visited in panels of 16 tiles along
-# M on all 8 measured shapes; the fused operators were measured with 256 x 128 tiles and the kernel's default
-# panels of 8 (their swizzle is not plumbed through: the second value is informational for them).
-_DEFAULT_KERNEL = {"gemm": (1, 16), "ag_gemm": (0, 8), "gemm_rs": (0, 8)}
+# 128 x 256 tiles visited in panels of 16 tiles along M are the fastest configuration of the plain GEMM on all 8
+# measured shapes and of both fused operators on all 10 (the stream-K tail, FLUX_LAYERS_STREAM_K, is built for
+# this tile shape only).
+_DEFAULT_KERNEL = {"gemm": (1, 16), "ag_gemm": (1, 16), "gemm_rs": (1, 16)}
 
 
 def kernel_config(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int]) -> tuple[int, int]:

@@ -106,6 +106,7 @@ def test_stream_k_covers_every_iteration_once(total, clusters, k_tiles):
 
 def test_stream_k_stays_off_where_it_cannot_help():
     assert not schedules.StreamK(132, 66, 128).active      # whole waves
+    assert not schedules.StreamK(256, 66, 128).active      # last wave 58/66 full: little to gain
     assert not schedules.StreamK(100, 66, 2).active        # too few iterations to split
     assert not schedules.StreamK(100, 66, 128, enabled=False).active
     assert schedules.StreamK(1024, 66, 128).active

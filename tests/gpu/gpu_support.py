@@ -54,9 +54,20 @@ def stream_k_active(rows_per_group: int, n: int, k: int, groups: int, tile: int,
     Python mirror of the kernel's plan, checked against the C++ one by the CPU tests). ReduceScatter splits
     only when the split items all lie in its last group (its own rows)."""
     from flux_layers.runtime import schedules
+    if tile not in schedules.SPLIT_TILE_CONFIGS:
+        return False
     tile_m, tile_n = schedules.TILE_CONFIGS[tile]
     s = schedules.TileSchedule(rows_per_group=rows_per_group, n=n, num_groups=groups,
                                group_order=tuple(range(groups)), tile_m=tile_m, tile_n=tile_n)
     sk = schedules.StreamK(s.total_work, sm_count // schedules.CLUSTER_M, -(-k // 64))
     split_items = s.total_work % (sm_count // schedules.CLUSTER_M)
     return sk.active and (not reduce_scatter or split_items <= s.work_per_group)
+
+
+def split_sm_count(rows_per_group: int, n: int, k: int, groups: int, tile: int = 1,
+                   reduce_scatter: bool = False) -> int:
+    """The smallest SM count (a limit on the persistent grid) under which the problem's last wave is split."""
+    for sms in range(16, 133, 4):
+        if stream_k_active(rows_per_group, n, k, groups, tile, sms, reduce_scatter):
+            return sms
+    raise AssertionError(f"no SM count splits the last wave of {rows_per_group}x{n}x{k} x {groups} groups")

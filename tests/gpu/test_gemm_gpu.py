@@ -71,8 +71,8 @@ def test_bad_inputs_raise_and_later_calls_work():
 
 
 # (M, N, K, tile, SMs): the persistent grid is limited so that the split of the last wave is known here.
-STREAM_K_CASES = [(4096, 4096, 4096, 1, 40), (1000, 1048, 4096, 0, 40), (2048, 3072, 8192, 1, 132),
-                  (4104, 4104, 1032, 0, 36), (384, 512, 16384, 1, 64)]
+STREAM_K_CASES = [(4096, 4096, 4096, 1, 44), (1000, 1048, 4096, 1, 64), (2048, 3072, 8192, 1, 132),
+                  (4104, 4104, 1032, 1, 40), (4104, 4104, 1032, 1, 36), (384, 512, 16384, 1, 64)]
 
 
 @pytest.mark.parametrize("layout", ["nt", "nn"])
