@@ -280,6 +280,21 @@ struct GemmKernel {
     pending.group = -1;
   }
 
+  // Own rows of a ReduceScatter, after the peers' flags were seen: pull the whole tile of every partial into
+  // L2 at once, so that the sub-tile loads below do not each wait a full memory round trip.
+  CUTLASS_DEVICE static void prefetch_partials(GemmProblem const& p, int row0, int col0, int mma_thread_idx) {
+    constexpr int kLinesPerRow = kTileN * int(sizeof(Element)) / 128;
+    for (int s = 0; s < p.rs_num_partials; ++s) {
+      Element const* base = static_cast<Element const*>(p.rs_partials[s]);
+      for (int l = mma_thread_idx; l < kTileM * kLinesPerRow; l += kMmaThreads) {
+        int grow = row0 + l / kLinesPerRow;
+        int gcol = col0 + (l % kLinesPerRow) * (128 / int(sizeof(Element)));
+        if (grow < p.rows_per_group && gcol < p.n)
+          asm volatile("prefetch.global.L2 [%0];" ::"l"(base + int64_t(grow) * p.ldd + gcol));
+      }
+    }
+  }
+
   template <class Accum>
   CUTLASS_DEVICE static void epilogue(Params const& params, TileCoord t, Accum const& accum, int mma_thread_idx,
                                       SharedStorage& ss, uint32_t& consumed_seen, PendingSignal& pending) {
@@ -320,7 +335,10 @@ struct GemmKernel {
 
     cute::for_each(make_int_sequence<kTileN / kEpiCols>{}, [&](auto j) {
       epi_barrier();  // previous sub-tile fully read (and thread 0's waits above are done)
-      if constexpr (decltype(j)::value == 0) flush_signal(p, pending, mma_thread_idx);
+      if constexpr (decltype(j)::value == 0) {
+        flush_signal(p, pending, mma_thread_idx);
+        if (reduce) prefetch_partials(p, row0, col0, mma_thread_idx);
+      }
       cute::for_each(make_int_sequence<decltype(size(accum))::value>{}, [&](auto i) {
         auto offset = tCcD.layout()(i);
         constexpr int r_off = decltype(get<0>(offset))::value;
