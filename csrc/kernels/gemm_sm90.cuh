@@ -112,9 +112,11 @@ struct GemmKernel {
   static_assert(size(TiledMma{}) == kMmaThreads, "cooperative mainloop: two consumer warp groups");
   static_assert(kTileN % kEpiCols == 0, "epilogue sub-tiles must divide the tile");
   static_assert(kTileM * kTileN <= kSplitTileFloats, "split workspace sized for 32768 accumulators per CTA");
-  // The stream-K tail is built for 128 x 256 tiles only: with 256 x 128 tiles the reducer's partial adds
-  // push the consumer past its register budget (ptxas spills, and the whole kernel runs ~8% slower).
-  static constexpr bool kSplitCapable = kTileM == 128;
+  // Only 128 x 256 tiles leave the consumers registers to spare: with 256 x 128 tiles the stream-K partial
+  // adds or the partials' prefetch make ptxas spill, and the whole kernel ran ~8% slower. Both are built for
+  // 128 x 256 tiles only.
+  static constexpr bool kRegisterSlack = kTileM == 128;
+  static constexpr bool kSplitCapable = kRegisterSlack;
 
   struct SharedStorage {
     typename Mainloop::TensorStorage mainloop;                   // aligned to 128 bytes by its type
@@ -337,7 +339,9 @@ struct GemmKernel {
       epi_barrier();  // previous sub-tile fully read (and thread 0's waits above are done)
       if constexpr (decltype(j)::value == 0) {
         flush_signal(p, pending, mma_thread_idx);
-        if (reduce) prefetch_partials(p, row0, col0, mma_thread_idx);
+        if constexpr (kRegisterSlack) {
+          if (reduce) prefetch_partials(p, row0, col0, mma_thread_idx);
+        }
       }
       cute::for_each(make_int_sequence<decltype(size(accum))::value>{}, [&](auto i) {
         auto offset = tCcD.layout()(i);
