@@ -5,12 +5,10 @@
 //   roles    : warp group 0 = producer (one elected thread issues TMA loads; in AllGather mode it first waits
 //              on the readiness flag of the chunk the A tile reads), warp groups 1-2 = consumers (wgmma via
 //              CUTLASS's sm90 TMA/GMMA collective mainloop, then this file's epilogue)
-//   epilogue : accumulators -> bf16/fp16 sub-tile in shared memory (TMA's 128-byte swizzle, conflict-free) ->
-//              one TMA store per sub-tile to the group's destination, which may be a peer GPU's receive slot
-//              (NVLink P2P); two sub-tile buffers, so a store drains while the next sub-tile is written.
-//              ReduceScatter: a tile for a peer is followed by a release flag in the peer's memory; a tile of
-//              own rows first waits for the peers' flags and sums their partials in a fixed order (16-byte
-//              SIMT loads and stores).
+//   epilogue : accumulators -> bf16/fp16 sub-tile in shared memory (XOR-swizzled, conflict-free) -> 16-byte
+//              coalesced stores to the group's destination, which may be a peer GPU's receive slot (NVLink
+//              P2P). ReduceScatter: a tile for a peer is followed by a release flag in the peer's memory; a
+//              tile of own rows first waits for the peers' flags and sums their partials in a fixed order.
 //   tail     : stream-K (tile_schedule.cuh StreamK; 128 x 256 tiles): the items of a last, partial wave are
 //              split along K over every cluster; a segment without k = 0 stores its fp32 accumulators to the
 //              split workspace and flags them, the segment with k = 0 adds them in cluster order (same bits
@@ -64,19 +62,8 @@ struct GemmConfig {
   using TileShape = Shape<Int<kTileM>, Int<kTileN>, Int<kTileK>>;
   using ClusterShape = Shape<Int<kClusterM>, _1, _1>;
 
-  // Epilogue sub-tiles in shared memory: the TMA store of one drains while the next is written (two buffers
-  // where the budget allows; 256-row tiles keep one so that the mainloop keeps 4 stages).
-  static constexpr int kEpiBuffers = kTileM == 128 ? 2 : 1;
   static constexpr int kEpiSmemBytes = kTileM * kEpiCols * int(sizeof(Element));
-  static constexpr int kCarveoutBytes = kEpiBuffers * kEpiSmemBytes + 1024;  // + alignment slack
-  // The sub-tile layout is TMA's 128-byte swizzle: 16-byte chunk index XOR row index (mod 8) within 128-byte
-  // rows, which is also what makes the fragment writes and row reads conflict-free (epi_offset).
-  using EpiSmemLayout = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                               Shape<Int<kTileM>, Int<kEpiCols>>{}));
-  using StoreD = decltype(make_tma_copy(SM90_TMA_STORE{},
-                                        make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)),
-                                                    make_shape(int(0), int(0)), Stride<int64_t, _1>{}),
-                                        EpiSmemLayout{}));
+  static constexpr int kCarveoutBytes = kEpiSmemBytes + 256;  // epilogue sub-tile + alignment slack
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
@@ -95,7 +82,6 @@ struct KernelParams {
   typename Cfg::Mainloop::Params mainloop_own;  // A: own rows [Mg, K, 1]; B: W (used for every tile)
   GemmProblem prob;
   TileSchedule sched;
-  typename Cfg::StoreD store_d[kMaxGroups];  // TMA store of group g's destination [Mg, N] (own rows of an RS: unused)
   StreamK split;
   uint32_t* split_flags;  // [CTAs] (valid when split.active())
   float4* split_partials; // [CTAs][kTileM * kTileN / 4]
@@ -118,7 +104,6 @@ struct GemmKernel {
   static constexpr int kTileK = Cfg::kTileK;
   static constexpr int kClusterM = Cfg::kClusterM;
   static constexpr int kEpiCols = Cfg::kEpiCols;
-  static constexpr int kEpiBuffers = Cfg::kEpiBuffers;
   static constexpr int kMmaThreads = 256;
   static constexpr int kThreads = 128 + kMmaThreads;
   static constexpr int kEpiBarrierId = 1;  // named barrier of the 256 consumer threads (0 is __syncthreads)
@@ -135,7 +120,7 @@ struct GemmKernel {
 
   struct SharedStorage {
     typename Mainloop::TensorStorage mainloop;                   // aligned to 128 bytes by its type
-    alignas(1024) Element epi[kEpiBuffers][kTileM * kEpiCols];   // epilogue sub-tiles (1024: the swizzle's period)
+    alignas(128) Element epi[kTileM * kEpiCols];                 // one epilogue sub-tile
     alignas(16) typename Mainloop::PipelineStorage pipeline;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
@@ -291,10 +276,6 @@ struct GemmKernel {
   CUTLASS_DEVICE static void flush_signal(GemmProblem const& p, PendingSignal& pending, int mma_thread_idx) {
     if (pending.group < 0) return;
     if (mma_thread_idx == 0) {
-      // The pending tile went out through TMA stores issued by this thread: wait until they are performed (not
-      // only read from shared memory), order them with this thread's generic-proxy accesses, then release.
-      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-      asm volatile("fence.proxy.async.global;" ::: "memory");
       __threadfence_system();
       st_release_sys(p.rs_signal[pending.group] + pending.index, p.epoch);
     }
@@ -318,8 +299,7 @@ struct GemmKernel {
 
   template <class Accum>
   CUTLASS_DEVICE static void epilogue(Params const& params, TileCoord t, Accum const& accum, int mma_thread_idx,
-                                      SharedStorage& ss, uint32_t& consumed_seen, PendingSignal& pending,
-                                      int& epi_slot) {
+                                      SharedStorage& ss, uint32_t& consumed_seen, PendingSignal& pending) {
     GemmProblem const& p = params.prob;
     int const row0 = t.m * kTileM;
     int const col0 = t.n * kTileN;
@@ -353,12 +333,9 @@ struct GemmKernel {
     int const r_base = get<0>(tCcD(0));
     int const c_base = get<1>(tCcD(0));
     Element const* bias = static_cast<Element const*>(p.bias);
+    Element* epi = ss.epi;
 
     cute::for_each(make_int_sequence<kTileN / kEpiCols>{}, [&](auto j) {
-      Element* epi = ss.epi[epi_slot % kEpiBuffers];
-      ++epi_slot;
-      // The buffer's previous TMA store (issued by thread 0) must have read it before it is overwritten.
-      if (mma_thread_idx == 0) cute::tma_store_wait<kEpiBuffers - 1>();
       epi_barrier();  // previous sub-tile fully read (and thread 0's waits above are done)
       if constexpr (decltype(j)::value == 0) {
         flush_signal(p, pending, mma_thread_idx);
@@ -381,23 +358,6 @@ struct GemmKernel {
           epi[epi_offset(r, c)] = Element(v);
         }
       });
-      if (!reduce) {
-        // Whole sub-tile to its destination (local, or a peer's receive slot) with one TMA store; rows and
-        // columns past the group's edge are clipped by TMA.
-        cute::tma_store_fence();  // this thread's shared-memory writes, visible to the TMA unit
-        epi_barrier();
-        if (mma_thread_idx == 0) {
-          auto const& store = params.store_d[t.group];
-          Tensor mD = store.get_tma_tensor(make_shape(p.rows_per_group, p.n));
-          Tensor gD = local_tile(mD, Shape<Int<kTileM>, Int<kEpiCols>>{},
-                                 make_coord(t.m, t.n * (kTileN / kEpiCols) + decltype(j)::value));
-          Tensor sD = make_tensor(make_smem_ptr(epi), typename Cfg::EpiSmemLayout{});
-          auto cta_store = store.get_slice(Int<0>{});
-          copy(store, cta_store.partition_S(sD), cta_store.partition_D(gD));
-          cute::tma_store_arrive();
-        }
-        return;
-      }
       epi_barrier();
 
       // 16-byte rows chunks: 8 per sub-tile row, kTileM rows, 256 threads.
@@ -443,9 +403,6 @@ struct GemmKernel {
   CUTLASS_DEVICE void operator()(Params const& params, char* smem_buf) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_buf);
-    // The epilogue's swizzle (epi_offset) is computed from the row inside the buffer and TMA's from the address:
-    // they agree only on a 1024-byte aligned buffer.
-    if (threadIdx.x == 0 && (cute::cast_smem_ptr_to_uint(&ss.epi[0][0]) & 1023u) != 0) __trap();
     GemmProblem const& p = params.prob;
     TileSchedule const& sched = params.sched;
 
@@ -505,7 +462,6 @@ struct GemmKernel {
       TiledMma tiled_mma;
       uint32_t consumed_seen = 0;
       PendingSignal pending;
-      int epi_slot = 0;  // epilogue sub-tiles written so far (selects the buffer)
       Segment seg;
       for (SegmentCursor cur = params.split.begin(cluster_id, num_clusters); params.split.next(cur, seg);) {
         TileCoord t = sched.get(seg.work, cluster_rank_m);
@@ -528,14 +484,12 @@ struct GemmKernel {
                          mma_thread_idx);
           }
         }
-        epilogue(params, t, accum, mma_thread_idx, ss, consumed_seen, pending, epi_slot);
+        epilogue(params, t, accum, mma_thread_idx, ss, consumed_seen, pending);
       }
       if (pending.group >= 0) {
         epi_barrier();
         flush_signal(p, pending, mma_thread_idx);
       }
-      // Shared memory must outlive the last TMA stores' reads; the kernel's end completes their writes.
-      if (mma_thread_idx == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     }
 #endif
   }
@@ -640,13 +594,6 @@ struct Launcher {
         make_shape(prob.rows_per_group, prob.n, prob.k, groups), args_batched, nullptr);
     params.mainloop_own = Mainloop::to_underlying_arguments(
         make_shape(prob.rows_per_group, prob.n, prob.k, 1), args_own, nullptr);
-
-    for (int g = 0; g < prob.num_groups; ++g) {
-      FLUX_CHECK(prob.d[g] != nullptr, "group ", g, " has no destination");
-      Tensor mD = make_tensor(make_gmem_ptr(static_cast<Element*>(prob.d[g])), make_shape(prob.rows_per_group, prob.n),
-                              make_stride(prob.ldd, Int<1>{}));
-      params.store_d[g] = make_tma_copy(SM90_TMA_STORE{}, mD, typename Cfg::EpiSmemLayout{});
-    }
 
     int clusters = max_resident_clusters(device);
     if (prob.sm_count > 0) clusters = std::min(clusters, prob.sm_count / Cfg::kClusterM);
