@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -45,23 +46,17 @@ def _worker(rank, world_size, port, backend, fn, args, errors):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float = 300.0) -> None:
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, errors))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout_s)
-    hung = [i for i, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
+# free_port() releases the port before rank 0 binds it, so another process can take it in between; such a
+# launch is retried on a new port.
+_PORT_TAKEN = "EADDRINUSE"
+
+
+def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float = 300.0,
+                    port_attempts: int = 3) -> None:
+    for attempt in range(port_attempts):
+        hung, failures, procs = _launch(fn, world_size, args, backend, timeout_s)
+        if not (any(_PORT_TAKEN in tb for _, tb in failures) and attempt + 1 < port_attempts):
+            break
     if failures:
         rank, tb = sorted(failures)[0]
         raise AssertionError(f"rank {rank} of {world_size} failed:\n{tb}")
@@ -70,3 +65,31 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout_s
     bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
     if bad:
         raise AssertionError(f"processes exited with non-zero codes: {bad}")
+
+
+def _launch(fn, world_size, args, backend, timeout_s, grace_s: float = 30.0):
+    """One launch: (ranks killed at the deadline, [(rank, traceback)], processes). Once a rank has failed, the
+    others get ``grace_s`` more to report, not the whole ``timeout_s`` (a rank that failed its rendezvous leaves
+    the others waiting for it)."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, errors))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    failures = []
+    deadline = time.monotonic() + timeout_s
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        while not errors.empty():
+            failures.append(errors.get())
+            deadline = min(deadline, time.monotonic() + grace_s)
+        time.sleep(0.05)
+    hung = [i for i, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
+    while not errors.empty():
+        failures.append(errors.get())
+    return hung, failures, procs
