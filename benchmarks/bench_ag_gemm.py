@@ -16,8 +16,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from benchmarks.harness import (KERNEL_VARIANTS, operator_main, parse_shapes, report_operator_rows,
-                                time_kernel_variants, time_ms)
+from benchmarks.harness import (check_kernel_variants, operator_main, overlap_figures, parse_shapes,
+                                report_operator_rows, time_kernel_variants, time_ms)
 
 DEFAULT_SHAPES = "4096x8192x8192,8192x8192x28672,8192x12288x12288,2048x4096x4096,16384x4096x4096"
 
@@ -45,11 +45,8 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
     err = ((out.float() - ref).norm() / ref.norm()).item()
     if not err < 1e-2:
         raise RuntimeError(f"rank {rank}: fused ag_gemm disagrees with NCCL+cuBLAS on {m}x{k}x{n}: {err}")
-    for name, (tile, swizzle, sk) in KERNEL_VARIANTS.items():
-        out = fused_ag_gemm.ag_gemm(xs[0], ws_[0], group=group, ws=ag_ws, tile=tile, swizzle=swizzle, stream_k=sk)
-        e = ((out.float() - ref).norm() / ref.norm()).item()
-        if not e < 1e-2:
-            raise RuntimeError(f"rank {rank}: fused ag_gemm {name} disagrees with NCCL+cuBLAS on {m}x{k}x{n}: {e}")
+    check_kernel_variants(lambda **cfg: fused_ag_gemm.ag_gemm(xs[0], ws_[0], group=group, ws=ag_ws, **cfg), ref,
+                          f"rank {rank}: fused ag_gemm on {m}x{k}x{n}")
 
     t = {}
     t["gemm_cublas"] = time_ms(lambda i: gathered[i % sets] @ ws_[i % sets].t(), reps=reps, group=group)
@@ -87,28 +84,18 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
     ag_ws.check()
 
     shard_bytes = rows * k * xs[0].element_size()
-    gemm = t["gemm_cublas"]
-    bound = max(gemm, t["ce_ag"])
     row = {"m": m, "k": k, "n": n, "n_local": n_local, "tp": tp, "dtype": str(dtype).replace("torch.", ""),
-           "times_ms": t, "bound_ms": bound, "fused_over_bound": t["fused"] / bound,
-           "seq_over_fused": t["nccl_then_gemm"] / t["fused"],
-           "overlap_efficiency": 1 - (t["fused"] - gemm) / max(t["nccl_then_gemm"] - gemm, 1e-9),
-           "torch_over_fused": (t["torch_symm_mem_fused"] / t["fused"]) if t["torch_symm_mem_fused"] else None,
+           "times_ms": t, **overlap_figures(t, "ce_ag", "nccl_then_gemm"),
            "ce_ag_gbps": (tp - 1) * shard_bytes / t["ce_ag"] / 1e6,
            "p2p_gbps": shard_bytes / t["p2p_copy_one_shard"] / 1e6,
            "rel_err_vs_cublas": err,
            "ag_mode": os.environ.get("FLUX_LAYERS_AG_MODE", "pull"), "ag_order": ag_ws.order,
            "dispatch_auto": ops.plan("ag_gemm", xs[0], ws_[0], group=group).path,
-           "fused_default_config": _config_name(tuning.kernel_config("ag_gemm", dtype=dtype, tp=tp, mkn=(m, k, n))),
+           "fused_default_config": tuning.kernel_name(tuning.resolve_kernel("ag_gemm", dtype=dtype, tp=tp,
+                                                                            mkn=(m, k, n))),
            "implementation": "fused = flux_layers._C ag_gemm (copy-engine chunks + signal-waiting persistent GEMM)"}
     row["ce_over_p2p"] = row["ce_ag_gbps"] / row["p2p_gbps"]
     return row
-
-
-def _config_name(tile_swizzle) -> str:
-    tile, swizzle = tile_swizzle
-    stream_k = os.environ.get("FLUX_LAYERS_STREAM_K", "1") == "1"
-    return f"{'256x128' if tile == 0 else '128x256'}_swz{swizzle}_{'sk' if stream_k else 'dp'}"
 
 
 def run(rank, tp, args):

@@ -63,10 +63,10 @@ def bench_shape(m, k, n, layout, dtype, reps, sets=2):
     row["flux_best_tflops"] = flop / best[1] / 1e9
     row["flux_over_cublas"] = row["cublas_ms"] / best[1]
     from flux_layers.runtime import tuning
-    d_tile, d_swizzle = tuning.kernel_config("gemm", dtype=dtype, tp=1, mkn=(m, k, n))
-    d_key = (d_tile, d_swizzle, True)
+    default = tuning.resolve_kernel("gemm", dtype=dtype, tp=1, mkn=(m, k, n))
+    d_key = (default.tile, default.swizzle, default.stream_k)
     if d_key in timed:
-        row["flux_default"] = f"{TILE_NAMES[d_tile]}_swz{d_swizzle}_sk"
+        row["flux_default"] = tuning.kernel_name(default)
         row["flux_default_over_cublas"] = row["cublas_ms"] / timed[d_key]
     row["implementation"] = "flux_layers._C gemm (persistent sm90, CUTLASS collective mainloop) vs torch.matmul"
     return row

@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from benchmarks.bench_ag_gemm import _config_name
-from benchmarks.harness import (KERNEL_VARIANTS, operator_main, parse_shapes, report_operator_rows,
-                                time_kernel_variants, time_ms)
+from benchmarks.harness import (check_kernel_variants, operator_main, overlap_figures, parse_shapes,
+                                report_operator_rows, time_kernel_variants, time_ms)
 
 DEFAULT_SHAPES = "4096x8192x8192,8192x28672x8192,8192x12288x12288,2048x4096x4096,16384x4096x4096"
 
@@ -41,11 +40,8 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     if not err < 1e-2:
         raise RuntimeError(f"rank {rank}: fused gemm_rs disagrees with cuBLAS+NCCL on {m}x{k}x{n}: {err}")
-    for name, (tile, swizzle, sk) in KERNEL_VARIANTS.items():
-        out = fused_gemm_rs.gemm_rs(xs[0], ws_[0], group=group, ws=rs_ws, tile=tile, swizzle=swizzle, stream_k=sk)
-        e = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-        if not e < 1e-2:
-            raise RuntimeError(f"rank {rank}: fused gemm_rs {name} disagrees with cuBLAS+NCCL on {m}x{k}x{n}: {e}")
+    check_kernel_variants(lambda **cfg: fused_gemm_rs.gemm_rs(xs[0], ws_[0], group=group, ws=rs_ws, **cfg), ref,
+                          f"rank {rank}: fused gemm_rs on {m}x{k}x{n}")
 
     t = {}
     t["gemm_cublas"] = time_ms(lambda i: torch.matmul(xs[i % sets], ws_[i % sets].t(), out=partial[i % sets]),
@@ -76,16 +72,12 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
                                                                         ws=rs_ws, **cfg), reps=reps, group=group))
     rs_ws.check()
 
-    gemm = t["gemm_cublas"]
-    bound = max(gemm, t["nccl_rs"])
     return {"m": m, "k": k, "n": n, "k_local": k_local, "tp": tp, "dtype": str(dtype).replace("torch.", ""),
-            "times_ms": t, "bound_ms": bound, "fused_over_bound": t["fused"] / bound,
-            "seq_over_fused": t["gemm_then_nccl"] / t["fused"],
-            "overlap_efficiency": 1 - (t["fused"] - gemm) / max(t["gemm_then_nccl"] - gemm, 1e-9),
-            "torch_over_fused": (t["torch_symm_mem_fused"] / t["fused"]) if t["torch_symm_mem_fused"] else None,
+            "times_ms": t, **overlap_figures(t, "nccl_rs", "gemm_then_nccl"),
             "rel_err_vs_nccl": err,
             "dispatch_auto": ops.plan("gemm_rs", xs[0], ws_[0], group=group).path,
-            "fused_default_config": _config_name(tuning.kernel_config("gemm_rs", dtype=dtype, tp=tp, mkn=(m, k, n))),
+            "fused_default_config": tuning.kernel_name(tuning.resolve_kernel("gemm_rs", dtype=dtype, tp=tp,
+                                                                             mkn=(m, k, n))),
             "implementation": "fused = flux_layers._C gemm_rs (epilogue stores into peer slots, flagged tiles, "
                               "owner reduces in its epilogue)"}
 

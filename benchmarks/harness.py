@@ -146,6 +146,27 @@ KERNEL_VARIANTS = {"256x128_swz8_dp": (0, 8, False), "256x128_swz8_sk": (0, 8, T
                    "128x256_swz16_dp": (1, 16, False), "128x256_swz16_sk": (1, 16, True)}
 
 
+def check_kernel_variants(call, ref: torch.Tensor, what: str) -> None:
+    """``call(tile=, swizzle=, stream_k=)`` for every KERNEL_VARIANTS entry must match ``ref`` (relative error
+    < 1e-2) before anything is timed."""
+    ref = ref.float()
+    for name, (tile, swizzle, sk) in KERNEL_VARIANTS.items():
+        out = call(tile=tile, swizzle=swizzle, stream_k=sk).float()
+        err = ((out - ref).norm() / ref.norm()).item()
+        if not err < 1e-2:
+            raise RuntimeError(f"{what} {name}: relative error {err} against the baseline's result")
+
+
+def overlap_figures(t: dict, comm: str, seq: str) -> dict:
+    """design.md §6's derived figures from the times ``t`` (ms): bound = max(cuBLAS GEMM alone, t[comm]),
+    fused/bound, seq/fused, overlap efficiency E and torch's fused op / ours."""
+    gemm, fused, torch_fused = t["gemm_cublas"], t["fused"], t["torch_symm_mem_fused"]
+    bound = max(gemm, t[comm])
+    return {"bound_ms": bound, "fused_over_bound": fused / bound, "seq_over_fused": t[seq] / fused,
+            "overlap_efficiency": 1 - (fused - gemm) / max(t[seq] - gemm, 1e-9),
+            "torch_over_fused": torch_fused / fused if torch_fused else None}
+
+
 def time_kernel_variants(call, *, reps: int, group) -> dict[str, float]:
     """``call(i, tile=, swizzle=, stream_k=)`` timed for every KERNEL_VARIANTS entry: {'fused_<name>': ms}."""
     return {f"fused_{name}": time_ms(lambda i, c=cfg: call(i, tile=c[0], swizzle=c[1], stream_k=c[2]),

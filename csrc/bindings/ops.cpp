@@ -78,17 +78,24 @@ void translate_errors(Fn&& fn) {
 
 void check_out(const Tensor& out, const Tensor& x, int64_t rows, int64_t cols, const char* name);
 
-// Scratch for the stream-K tail of one launch, from the caching allocator on the current stream (so
-// launches on different streams never share it). Empty when stream-K is off.
-Tensor split_workspace(const Tensor& like, bool stream_k) {
-  if (!stream_k) return Tensor();
-  int sms = 0;
-  FLUX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, like.device().index()));
-  return at::empty({flux::split_workspace_bytes(sms)}, like.options().dtype(at::kByte));
-}
-
-void check_swizzle(int64_t swizzle) {
+// The persistent grid's options of one launch. With stream_k, `scratch` receives the stream-K tail's workspace,
+// from the caching allocator on the current stream (so launches on different streams never share it); it must
+// outlive the launch call.
+flux::LaunchOptions launch_options(const Tensor& like, int64_t sm_count, int64_t swizzle, bool stream_k,
+                                   Tensor& scratch) {
+  TORCH_CHECK_VALUE(sm_count >= 0, "sm_count ", sm_count, " must be >= 0 (0: all SMs)");
   TORCH_CHECK_VALUE(swizzle >= 0 && swizzle <= 64, "swizzle ", swizzle, " outside [0, 64]");
+  flux::LaunchOptions o;
+  o.sm_count = int(sm_count);
+  o.swizzle_m = int(swizzle);
+  if (stream_k) {
+    int sms = 0;
+    FLUX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, like.device().index()));
+    scratch = at::empty({flux::split_workspace_bytes(sms)}, like.options().dtype(at::kByte));
+    o.split_workspace = scratch.data_ptr();
+    o.split_workspace_bytes = scratch.numel();
+  }
+  return o;
 }
 
 void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, Tensor out, bool weight_nn,
@@ -110,12 +117,8 @@ void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, T
   p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
   p.d[0] = out.data_ptr();
   p.ldd = s.n;
-  p.sm_count = int(sm_count);
-  check_swizzle(swizzle);
-  p.swizzle_m = int(swizzle);
-  Tensor scratch = split_workspace(x, stream_k);
-  p.split_workspace = scratch.defined() ? scratch.data_ptr() : nullptr;
-  p.split_workspace_bytes = scratch.defined() ? scratch.numel() : 0;
+  Tensor scratch;
+  p.launch = launch_options(x, sm_count, swizzle, stream_k, scratch);
   translate_errors([&] {
     flux::launch_gemm(p, to_dtype(x, "x"), weight_nn ? flux::WeightLayout::kNN : flux::WeightLayout::kNT,
                       to_tile(tile), c10::cuda::getCurrentCUDAStream());
@@ -180,16 +183,12 @@ void ag_gemm(const Tensor& x_shard_m, const Tensor& w, const std::optional<Tenso
   a.timeout_ns = uint64_t(timeout_ns);
   a.error_record = reinterpret_cast<int*>(error_record_ptr);
   a.error_claim = reinterpret_cast<int*>(error_claim_ptr);
-  a.sm_count = int(sm_count);
   a.compute = c10::cuda::getCurrentCUDAStream();
   a.num_comm = int(comm_streams.size());
   for (size_t i = 0; i < comm_streams.size(); ++i) a.comm[i] = reinterpret_cast<cudaStream_t>(comm_streams[i]);
   a.run_gemm = run_gemm;
-  check_swizzle(swizzle);
-  a.swizzle_m = int(swizzle);
-  Tensor scratch = split_workspace(x_shard_m, stream_k && run_gemm);
-  a.split_workspace = scratch.defined() ? scratch.data_ptr() : nullptr;
-  a.split_workspace_bytes = scratch.defined() ? scratch.numel() : 0;
+  Tensor scratch;
+  a.launch = launch_options(x_shard_m, sm_count, swizzle, stream_k && run_gemm, scratch);
   translate_errors([&] { flux::ag_gemm(a); });
 }
 
@@ -227,12 +226,8 @@ void gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias
   a.timeout_ns = uint64_t(timeout_ns);
   a.error_record = reinterpret_cast<int*>(error_record_ptr);
   a.error_claim = reinterpret_cast<int*>(error_claim_ptr);
-  a.sm_count = int(sm_count);
-  check_swizzle(swizzle);
-  a.swizzle_m = int(swizzle);
-  Tensor scratch = split_workspace(x, stream_k);
-  a.split_workspace = scratch.defined() ? scratch.data_ptr() : nullptr;
-  a.split_workspace_bytes = scratch.defined() ? scratch.numel() : 0;
+  Tensor scratch;
+  a.launch = launch_options(x, sm_count, swizzle, stream_k, scratch);
   a.compute = c10::cuda::getCurrentCUDAStream();
   translate_errors([&] { flux::gemm_rs(a); });
 }

@@ -596,20 +596,21 @@ struct Launcher {
         make_shape(prob.rows_per_group, prob.n, prob.k, 1), args_own, nullptr);
 
     int clusters = max_resident_clusters(device);
-    if (prob.sm_count > 0) clusters = std::min(clusters, prob.sm_count / Cfg::kClusterM);
+    LaunchOptions const& opts = prob.launch;
+    if (opts.sm_count > 0) clusters = std::min(clusters, opts.sm_count / Cfg::kClusterM);
     clusters = std::max(1, clusters);
     int const ctas = clusters * Cfg::kClusterM;
     int const k_tiles = (prob.k + Cfg::kTileK - 1) / Cfg::kTileK;
-    bool split_ok = Kernel::kSplitCapable && prob.split_workspace != nullptr &&
-                    prob.split_workspace_bytes >= split_workspace_bytes(ctas);
+    bool split_ok = Kernel::kSplitCapable && opts.split_workspace != nullptr &&
+                    opts.split_workspace_bytes >= split_workspace_bytes(ctas);
     params.split = StreamK::make(params.sched.total_work, clusters, k_tiles, split_ok);
     // ReduceScatter: split items must all be own rows (the last group), which no peer waits on; a reducer
     // of a peer's rows could otherwise hold back a flag that the peer's own reducers wait for.
     if (prob.rs_own_group >= 0 && params.sched.total_work - params.split.dp_work > params.sched.work_per_group)
       params.split = StreamK::make(params.sched.total_work, clusters, k_tiles, false);
     if (params.split.active()) {
-      params.split_flags = static_cast<uint32_t*>(prob.split_workspace);
-      params.split_partials = reinterpret_cast<float4*>(static_cast<char*>(prob.split_workspace) +
+      params.split_flags = static_cast<uint32_t*>(opts.split_workspace);
+      params.split_partials = reinterpret_cast<float4*>(static_cast<char*>(opts.split_workspace) +
                                                         split_flags_bytes(ctas));
       FLUX_CUDA_CHECK(cudaMemsetAsync(params.split_flags, 0, size_t(ctas) * 4, stream));
     } else {

@@ -45,23 +45,33 @@ __device__ __forceinline__ void record_timeout(const GemmProblem& p, int code, i
   }
 }
 
-// Spin until *flag reaches p.epoch (or `epoch`), giving up after p.timeout_ns. Returns false on timeout or
-// when another waiter already timed out (then the result of this call is garbage and the host raises).
-__device__ __forceinline__ bool wait_flag(const uint32_t* flag, uint32_t epoch, const GemmProblem& p, int code,
-                                       int index) {
-  if (epoch_reached(ld_acquire_sys(flag), epoch)) return true;
+// Spin until ready(load(flag)), giving up after limit_ns (then the timeout is recorded under `code`, `index`).
+// Returns false on timeout or when another waiter already timed out (then the result of this call is garbage
+// and the host raises).
+template <class Load, class Ready>
+__device__ __forceinline__ bool bounded_wait(const uint32_t* flag, Load load, Ready ready, uint64_t limit_ns,
+                                             const GemmProblem& p, int code, int index) {
+  if (ready(load(flag))) return true;
   uint64_t start = global_timer_ns();
   for (uint32_t spin = 1;; ++spin) {
-    uint32_t v = ld_acquire_sys(flag);
-    if (epoch_reached(v, epoch)) return true;
+    uint32_t v = load(flag);
+    if (ready(v)) return true;
     if ((spin & 255) == 0) {
       if (p.error_claim != nullptr && *reinterpret_cast<volatile int*>(p.error_claim) != 0) return false;
-      if (global_timer_ns() - start > p.timeout_ns) {
+      if (global_timer_ns() - start > limit_ns) {
         record_timeout(p, code, index, v);
         return false;
       }
     }
   }
+}
+
+// Spin until *flag (written by another GPU or the copy engine) reaches `epoch`, bounded by p.timeout_ns.
+__device__ __forceinline__ bool wait_flag(const uint32_t* flag, uint32_t epoch, const GemmProblem& p, int code,
+                                       int index) {
+  return bounded_wait(
+      flag, [](const uint32_t* f) { return ld_acquire_sys(f); },
+      [epoch](uint32_t v) { return epoch_reached(v, epoch); }, p.timeout_ns, p, code, index);
 }
 
 // ---- flags inside one grid (stream-K partials): 0 = empty, 1 = written; cleared before each launch.
@@ -79,21 +89,11 @@ __device__ __forceinline__ void st_release_gpu(uint32_t* p, uint32_t v) {
 // fused operators record the timeout and the host raises; the plain GEMM has no error record and traps
 // rather than return wrong numbers.
 __device__ __forceinline__ void wait_grid_flag(const uint32_t* flag, const GemmProblem& p, int index) {
-  if (ld_acquire_gpu(flag) != 0) return;
-  uint64_t const limit = p.timeout_ns > 0 ? p.timeout_ns : uint64_t(20) * 1000000000ull;
-  uint64_t start = global_timer_ns();
-  for (uint32_t spin = 1;; ++spin) {
-    uint32_t v = ld_acquire_gpu(flag);
-    if (v != 0) return;
-    if ((spin & 255) == 0) {
-      if (p.error_claim != nullptr && *reinterpret_cast<volatile int*>(p.error_claim) != 0) return;
-      if (global_timer_ns() - start > limit) {
-        if (p.error_record == nullptr) __trap();
-        record_timeout(p, kSplitTimeout, index, v);
-        return;
-      }
-    }
-  }
+  uint64_t const limit_ns = p.timeout_ns > 0 ? p.timeout_ns : uint64_t(20) * 1000000000ull;
+  bool ok = bounded_wait(
+      flag, [](const uint32_t* f) { return ld_acquire_gpu(f); }, [](uint32_t v) { return v != 0; }, limit_ns, p,
+      kSplitTimeout, index);
+  if (!ok && p.error_record == nullptr) __trap();
 }
 
 }  // namespace flux

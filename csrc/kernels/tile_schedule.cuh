@@ -47,7 +47,7 @@ struct TileSchedule {
     s.tiles_m = (tiles_m + cluster_m - 1) / cluster_m * cluster_m;
     s.tiles_n = (p.n + tile_n - 1) / tile_n;
     int cluster_rows = s.tiles_m / cluster_m;
-    int swz = p.swizzle_m > 0 ? p.swizzle_m : 8;  // tiles along M per panel
+    int swz = p.launch.swizzle_m > 0 ? p.launch.swizzle_m : 8;  // tiles along M per panel
     s.swizzle = swz / cluster_m > 0 ? swz / cluster_m : 1;
     if (s.swizzle > cluster_rows && cluster_rows > 0) s.swizzle = cluster_rows;
     s.work_per_group = cluster_rows * s.tiles_n;

@@ -215,10 +215,7 @@ void ag_gemm(const AgGemmArgs& a) {
   g.error_record = a.error_record;
   g.error_claim = a.error_claim;
   g.rank = a.rank;
-  g.sm_count = a.sm_count;
-  g.swizzle_m = a.swizzle_m;
-  g.split_workspace = a.split_workspace;
-  g.split_workspace_bytes = a.split_workspace_bytes;
+  g.launch = a.launch;
   if (a.run_gemm) launch_gemm(g, a.dtype, a.layout, a.tile, a.compute);
 
   if (a.mode == AgMode::kPull) {

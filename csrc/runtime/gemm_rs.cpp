@@ -58,10 +58,7 @@ void gemm_rs(const GemmRsArgs& a) {
   g.error_record = a.error_record;
   g.error_claim = a.error_claim;
   g.rank = r;
-  g.sm_count = a.sm_count;
-  g.swizzle_m = a.swizzle_m;
-  g.split_workspace = a.split_workspace;
-  g.split_workspace_bytes = a.split_workspace_bytes;
+  g.launch = a.launch;
   launch_gemm(g, a.dtype, a.layout, a.tile, a.compute);
 
   for (int q = 0; q < a.tp; ++q)

@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from flux_layers import _env, _library
 from flux_layers.ops._checks import check_fused_tensor, check_matmul_args
-from flux_layers.ops.fused_gemm import _stream_k
 from flux_layers.runtime import schedules, tuning, workspace
 
 _MODES = {"pull": 0, "push": 1}
@@ -91,12 +90,11 @@ def ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     elif m > ws.max_m or ws.k != k or ws.dtype != x_shard_m.dtype:
         raise ValueError(f"ag_gemm: call needs M={m}, K={k}, {x_shard_m.dtype}; the workspace holds "
                          f"max_m={ws.max_m}, K={ws.k}, {ws.dtype}")
-    default_tile, default_swizzle = tuning.kernel_config("ag_gemm", dtype=x_shard_m.dtype, tp=tp, mkn=(m, k, n))
-    tile = default_tile if tile is None else tile
-    swizzle = default_swizzle if swizzle is None else swizzle
+    kc = tuning.resolve_kernel("ag_gemm", dtype=x_shard_m.dtype, tp=tp, mkn=(m, k, n), tile=tile, swizzle=swizzle,
+                               stream_k=stream_k, sm_count=sm_count)
     rows_per_chunk = _rows_per_chunk(ws, rows, k, x_shard_m.element_size())
     out, gathered = _ag_gemm(x_shard_m, weight, bias, workspace.register(ws), weight_layout == "nn",
-                             return_gathered, tile, swizzle, _stream_k(stream_k), sm_count, _env.get("AG_MODE"),
+                             return_gathered, kc.tile, kc.swizzle, kc.stream_k, kc.sm_count, _env.get("AG_MODE"),
                              ws.order, rows_per_chunk)
     return (out, gathered) if return_gathered else out
 

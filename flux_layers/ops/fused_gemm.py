@@ -44,11 +44,6 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     m, k, n = check_matmul_args("gemm", x, weight, bias, weight_layout)
     check_fused_tensor("gemm", "x", x)
     check_fused_tensor("gemm", "weight", weight)
-    default_tile, default_swizzle = tuning.kernel_config("gemm", dtype=x.dtype, tp=1, mkn=(m, k, n))
-    tile = default_tile if tile is None else tile
-    swizzle = default_swizzle if swizzle is None else swizzle
-    return _gemm(x, weight, bias, weight_layout == "nn", tile, sm_count, swizzle, _stream_k(stream_k))
-
-
-def _stream_k(requested: bool | None) -> bool:
-    return _env.get("STREAM_K") == "1" if requested is None else bool(requested)
+    kc = tuning.resolve_kernel("gemm", dtype=x.dtype, tp=1, mkn=(m, k, n), tile=tile, swizzle=swizzle,
+                               stream_k=stream_k, sm_count=sm_count)
+    return _gemm(x, weight, bias, weight_layout == "nn", kc.tile, kc.sm_count, kc.swizzle, kc.stream_k)

@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from flux_layers import _env, _library
 from flux_layers.ops._checks import check_fused_tensor, check_matmul_args
-from flux_layers.ops.fused_gemm import _stream_k
 from flux_layers.runtime import tuning, workspace
 
 
@@ -64,8 +63,7 @@ def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     elif m > ws.max_m or ws.n != n or ws.dtype != x.dtype:
         raise ValueError(f"gemm_rs: call needs M={m}, N={n}, {x.dtype}; the workspace holds "
                          f"max_m={ws.max_m}, N={ws.n}, {ws.dtype}")
-    default_tile, default_swizzle = tuning.kernel_config("gemm_rs", dtype=x.dtype, tp=tp, mkn=(m, k, n))
-    tile = default_tile if tile is None else tile
-    swizzle = default_swizzle if swizzle is None else swizzle
-    return _gemm_rs(x, weight, bias, workspace.register(ws), weight_layout == "nn", tile, swizzle,
-                    _stream_k(stream_k), sm_count)
+    kc = tuning.resolve_kernel("gemm_rs", dtype=x.dtype, tp=tp, mkn=(m, k, n), tile=tile, swizzle=swizzle,
+                               stream_k=stream_k, sm_count=sm_count)
+    return _gemm_rs(x, weight, bias, workspace.register(ws), weight_layout == "nn", kc.tile, kc.swizzle,
+                    kc.stream_k, kc.sm_count)

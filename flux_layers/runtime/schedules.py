@@ -6,6 +6,7 @@ ReduceScatter each rank writing to a different destination (rank-offset swizzle)
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 MAX_TP = 8
@@ -88,6 +89,7 @@ class StreamK:
     enabled: bool = True
     min_iters: int = 8  # flux::StreamK::kMinIters
 
+    @functools.cached_property
     def _plan(self) -> tuple[int, int, int, int]:
         """(dp_work, sk_clusters, iters_per_cluster, sk_iters)."""
         rem = self.total_work % self.clusters if self.clusters > 0 else 0
@@ -102,11 +104,16 @@ class StreamK:
 
     @property
     def active(self) -> bool:
-        return self._plan()[1] > 0
+        return self._plan[1] > 0
+
+    @property
+    def split_work(self) -> int:
+        """Trailing work items whose k iterations are split (0 when the tail is off)."""
+        return self.total_work - self._plan[0]
 
     def segments(self, cluster: int) -> list[tuple[int, int, int]]:
         """(work item, k_begin, k_end) of `cluster`, in the order it runs them."""
-        dp_work, sk_clusters, q, sk_iters = self._plan()
+        dp_work, sk_clusters, q, sk_iters = self._plan
         segs = [(w, 0, self.k_tiles) for w in range(cluster, dp_work, self.clusters)]
         if cluster < sk_clusters:
             it, end = cluster * q, min(cluster * q + q, sk_iters)
@@ -119,7 +126,7 @@ class StreamK:
 
     def contributors(self, item: int) -> list[int]:
         """Clusters whose partials the reducer of split `item` adds, in order (empty if the item is whole)."""
-        dp_work, sk_clusters, q, _ = self._plan()
+        dp_work, sk_clusters, q, _ = self._plan
         if item < dp_work or sk_clusters == 0:
             return []
         first_iter = (item - dp_work) * self.k_tiles

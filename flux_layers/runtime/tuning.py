@@ -16,10 +16,12 @@ import glob
 import json
 import math
 import os
+from typing import NamedTuple
 
 import torch
 
 from flux_layers import _env
+from flux_layers.runtime.schedules import TILE_CONFIGS
 
 _TUNING_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                            "configs", "tuning")
@@ -71,3 +73,28 @@ def kernel_config(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, 
     if entry is not None:
         tile, swizzle = int(entry.get("tile", tile)), int(entry.get("swizzle", swizzle))
     return tile, swizzle
+
+
+class KernelChoice(NamedTuple):
+    tile: int       # flux::TileConfig id
+    swizzle: int    # tiles along M visited together
+    stream_k: bool  # split a last, partial wave along K
+    sm_count: int   # SMs the persistent grid may hold (0: all)
+
+
+def resolve_kernel(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int], tile: int | None = None,
+                   swizzle: int | None = None, stream_k: bool | None = None, sm_count: int = 0) -> KernelChoice:
+    """The kernel configuration of one call: what the caller asked for, else :func:`kernel_config` and
+    ``FLUX_LAYERS_STREAM_K``."""
+    if sm_count < 0:
+        raise ValueError(f"{op}: sm_count must be >= 0 (0: all SMs), got {sm_count}")
+    default_tile, default_swizzle = kernel_config(op, dtype=dtype, tp=tp, mkn=mkn)
+    return KernelChoice(default_tile if tile is None else tile, default_swizzle if swizzle is None else swizzle,
+                        _env.get("STREAM_K") == "1" if stream_k is None else bool(stream_k), sm_count)
+
+
+def kernel_name(choice: KernelChoice) -> str:
+    """e.g. '128x256_swz16_sk' (stream-K tail) or '256x128_swz8_dp' (whole tiles), as the benchmarks name them."""
+    tile_m, tile_n = TILE_CONFIGS[choice.tile]
+    return f"{tile_m}x{tile_n}_swz{choice.swizzle}_{'sk' if choice.stream_k else 'dp'}"
+

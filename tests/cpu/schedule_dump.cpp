@@ -31,7 +31,7 @@ int main(int argc, char** argv) {
   p.n = std::atoi(argv[2]);
   p.num_groups = std::atoi(argv[3]);
   int tile_m = std::atoi(argv[4]), tile_n = std::atoi(argv[5]), cluster_m = std::atoi(argv[6]);
-  p.swizzle_m = std::atoi(argv[7]);
+  p.launch.swizzle_m = std::atoi(argv[7]);
   for (int i = 0; i < p.num_groups && 8 + i < argc; ++i) p.group_order[i] = std::atoi(argv[8 + i]);
   flux::TileSchedule s = flux::TileSchedule::make(p, tile_m, tile_n, cluster_m);
   for (int w = 0; w < s.total_work; ++w)

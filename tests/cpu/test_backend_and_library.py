@@ -68,3 +68,17 @@ def test_packaged_dispatch_table_is_well_formed():
     for t in tables:
         for e in t["entries"]:
             assert e["path"] in ("fused", "sequential") and e["op"] in ("ag_gemm", "gemm_rs")
+
+
+def test_kernel_choice_defaults_overrides_and_errors(monkeypatch):
+    def choose(**kw):
+        return tuning.resolve_kernel("gemm_rs", dtype=torch.bfloat16, tp=2, mkn=(8192, 28672, 8192), **kw)
+    monkeypatch.delenv("FLUX_LAYERS_STREAM_K", raising=False)
+    default = choose()
+    assert default == tuning.KernelChoice(1, 16, True, 0) and tuning.kernel_name(default) == "128x256_swz16_sk"
+    monkeypatch.setenv("FLUX_LAYERS_STREAM_K", "0")
+    assert choose().stream_k is False and choose(stream_k=True).stream_k is True
+    assert tuning.kernel_name(choose(tile=0, swizzle=8, sm_count=64)) == "256x128_swz8_dp"
+    assert choose(sm_count=64).sm_count == 64
+    with pytest.raises(ValueError, match="sm_count"):
+        choose(sm_count=-2)

@@ -60,8 +60,7 @@ def stream_k_active(rows_per_group: int, n: int, k: int, groups: int, tile: int,
     s = schedules.TileSchedule(rows_per_group=rows_per_group, n=n, num_groups=groups,
                                group_order=tuple(range(groups)), tile_m=tile_m, tile_n=tile_n)
     sk = schedules.StreamK(s.total_work, sm_count // schedules.CLUSTER_M, -(-k // 64))
-    split_items = s.total_work % (sm_count // schedules.CLUSTER_M)
-    return sk.active and (not reduce_scatter or split_items <= s.work_per_group)
+    return sk.active and (not reduce_scatter or sk.split_work <= s.work_per_group)
 
 
 def split_sm_count(rows_per_group: int, n: int, k: int, groups: int, tile: int = 1,

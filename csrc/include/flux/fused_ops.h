@@ -56,10 +56,7 @@ struct AgGemmArgs {
   uint64_t timeout_ns = 0;
   int* error_record = nullptr;
   int* error_claim = nullptr;
-  int sm_count = 0;
-  int swizzle_m = 0;                 // GemmProblem::swizzle_m
-  void* split_workspace = nullptr;   // GemmProblem::split_workspace (stream-K tail), or null
-  int64_t split_workspace_bytes = 0;
+  LaunchOptions launch;  // of the GEMM
   cudaStream_t compute = nullptr;
   cudaStream_t comm[kMaxGroups] = {nullptr};  // at least one; mesh uses up to tp - 1
   int num_comm = 0;
@@ -95,10 +92,7 @@ struct GemmRsArgs {
   uint64_t timeout_ns = 0;
   int* error_record = nullptr;
   int* error_claim = nullptr;
-  int sm_count = 0;
-  int swizzle_m = 0;
-  void* split_workspace = nullptr;
-  int64_t split_workspace_bytes = 0;
+  LaunchOptions launch;
   cudaStream_t compute = nullptr;
 };
 

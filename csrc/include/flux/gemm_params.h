@@ -29,6 +29,16 @@ enum WaitError : int {
   kSplitTimeout = 4,  // a stream-K reducer waited too long for a partial of its own grid (a kernel bug)
 };
 
+// How the persistent grid runs one problem; the fused operators' arguments carry the same struct.
+struct LaunchOptions {
+  int sm_count = 0;   // CTAs resident at once (persistent grid); 0: all SMs of the device
+  int swizzle_m = 0;  // tiles along M visited together (L2 locality); 0: default
+  // Stream-K tail (tile_schedule.cuh StreamK): scratch for the fp32 partials of split tiles and their flags,
+  // stream-ordered (allocated for this launch); null or too small: whole tiles only.
+  void* split_workspace = nullptr;
+  int64_t split_workspace_bytes = 0;
+};
+
 struct GemmProblem {
   // ---- shape
   int rows_per_group = 0;  // Mg
@@ -73,13 +83,7 @@ struct GemmProblem {
   int rank = 0;
 
   // ---- launch
-  int sm_count = 0;    // CTAs resident at once (persistent grid); 0: all SMs of the device
-  int swizzle_m = 0;   // tiles along M visited together (L2 locality); 0: default
-
-  // ---- stream-K tail (tile_schedule.cuh StreamK): scratch for the fp32 partials of split tiles and their
-  // flags, stream-ordered (allocated for this launch); null or too small: whole tiles only
-  void* split_workspace = nullptr;
-  int64_t split_workspace_bytes = 0;
+  LaunchOptions launch;
 };
 
 // Bytes of split_workspace that any launch on a device with `sm_count` SMs can use: one flag and one fp32
