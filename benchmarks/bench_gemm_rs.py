@@ -15,11 +15,12 @@ import torch.distributed as dist
 from benchmarks.harness import (check_kernel_variants, operator_main, overlap_figures, parse_shapes,
                                 report_operator_rows, time_kernel_variants, time_ms)
 
+TRANSPORTS = ("direct", "copy_engine")
 DEFAULT_SHAPES = "4096x8192x8192,8192x28672x8192,8192x12288x12288,2048x4096x4096,16384x4096x4096"
 
 
 def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
-    from flux_layers import ops
+    from flux_layers import _env, ops
     from flux_layers.ops import fused_gemm, fused_gemm_rs
     from flux_layers.runtime import tuning, workspace
     import torch.distributed._symmetric_memory as symm_mem
@@ -40,8 +41,10 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     if not err < 1e-2:
         raise RuntimeError(f"rank {rank}: fused gemm_rs disagrees with cuBLAS+NCCL on {m}x{k}x{n}: {err}")
-    check_kernel_variants(lambda **cfg: fused_gemm_rs.gemm_rs(xs[0], ws_[0], group=group, ws=rs_ws, **cfg), ref,
-                          f"rank {rank}: fused gemm_rs on {m}x{k}x{n}")
+    for transport in TRANSPORTS:
+        check_kernel_variants(lambda **cfg: fused_gemm_rs.gemm_rs(xs[0], ws_[0], group=group, ws=rs_ws,
+                                                                  transport=transport, **cfg), ref,
+                              f"rank {rank}: fused gemm_rs ({transport}) on {m}x{k}x{n}")
 
     t = {}
     t["gemm_cublas"] = time_ms(lambda i: torch.matmul(xs[i % sets], ws_[i % sets].t(), out=partial[i % sets]),
@@ -70,6 +73,11 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
                          reps=reps, group=group)
     t.update(time_kernel_variants(lambda i, **cfg: fused_gemm_rs.gemm_rs(xs[i % sets], ws_[i % sets], group=group,
                                                                         ws=rs_ws, **cfg), reps=reps, group=group))
+    # The other transport, default kernel configuration (fused_<transport>), then the default path again.
+    for transport in TRANSPORTS:
+        t[f"fused_{transport}"] = time_ms(
+            lambda i: fused_gemm_rs.gemm_rs(xs[i % sets], ws_[i % sets], group=group, ws=rs_ws, transport=transport),
+            reps=reps, group=group)
     rs_ws.check()
 
     return {"m": m, "k": k, "n": n, "k_local": k_local, "tp": tp, "dtype": str(dtype).replace("torch.", ""),
@@ -78,8 +86,11 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
             "dispatch_auto": ops.plan("gemm_rs", xs[0], ws_[0], group=group).path,
             "fused_default_config": tuning.kernel_name(tuning.resolve_kernel("gemm_rs", dtype=dtype, tp=tp,
                                                                              mkn=(m, k, n))),
-            "implementation": "fused = flux_layers._C gemm_rs (epilogue stores into peer slots, flagged tiles, "
-                              "owner reduces in its epilogue)"}
+            "fused_transport": _env.get("RS_TRANSPORT"),
+            "implementation": "fused = flux_layers._C gemm_rs with the default transport (fused_transport: "
+                              "'direct' = epilogue stores into peer slots, flagged tiles; 'copy_engine' = epilogue "
+                              "stores locally, copy engine moves finished chunks); the owner reduces in its "
+                              "epilogue. fused_direct / fused_copy_engine: each transport, default kernel"}
 
 
 def run(rank, tp, args):
@@ -95,7 +106,8 @@ def run(rank, tp, args):
     report_operator_rows(rank, tp, rows, [("m", "M", ""), ("k", "K", ""), ("n", "N", ""), ("gemm_cublas", "gemm", ".3f"),
                            ("gemm_flux", "gemm_flux", ".3f"), ("nccl_rs", "nccl_rs", ".3f"),
                            ("gemm_then_nccl", "seq", ".3f"), ("torch_symm_mem_fused", "torch", ".3f"),
-                           ("fused", "fused", ".3f"), ("fused_over_bound", "fused/bound", ".3f"),
+                           ("fused", "fused", ".3f"), ("fused_direct", "direct", ".3f"),
+                           ("fused_copy_engine", "ce", ".3f"), ("fused_over_bound", "fused/bound", ".3f"),
                            ("seq_over_fused", "seq/fused", ".3f"), ("overlap_efficiency", "E", ".2f"),
                            ("dispatch_auto", "auto", "")], args.out)
 

@@ -62,10 +62,19 @@ def run(rank, tp, args):
     dy = torch.randn(rows, args.batch, args.hidden, generator=gen, device="cuda").to(torch.bfloat16)
     results = {}
     # flux: column dgrad GEMM with its NCCL reduce-scatter under the wgrad GEMM (tp_comm_overlap_rs_dgrad=False,
-    # Megatron's default); flux_rs_dgrad: column dgrad as the fused GEMM+ReduceScatter.
-    variants = (("baseline", True, False), ("flux", False, False), ("flux_rs_dgrad", False, True),
-                ("baseline_again", True, False))
-    for name, baseline, rs_dgrad in variants:
+    # Megatron's default); flux_rs_dgrad: column dgrad as the fused GEMM+ReduceScatter. The GEMM+ReduceScatter
+    # transport is the library default (FLUX_LAYERS_RS_TRANSPORT) unless the variant names one (the _ce ones).
+    default_transport = os.environ.get("FLUX_LAYERS_RS_TRANSPORT")
+    variants = (("baseline", True, False, None), ("flux", False, False, None),
+                ("flux_rs_dgrad", False, True, None), ("flux_ce", False, False, "copy_engine"),
+                ("flux_rs_dgrad_ce", False, True, "copy_engine"), ("baseline_again", True, False, None))
+    for name, baseline, rs_dgrad, transport in variants:
+        if transport is not None:
+            os.environ["FLUX_LAYERS_RS_TRANSPORT"] = transport
+        elif default_transport is None:
+            os.environ.pop("FLUX_LAYERS_RS_TRANSPORT", None)
+        else:
+            os.environ["FLUX_LAYERS_RS_TRANSPORT"] = default_transport
         block = build_block(args, baseline, rs_dgrad)
         inp = x.clone().requires_grad_(True)
 
@@ -77,7 +86,8 @@ def run(rank, tp, args):
         tokens = args.seq * args.batch
         results[name] = {"step_ms": ms, "tokens_per_s": tokens / ms * 1e3,
                          "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-                         "paths": linear_paths(block) if not baseline else "megatron-core linears (NCCL + cuBLAS)"}
+                         "paths": linear_paths(block) if not baseline else "megatron-core linears (NCCL + cuBLAS)",
+                         "rs_transport": None if baseline else os.environ.get("FLUX_LAYERS_RS_TRANSPORT", "direct")}
         if rank == 0:
             print(f"  {name}: {ms:.2f} ms/step, {tokens / ms * 1e3:,.0f} tokens/s", flush=True)
         block = None  # free the parameters before the next variant is built
@@ -85,10 +95,13 @@ def run(rank, tp, args):
     base = min(results["baseline"]["step_ms"], results["baseline_again"]["step_ms"])
     summary = {"speedup_vs_best_baseline": base / results["flux"]["step_ms"],
                "speedup_rs_dgrad_vs_best_baseline": base / results["flux_rs_dgrad"]["step_ms"],
+               "speedup_ce_vs_best_baseline": base / results["flux_ce"]["step_ms"],
+               "speedup_rs_dgrad_ce_vs_best_baseline": base / results["flux_rs_dgrad_ce"]["step_ms"],
                "baseline_drift": results["baseline_again"]["step_ms"] / results["baseline"]["step_ms"]}
     if rank == 0:
         print(f"flux / baseline speedup: {summary['speedup_vs_best_baseline']:.3f}x, with fused column dgrad "
-              f"{summary['speedup_rs_dgrad_vs_best_baseline']:.3f}x "
+              f"{summary['speedup_rs_dgrad_vs_best_baseline']:.3f}x; copy-engine reduce-scatter transport "
+              f"{summary['speedup_ce_vs_best_baseline']:.3f}x / {summary['speedup_rs_dgrad_ce_vs_best_baseline']:.3f}x "
               f"(baseline drift between its two runs {summary['baseline_drift']:.3f})", flush=True)
         if args.out:
             write_json(args.out, {**environment(tp), "shape": vars(args), "method":

@@ -10,6 +10,8 @@ launchers can set them per process.
 | FLUX_LAYERS_AG_MODE | copy-engine all-gather direction: ``push`` or ``pull`` | push |
 | FLUX_LAYERS_AG_ORDER | all-gather order: ``auto`` (from topology), ``mesh`` or ``ring`` | auto |
 | FLUX_LAYERS_CHUNK_ROWS | rows per copy-engine chunk (0: per-shape heuristic) | 0 |
+| FLUX_LAYERS_RS_TRANSPORT | how GEMM+ReduceScatter moves a peer's partial tiles: ``direct`` (the epilogue stores into the peer) or ``copy_engine`` (staged locally, moved by the copy engine per chunk) | direct |
+| FLUX_LAYERS_RS_CHUNK_COLS | columns per copy-engine chunk of the reduce-scatter (0: 1024) | 0 |
 | FLUX_LAYERS_TIMEOUT_S | bound on every cross-rank wait, seconds | 30 |
 | FLUX_LAYERS_TUNING | path of a tuning table (JSON) to use instead of configs/tuning | (packaged) |
 | FLUX_LAYERS_DISPATCH | ``table`` (per-shape fused/sequential choice) or ``always`` (fused whenever supported) | table |
@@ -28,6 +30,8 @@ _DEFAULTS = {
     "AG_MODE": "push",
     "AG_ORDER": "auto",
     "CHUNK_ROWS": "0",
+    "RS_TRANSPORT": "direct",
+    "RS_CHUNK_COLS": "0",
     "TIMEOUT_S": "30",
     "TUNING": "",
     "DISPATCH": "table",
@@ -39,6 +43,7 @@ _CHOICES = {
     "BACKEND": ("auto", "fused", "reference"),
     "AG_MODE": ("pull", "push"),
     "AG_ORDER": ("auto", "mesh", "ring"),
+    "RS_TRANSPORT": ("direct", "copy_engine"),
     "DISPATCH": ("table", "always"),
     "POISON_OUTPUTS": ("0", "1"),
     "STREAM_K": ("0", "1"),

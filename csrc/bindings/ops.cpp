@@ -196,7 +196,7 @@ void gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias
              std::vector<int64_t> recv_ptrs, int64_t slot_rows, std::vector<int64_t> flag_ptrs,
              int64_t flags_per_source, int64_t rank, int64_t epoch, int64_t timeout_ns, int64_t error_record_ptr,
              int64_t error_claim_ptr, bool weight_nn, int64_t tile, int64_t sm_count, int64_t swizzle,
-             bool stream_k) {
+             bool stream_k, int64_t stage_ptr, int64_t chunk_cols, std::vector<int64_t> comm_streams) {
   auto s = check_operands(x, w, bias, weight_nn);
   int64_t tp = int64_t(recv_ptrs.size());
   TORCH_CHECK_VALUE(tp >= 2 && tp <= flux::kMaxGroups, "group size ", tp, " outside [2, ", flux::kMaxGroups, "]");
@@ -226,6 +226,15 @@ void gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias
   a.timeout_ns = uint64_t(timeout_ns);
   a.error_record = reinterpret_cast<int*>(error_record_ptr);
   a.error_claim = reinterpret_cast<int*>(error_claim_ptr);
+  TORCH_CHECK_VALUE(chunk_cols >= 0, "chunk_cols ", chunk_cols, " must be >= 0 (0: default)");
+  TORCH_CHECK_VALUE(comm_streams.size() <= size_t(flux::kMaxGroups), "at most ", flux::kMaxGroups,
+                    " communication streams, got ", comm_streams.size());
+  TORCH_CHECK_VALUE(stage_ptr == 0 || !comm_streams.empty(),
+                    "the copy-engine transport needs at least one communication stream");
+  a.stage = reinterpret_cast<char*>(stage_ptr);
+  a.chunk_cols = int(chunk_cols);
+  a.num_comm = int(comm_streams.size());
+  for (size_t i = 0; i < comm_streams.size(); ++i) a.comm[i] = reinterpret_cast<cudaStream_t>(comm_streams[i]);
   Tensor scratch;
   a.launch = launch_options(x, sm_count, swizzle, stream_k, scratch);
   a.compute = c10::cuda::getCurrentCUDAStream();
@@ -245,7 +254,8 @@ TORCH_LIBRARY(flux_layers, m) {
   m.def(
       "gemm_rs(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, int[] recv_ptrs, int slot_rows, "
       "int[] flag_ptrs, int flags_per_source, int rank, int epoch, int timeout_ns, int error_record_ptr, "
-      "int error_claim_ptr, bool weight_nn, int tile, int sm_count, int swizzle, bool stream_k) -> ()");
+      "int error_claim_ptr, bool weight_nn, int tile, int sm_count, int swizzle, bool stream_k, int stage_ptr, "
+      "int chunk_cols, int[] comm_streams) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flux_layers, CUDA, m) {

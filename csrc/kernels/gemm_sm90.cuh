@@ -7,8 +7,10 @@
 //              CUTLASS's sm90 TMA/GMMA collective mainloop, then this file's epilogue)
 //   epilogue : accumulators -> bf16/fp16 sub-tile in shared memory (XOR-swizzled, conflict-free) -> 16-byte
 //              coalesced stores to the group's destination, which may be a peer GPU's receive slot (NVLink
-//              P2P). ReduceScatter: a tile for a peer is followed by a release flag in the peer's memory; a
-//              tile of own rows first waits for the peers' flags and sums their partials in a fixed order.
+//              P2P). ReduceScatter: a tile for a peer is followed by a release flag in the peer's memory (direct
+//              transport), or goes to a local staging area and is counted into its chunk, which the host-side
+//              copy engine moves and flags (copy-engine transport); a tile of own rows first waits for the
+//              peers' flags of its chunk and sums their partials in a fixed order.
 //   tail     : stream-K (tile_schedule.cuh StreamK; 128 x 256 tiles): the items of a last, partial wave are
 //              split along K over every cluster; a segment without k = 0 stores its fp32 accumulators to the
 //              split workspace and flags them, the segment with k = 0 adds them in cluster order (same bits
@@ -272,12 +274,18 @@ struct GemmKernel {
     int index = 0;
   };
 
-  // Called by all consumer threads after a consumer barrier that follows the pending tile's stores.
+  // Called by all consumer threads after a consumer barrier that follows the pending tile's stores. Direct
+  // stores: raise the tile's flag at the peer. Copy-engine transport: count the tile into its chunk, which the
+  // copy engine moves once complete.
   CUTLASS_DEVICE static void flush_signal(GemmProblem const& p, PendingSignal& pending, int mma_thread_idx) {
     if (pending.group < 0) return;
     if (mma_thread_idx == 0) {
       __threadfence_system();
-      st_release_sys(p.rs_signal[pending.group] + pending.index, p.epoch);
+      if (p.rs_stage_counters != nullptr) {
+        red_add_release_sys(p.rs_stage_counters + int64_t(pending.group) * p.rs_flags_per_source + pending.index, 1u);
+      } else {
+        st_release_sys(p.rs_signal[pending.group] + pending.index, p.epoch);
+      }
     }
     pending.group = -1;
   }
@@ -310,10 +318,11 @@ struct GemmKernel {
     bool const to_peer = is_rs && !reduce;                   // partial for a peer: signal afterwards
     bool const add_bias = p.bias != nullptr && (!is_rs || reduce);
     Element* dst = static_cast<Element*>(p.d[t.group]);
-    int const flag_index = t.m * p.rs_flag_stride_n + t.n;
+    int const flag_index = is_rs ? (t.m / p.rs_chunk_tiles_m) * p.rs_chunks_n + t.n / p.rs_chunk_tiles_n : 0;
+    bool const direct = p.rs_stage_counters == nullptr;  // else the copy engine waits for the slot's release
 
     if (mma_thread_idx == 0) {
-      if (to_peer && !(consumed_seen & (1u << t.group))) {
+      if (to_peer && direct && !(consumed_seen & (1u << t.group))) {
         // The peer must have finished reading its receive slots of the previous call before we overwrite.
         wait_flag(p.rs_consumed + t.group, p.epoch - 1, p, kConsumedTimeout, t.group);
         consumed_seen |= 1u << t.group;
@@ -569,10 +578,19 @@ struct Launcher {
     params.prob = prob;
     params.sched = TileSchedule::make(prob, Cfg::kTileM, Cfg::kTileN, Cfg::kClusterM);
     if (prob.rs_own_group >= 0) {
-      params.prob.rs_flag_stride_n = params.sched.tiles_n;
-      FLUX_CHECK(int64_t(params.sched.tiles_m) * params.sched.tiles_n <= prob.rs_flags_per_source,
-                 "reduce-scatter workspace holds ", prob.rs_flags_per_source, " tile flags per rank, this call needs ",
-                 int64_t(params.sched.tiles_m) * params.sched.tiles_n);
+      GemmProblem& q = params.prob;
+      if (q.rs_chunk_tiles_m <= 0 || q.rs_chunk_tiles_n <= 0) {  // direct stores: one flag per tile
+        q.rs_chunk_tiles_m = 1;
+        q.rs_chunk_tiles_n = 1;
+        q.rs_chunks_n = params.sched.tiles_n;
+      }
+      int64_t const chunks = int64_t((params.sched.tiles_m + q.rs_chunk_tiles_m - 1) / q.rs_chunk_tiles_m) *
+                             q.rs_chunks_n;
+      FLUX_CHECK(q.rs_chunks_n * q.rs_chunk_tiles_n >= params.sched.tiles_n, "reduce-scatter chunk grid (",
+                 q.rs_chunks_n, " x ", q.rs_chunk_tiles_n, " tiles) does not cover ", params.sched.tiles_n,
+                 " tiles along N");
+      FLUX_CHECK(chunks <= prob.rs_flags_per_source, "reduce-scatter workspace holds ", prob.rs_flags_per_source,
+                 " flags per rank, this call needs ", chunks);
     }
 
     auto const* b = static_cast<Element const*>(prob.b);

@@ -1,9 +1,21 @@
-// GEMM + ReduceScatter: the persistent GEMM stores each finished tile of a peer's rows straight into that
-// peer's receive slot (NVLink P2P) and raises a per-tile flag there; the tiles of this rank's own rows come
-// last and add the peers' partials (waiting on their flags) in a fixed order, so the result is the same bits
-// on every run. After the kernel, consumed[r] = e is written at every peer: our receive slots are free again.
+// GEMM + ReduceScatter. The persistent GEMM walks the destination groups rank+1, rank+2, ..., own rows last;
+// a tile of own rows waits for the peers' flags and adds their partials in rank order, so the result is the
+// same bits on every run. How a peer's partial reaches it is the transport:
 //
-// Flag words of one rank: tile[src][flags_per_source] (set by src), then consumed[tp] (set by each peer).
+//   direct (default): the epilogue stores each tile of a peer's rows straight into that peer's receive slot
+//                     (NVLink P2P) and raises a per-tile flag there;
+//   copy engine     : the epilogue stores it into a local staging area and counts it into its chunk (a panel
+//                     of the tile schedule x a strip of columns, so chunks complete one after another); a
+//                     comm stream per peer waits for each chunk's count, copies it into the peer's receive
+//                     slot and raises the peer's flag for it. The SMs never wait on NVLink.
+//
+// After the kernel, consumed[r] = e is written at every peer: our receive slots are free again.
+// Flag words of one rank: flag[src][flags_per_source] (set for us by src), consumed[tp] (set by each peer),
+// count[dst][flags_per_source] (our tiles of dst's rows per chunk; copy-engine transport, cleared per call).
+#include <algorithm>
+
+#include "../kernels/tile_schedule.cuh"
+#include "event_pool.h"
 #include "flux/check.h"
 #include "flux/fused_ops.h"
 
@@ -13,17 +25,58 @@ void rs_group_order(int rank, int tp, int* group_order) {
   for (int s = 0; s < tp; ++s) group_order[s] = (rank + 1 + s) % tp;
 }
 
+namespace {
+
+// The chunks of one group (a peer's rows) in the order this rank's GEMM finishes them.
+struct RsChunkGrid {
+  int tile_m, tile_n;
+  int tiles_m;        // tiles holding rows (the cluster's padding tiles are never stored nor counted)
+  int tiles_n;
+  int chunk_tiles_m;  // one panel of the schedule
+  int chunk_tiles_n;
+  int chunks_m, chunks_n;
+
+  RsChunkGrid(const GemmRsArgs& a, const GemmProblem& g) {
+    tile_m = flux::tile_m(a.tile);
+    tile_n = flux::tile_n(a.tile);
+    TileSchedule s = TileSchedule::make(g, tile_m, tile_n, kClusterM);
+    tiles_m = (a.rows_per_group + tile_m - 1) / tile_m;
+    tiles_n = s.tiles_n;
+    chunk_tiles_m = s.swizzle * kClusterM;
+    int const cols = a.chunk_cols > 0 ? a.chunk_cols : kDefaultChunkCols;
+    chunk_tiles_n = std::min(tiles_n, std::max(1, (cols + tile_n - 1) / tile_n));
+    chunks_m = (tiles_m + chunk_tiles_m - 1) / chunk_tiles_m;
+    chunks_n = (tiles_n + chunk_tiles_n - 1) / chunk_tiles_n;
+  }
+  // Columns per chunk when the caller does not say: 2-4 MB chunks on the layer shapes, rows of at least
+  // 2 KB for the copy engine.
+  static constexpr int kDefaultChunkCols = 1024;
+
+  int index(int cm, int cn) const { return cm * chunks_n + cn; }
+  uint32_t tiles_in(int cm, int cn) const {
+    int mt = std::min(tiles_m, (cm + 1) * chunk_tiles_m) - cm * chunk_tiles_m;
+    int nt = std::min(tiles_n, (cn + 1) * chunk_tiles_n) - cn * chunk_tiles_n;
+    return uint32_t(mt * nt);
+  }
+};
+
+}  // namespace
+
 void gemm_rs(const GemmRsArgs& a) {
   FLUX_CHECK(a.tp >= 2 && a.tp <= kMaxGroups, "tp ", a.tp, " outside [2, ", kMaxGroups, "]");
   FLUX_CHECK(a.rank >= 0 && a.rank < a.tp, "rank ", a.rank, " outside [0, ", a.tp, ")");
   FLUX_CHECK(a.rows_per_group <= a.slot_rows, "M / tp = ", a.rows_per_group, " exceeds the workspace slot of ",
              a.slot_rows, " rows");
   FLUX_CHECK(a.epoch > 0, "epochs start at 1");
+  bool const copy_engine = a.stage != nullptr;
+  FLUX_CHECK(!copy_engine || a.num_comm >= 1, "the copy-engine transport needs a communication stream");
   if (a.rows_per_group == 0) return;
   const int r = a.rank;
   const size_t elem = 2;
   const size_t slot_bytes = size_t(a.slot_rows) * a.n * elem;
-  auto consumed = [&](int q) { return a.flags[q] + int64_t(a.tp) * a.flags_per_source; };
+  const int64_t fps = a.flags_per_source;
+  auto consumed = [&](int q) { return a.flags[q] + int64_t(a.tp) * fps; };
+  uint32_t* const counts = a.flags[r] + int64_t(a.tp) * fps + a.tp;
 
   GemmProblem g;
   g.rows_per_group = a.rows_per_group;
@@ -38,19 +91,21 @@ void gemm_rs(const GemmRsArgs& a) {
   g.b = a.w;
   g.ldb = a.ldw;
   g.bias = a.bias;
-  for (int d = 0; d < a.tp; ++d)
-    g.d[d] = d == r ? a.out : static_cast<void*>(a.recv[d] + size_t(r) * slot_bytes);
+  for (int d = 0; d < a.tp; ++d) {
+    char* peer_slot = copy_engine ? a.stage + size_t(d) * slot_bytes : a.recv[d] + size_t(r) * slot_bytes;
+    g.d[d] = d == r ? a.out : static_cast<void*>(peer_slot);
+  }
   g.ldd = a.n;
   g.rs_own_group = r;
   int i = 0;
   for (int src = 0; src < a.tp; ++src) {
     if (src == r) continue;
     g.rs_partials[i] = a.recv[r] + size_t(src) * slot_bytes;
-    g.rs_partial_flags[i] = a.flags[r] + int64_t(src) * a.flags_per_source;
+    g.rs_partial_flags[i] = a.flags[r] + int64_t(src) * fps;
     ++i;
   }
   g.rs_num_partials = i;
-  for (int d = 0; d < a.tp; ++d) g.rs_signal[d] = a.flags[d] + int64_t(r) * a.flags_per_source;
+  for (int d = 0; d < a.tp; ++d) g.rs_signal[d] = a.flags[d] + int64_t(r) * fps;
   g.rs_consumed = consumed(r);
   g.rs_flags_per_source = a.flags_per_source;
   g.epoch = a.epoch;
@@ -59,7 +114,51 @@ void gemm_rs(const GemmRsArgs& a) {
   g.error_claim = a.error_claim;
   g.rank = r;
   g.launch = a.launch;
+
+  auto& ev = call_events();
+  RsChunkGrid const grid(a, g);
+  if (copy_engine) {
+    g.rs_chunk_tiles_m = grid.chunk_tiles_m;
+    g.rs_chunk_tiles_n = grid.chunk_tiles_n;
+    g.rs_chunks_n = grid.chunks_n;
+    g.rs_stage_counters = counts;
+    // The previous call's copies of the staging area finished before its end (joined below).
+    FLUX_CUDA_CHECK(cudaMemsetAsync(counts, 0, size_t(a.tp) * fps * 4, a.compute));
+    FLUX_CUDA_CHECK(cudaEventRecord(ev[0], a.compute));
+  }
+  // The kernel goes first: its counts are what the copy streams wait on, and with a single hardware queue
+  // (CUDA_DEVICE_MAX_CONNECTIONS=1) a wait queued ahead of it would never be released.
   launch_gemm(g, a.dtype, a.layout, a.tile, a.compute);
+
+  if (copy_engine) {
+    const size_t row_bytes = size_t(a.n) * elem;
+    for (int step = 0; step + 1 < a.tp; ++step) {
+      int const d = g.group_order[step];
+      cudaStream_t s = a.comm[step % a.num_comm];
+      FLUX_CUDA_CHECK(cudaStreamWaitEvent(s, ev[0], 0));
+      if (a.epoch > 1) stream_wait_u32_geq(s, consumed(r) + d, a.epoch - 1);  // d finished reading its slots
+      for (int cm = 0; cm < grid.chunks_m; ++cm) {
+        int const row0 = cm * grid.chunk_tiles_m * grid.tile_m;
+        int const rows = std::min(a.rows_per_group, row0 + grid.chunk_tiles_m * grid.tile_m) - row0;
+        for (int cn = 0; cn < grid.chunks_n; ++cn) {
+          int const col0 = cn * grid.chunk_tiles_n * grid.tile_n;
+          int const cols = std::min(a.n, col0 + grid.chunk_tiles_n * grid.tile_n) - col0;
+          int const c = grid.index(cm, cn);
+          size_t const offset = size_t(row0) * row_bytes + size_t(col0) * elem;
+          stream_wait_u32_geq(s, counts + int64_t(d) * fps + c, grid.tiles_in(cm, cn));
+          FLUX_CUDA_CHECK(cudaMemcpy2DAsync(a.recv[d] + size_t(r) * slot_bytes + offset, row_bytes,
+                                            a.stage + size_t(d) * slot_bytes + offset, row_bytes,
+                                            size_t(cols) * elem, rows, cudaMemcpyDefault, s));
+          stream_write_u32(s, a.flags[d] + int64_t(r) * fps + c, a.epoch);
+        }
+      }
+    }
+    // Join: the next call may overwrite the staging area and clear the counts.
+    for (int j = 0; j < std::min(a.num_comm, a.tp - 1); ++j) {
+      FLUX_CUDA_CHECK(cudaEventRecord(ev[1 + j], a.comm[j]));
+      FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.compute, ev[1 + j], 0));
+    }
+  }
 
   for (int q = 0; q < a.tp; ++q)
     if (q != r) stream_write_u32(a.compute, consumed(q) + r, a.epoch);

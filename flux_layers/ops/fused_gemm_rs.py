@@ -6,9 +6,11 @@
 | weight | [N, K] ('nt') or [K, N] ('nn') | |
 | out | [M/tp, N] | rows [rank*M/tp, (rank+1)*M/tp) of sum_r x_r @ op(weight_r), + bias once |
 
-Each tile of a peer's rows is stored by the GEMM epilogue straight into that peer's receive slot and flagged;
-tiles of this rank's rows come last and add the peers' partials in rank order (deterministic), see
-csrc/runtime/gemm_rs.cpp. Partials travel in the input dtype (as with NCCL's reduce-scatter of bf16 data);
+Each tile of a peer's rows reaches that peer's receive slot and is flagged there; tiles of this rank's rows
+come last and add the peers' partials in rank order (deterministic), see csrc/runtime/gemm_rs.cpp. Two
+transports: ``direct``, the GEMM epilogue stores the tile into the peer's memory over NVLink; ``copy_engine``,
+the epilogue stores it locally and a copy engine moves each finished chunk (a panel of tiles x a strip of
+columns), so the SMs never wait on NVLink. Partials travel in the input dtype (as with NCCL's reduce-scatter of bf16 data);
 the sum is accumulated in fp32.
 """
 from __future__ import annotations
@@ -23,7 +25,8 @@ from flux_layers.runtime import tuning, workspace
 
 @torch.library.custom_op("flux::gemm_rs", mutates_args=())
 def _gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int, weight_nn: bool,
-             tile: int, swizzle: int, stream_k: bool, sm_count: int) -> torch.Tensor:
+             tile: int, swizzle: int, stream_k: bool, sm_count: int, copy_engine: bool,
+             chunk_cols: int) -> torch.Tensor:
     ws = workspace.lookup(handle)
     epoch = ws.next_epoch()
     n = weight.shape[1] if weight_nn else weight.shape[0]
@@ -33,12 +36,13 @@ def _gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, h
     torch.ops.flux_layers.gemm_rs(
         x, weight, bias, out, ws.data_ptrs, ws.slot_rows, ws.flag_ptrs, ws.flags_per_source, ws.rank, epoch,
         ws.timeout_ns, ws.error_record.data_ptr(), ws.error_claim.data_ptr(), weight_nn, tile, sm_count, swizzle,
-        stream_k)
+        stream_k, ws.stage_buffer().data_ptr() if copy_engine else 0, chunk_cols,
+        [s.cuda_stream for s in ws.comm_streams])
     return out
 
 
 @_gemm_rs.register_fake
-def _(x, weight, bias, handle, weight_nn, tile, swizzle, stream_k, sm_count):
+def _(x, weight, bias, handle, weight_nn, tile, swizzle, stream_k, sm_count, copy_engine, chunk_cols):
     tp = workspace.lookup(handle).tp
     n = weight.shape[1] if weight_nn else weight.shape[0]
     return x.new_empty((x.shape[0] // tp, n))
@@ -47,10 +51,18 @@ def _(x, weight, bias, handle, weight_nn, tile, swizzle, stream_k, sm_count):
 def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group,
             weight_layout: str = "nt", ws: workspace.RsWorkspace | None = None,
             tile: int | None = None, swizzle: int | None = None, stream_k: bool | None = None,
-            sm_count: int = 0) -> torch.Tensor:
+            sm_count: int = 0, transport: str | None = None, chunk_cols: int | None = None) -> torch.Tensor:
     """See the module docstring. ``tile``/``swizzle``: kernel configuration (None: tuning table or the measured
     default); ``stream_k``: split a last, partial wave of tiles along K (None: FLUX_LAYERS_STREAM_K);
-    ``sm_count``: SMs the persistent GEMM may hold (0: all)."""
+    ``sm_count``: SMs the persistent GEMM may hold (0: all); ``transport``: ``'direct'`` or ``'copy_engine'``
+    (None: FLUX_LAYERS_RS_TRANSPORT); ``chunk_cols``: columns per copy-engine chunk (None:
+    FLUX_LAYERS_RS_CHUNK_COLS; 0: 1024)."""
+    transport = _env.get("RS_TRANSPORT") if transport is None else transport
+    if transport not in ("direct", "copy_engine"):
+        raise ValueError(f"gemm_rs: transport must be 'direct' or 'copy_engine', got {transport!r}")
+    chunk_cols = _env.get_int("RS_CHUNK_COLS") if chunk_cols is None else chunk_cols
+    if chunk_cols < 0:
+        raise ValueError(f"gemm_rs: chunk_cols must be >= 0 (0: default), got {chunk_cols}")
     _library.require()
     m, k, n = check_matmul_args("gemm_rs", x, weight, bias, weight_layout)
     for what, t in (("x", x), ("weight", weight)):
@@ -66,4 +78,4 @@ def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     kc = tuning.resolve_kernel("gemm_rs", dtype=x.dtype, tp=tp, mkn=(m, k, n), tile=tile, swizzle=swizzle,
                                stream_k=stream_k, sm_count=sm_count)
     return _gemm_rs(x, weight, bias, workspace.register(ws), weight_layout == "nn", kc.tile, kc.swizzle,
-                    kc.stream_k, kc.sm_count)
+                    kc.stream_k, kc.sm_count, transport == "copy_engine", chunk_cols)

@@ -180,7 +180,9 @@ class AgWorkspace(Workspace):
 
 
 class RsWorkspace(Workspace):
-    """GEMM+ReduceScatter: receive slots [tp][max_m/tp][n] per rank + per-tile flags + consumed flags."""
+    """GEMM+ReduceScatter: receive slots [tp][max_m/tp][n] per rank + per-chunk flags, consumed flags and the
+    copy-engine transport's chunk counts (csrc/runtime/gemm_rs.cpp); one comm stream per peer and, once the
+    copy-engine transport is used, a local staging area of the receive slots' size."""
 
     def __init__(self, group, dtype: torch.dtype, max_m: int, n: int, *, min_tile: int = 128):
         tp = dist.get_world_size(group)
@@ -193,7 +195,14 @@ class RsWorkspace(Workspace):
         self.flags_per_source = tiles_m * -(-n // min_tile)
         elem = torch.tensor([], dtype=dtype).element_size()
         super().__init__(group, data_bytes=tp * self.slot_rows * n * elem,
-                         flag_words=tp * self.flags_per_source + tp, num_comm_streams=0, what="gemm_rs")
+                         flag_words=2 * tp * self.flags_per_source + tp, num_comm_streams=tp - 1, what="gemm_rs")
+        self._stage: torch.Tensor | None = None
+
+    def stage_buffer(self) -> torch.Tensor:
+        """Local staging area of the copy-engine transport, [tp * max_m/tp * n], allocated on first use."""
+        if self._stage is None:
+            self._stage = torch.empty(self.tp * self.slot_rows * self.n, dtype=self.dtype, device=self.device)
+        return self._stage
 
 
 _cache: dict[_Key, Workspace] = {}

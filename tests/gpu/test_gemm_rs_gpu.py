@@ -14,6 +14,7 @@ pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 
 # Every visible GPU takes part (2 on the 2-GPU machine; 4 or 8 where lent), at least 2.
 TP = min(max(torch.cuda.device_count(), 2), 8)
+TRANSPORTS = ("direct", "copy_engine")
 
 
 def _one_call(rank, tp, seed, m, k, n, dtype, layout, *, with_bias=True, ws=None, late_rank=None, tile=None,
@@ -40,8 +41,11 @@ def _matrix(rank, tp, seed):
         for layout in ("nt", "nn"):
             for (m, k, n) in ((1024 * tp, 512 * tp, 768), (1000 * tp, 264 * tp, 264), (2048 * tp, 1024 * tp, 2048)):
                 for tile in (0, 1):
-                    _one_call(rank, tp, seed + i, m, k, n, dtype, layout, with_bias=bool(i % 2), tile=tile)
-                    i += 1
+                    for transport in TRANSPORTS:
+                        # copy-engine chunks of 1, 2 or 4 tiles' columns (0: the default width)
+                        _one_call(rank, tp, seed + i, m, k, n, dtype, layout, with_bias=bool(i % 2), tile=tile,
+                                  transport=transport, chunk_cols=(0, 256, 512)[i % 3])
+                        i += 1
     torch.cuda.synchronize()
 
 
@@ -51,18 +55,20 @@ def test_gemm_rs_dtypes_layouts_shapes():
 
 def _late_many_deterministic(rank, tp, seed):
     poison_outputs()
-    for late in (0, 1):
-        _one_call(rank, tp, seed + late, 2048 * tp, 1024 * tp, 1024, torch.bfloat16, "nt", late_rank=late)
-    first = _one_call(rank, tp, seed + 5, 2048 * tp, 2048 * tp, 2048, torch.bfloat16, "nt")
-    again = _one_call(rank, tp, seed + 5, 2048 * tp, 2048 * tp, 2048, torch.bfloat16, "nt")
-    assert torch.equal(first, again), f"rank {rank}: two runs on the same inputs differ bitwise"
+    for transport in TRANSPORTS:
+        for late in (0, 1):
+            _one_call(rank, tp, seed + late, 2048 * tp, 1024 * tp, 1024, torch.bfloat16, "nt", late_rank=late,
+                      transport=transport)
+        first = _one_call(rank, tp, seed + 5, 2048 * tp, 2048 * tp, 2048, torch.bfloat16, "nt", transport=transport)
+        again = _one_call(rank, tp, seed + 5, 2048 * tp, 2048 * tp, 2048, torch.bfloat16, "nt", transport=transport)
+        assert torch.equal(first, again), f"rank {rank}: two {transport} runs on the same inputs differ bitwise"
     from flux_layers.runtime.workspace import RsWorkspace
     ws = RsWorkspace(dist.group.WORLD, torch.bfloat16, 2048 * tp, 256)
     rows = [2048, 1000, 128, 2048, 64, 1536, 8, 1024]
-    for i in range(200):
+    for i in range(200):  # the two transports alternate in pairs on one workspace
         m = rows[i % len(rows)] * tp
         _one_call(rank, tp, seed + 100 + i, m, 256 * tp, 256, torch.bfloat16, "nt" if i % 3 else "nn",
-                  with_bias=bool(i % 2), ws=ws)
+                  with_bias=bool(i % 2), ws=ws, transport=TRANSPORTS[(i // 2) % 2])
     with pytest.raises(ValueError, match="max_m"):
         _one_call(rank, tp, seed, 4096 * tp, 256 * tp, 256, torch.bfloat16, "nt", ws=ws)
     torch.cuda.synchronize()
@@ -75,10 +81,11 @@ def _stream_k(rank, tp, seed):
         # (M / tp, K / tp, N); the SM limit makes the split items (the last wave) all lie in this rank's own rows
         for (rows, k_local, n) in ((2048, 2048, 1024), (1000, 4096, 520)):
             sms = split_sm_count(rows, n, k_local, tp, reduce_scatter=True)
+            transport = TRANSPORTS[i % 2]
             first = _one_call(rank, tp, seed + i, rows * tp, k_local * tp, n, torch.bfloat16, layout, tile=1,
-                              stream_k=True, sm_count=sms)
+                              stream_k=True, sm_count=sms, transport=transport)
             again = _one_call(rank, tp, seed + i, rows * tp, k_local * tp, n, torch.bfloat16, layout, tile=1,
-                              stream_k=True, sm_count=sms)
+                              stream_k=True, sm_count=sms, transport=transport)
             assert torch.equal(first, again), f"rank {rank}: stream-K gemm_rs differs bitwise between runs"
             i += 1
     torch.cuda.synchronize()
@@ -92,7 +99,7 @@ def test_gemm_rs_late_rank_back_to_back_and_bitwise_repeatable():
     run_distributed(_late_many_deterministic, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl")
 
 
-def _timeout(rank, tp):
+def _timeout(rank, tp, transport):
     from flux_layers.ops import fused_gemm_rs
     from flux_layers.runtime.workspace import RsWorkspace, WorkspaceError
     ws = RsWorkspace(dist.group.WORLD, torch.bfloat16, 256 * tp, 256)
@@ -100,11 +107,12 @@ def _timeout(rank, tp):
     if rank == 0:
         x = torch.randn(256 * tp, 256, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
-        fused_gemm_rs.gemm_rs(x, w, group=dist.group.WORLD, ws=ws)
+        fused_gemm_rs.gemm_rs(x, w, group=dist.group.WORLD, ws=ws, transport=transport)
         with pytest.raises(WorkspaceError, match=r"rank 0 timed out .* epoch 1"):
             ws.check(timeout_s=20)
     torch.cuda.synchronize()
 
 
-def test_gemm_rs_timeout_raises_instead_of_hanging():
-    run_distributed(_timeout, TP, backend="nccl", timeout_s=120)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_gemm_rs_timeout_raises_instead_of_hanging(transport):
+    run_distributed(_timeout, TP, transport, backend="nccl", timeout_s=120)

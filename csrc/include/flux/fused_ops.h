@@ -86,8 +86,15 @@ struct GemmRsArgs {
   int tp = 1;
   char* recv[kMaxGroups] = {nullptr};        // receive buffer of every rank: [tp slots][slot_rows][N]
   int64_t slot_rows = 0;                      // rows per slot (max Mg)
-  uint32_t* flags[kMaxGroups] = {nullptr};    // flag words of every rank: tile[tp][per_source], consumed[tp]
+  uint32_t* flags[kMaxGroups] = {nullptr};    // flag words of every rank: flag[tp][per_source], consumed[tp],
+                                              // count[tp][per_source]
   int flags_per_source = 0;
+  // Copy-engine transport (see gemm_rs.cpp): local staging area [tp][slot_rows][N] and one comm stream per
+  // peer (at least one); null stage: the epilogue stores straight into the peers' receive slots.
+  char* stage = nullptr;
+  int chunk_cols = 0;  // columns per copy-engine chunk (0: default)
+  cudaStream_t comm[kMaxGroups] = {nullptr};
+  int num_comm = 0;
   uint32_t epoch = 0;
   uint64_t timeout_ns = 0;
   int* error_record = nullptr;
@@ -96,8 +103,9 @@ struct GemmRsArgs {
   cudaStream_t compute = nullptr;
 };
 
-// out = reduce_scatter(x @ op(w)) + bias: tiles are stored into the owning rank's receive slot and reduced
-// there by the owner's GEMM epilogue (deterministic order).
+// out = reduce_scatter(x @ op(w)) + bias: tiles reach the owning rank's receive slot (stored there by the
+// epilogue, or staged locally and moved by the copy engine) and are reduced there by the owner's GEMM epilogue
+// (deterministic order).
 void gemm_rs(const GemmRsArgs& args);
 
 // The destination order of this rank's tiles: rank+1, rank+2, ..., own rows last.

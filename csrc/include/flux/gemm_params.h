@@ -72,8 +72,16 @@ struct GemmProblem {
   const uint32_t* rs_partial_flags[kMaxGroups] = {nullptr};  // local: [tiles] flags of each partial's source
   uint32_t* rs_signal[kMaxGroups] = {nullptr};  // per destination group: dest's flag array for our partial
   const uint32_t* rs_consumed = nullptr;  // local: rs_consumed[g] >= epoch-1 before writing into g's slot
-  int rs_flags_per_source = 0;          // capacity of each source's flag array (tiles_m * tiles_n must fit)
-  int rs_flag_stride_n = 0;             // set by the launcher: flags of tile (m, n) at [m * stride + n]
+  int rs_flags_per_source = 0;          // capacity of each source's flag array (one flag per chunk must fit)
+  // Chunks: the unit a flag covers. Tile (m, n) of a group lies in chunk (m / chunk_tiles_m) * chunks_n +
+  // n / chunk_tiles_n. Direct stores: one tile per chunk (set by the launcher when chunk_tiles_m is 0).
+  int rs_chunk_tiles_m = 0;
+  int rs_chunk_tiles_n = 0;
+  int rs_chunks_n = 0;
+  // Copy-engine transport (non-null): d[g] of a peer g is this rank's local staging area for g, and every
+  // finished tile of it adds 1 to rs_stage_counters[g * rs_flags_per_source + chunk]; the host-side copy
+  // engine waits for a chunk's count, moves the chunk into g's receive slot and raises g's flag for it.
+  uint32_t* rs_stage_counters = nullptr;
 
   // ---- synchronisation common to both
   uint32_t epoch = 0;
