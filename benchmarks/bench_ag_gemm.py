@@ -11,19 +11,17 @@ and the path the library's default dispatch takes for the shape.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
-from benchmarks.harness import (check_kernel_variants, operator_main, overlap_figures, parse_shapes,
+from benchmarks.harness import (check_kernel_variants, env_override, operator_main, overlap_figures, parse_shapes,
                                 report_operator_rows, time_kernel_variants, time_ms)
 
 DEFAULT_SHAPES = "4096x8192x8192,8192x8192x28672,8192x12288x12288,2048x4096x4096,16384x4096x4096"
 
 
 def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
-    from flux_layers import ops
+    from flux_layers import _env, ops
     from flux_layers.ops import fused_ag_gemm, fused_gemm
     from flux_layers.runtime import tuning, workspace
     import torch.distributed._symmetric_memory as symm_mem
@@ -79,6 +77,16 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
             print(f"torch fused_all_gather_matmul failed on {m}x{k}x{n}: {exc}", flush=True)
     t["fused"] = time_ms(lambda i: fused_ag_gemm.ag_gemm(xs[i % sets], ws_[i % sets], group=group, ws=ag_ws),
                          reps=reps, group=group)
+    # The other copy direction (pull: the copy engine reads the peer's shard) and, for the transfers alone, one
+    # copy per shard instead of chunks: what the chunking and the direction cost.
+    with env_override(AG_MODE="pull"):
+        t["ce_ag_pull"] = time_ms(lambda i: fused_ag_gemm.copy_engine_all_gather(xs[i % sets], group=group,
+                                                                                ws=ag_ws), reps=reps, group=group)
+        t["fused_pull"] = time_ms(lambda i: fused_ag_gemm.ag_gemm(xs[i % sets], ws_[i % sets], group=group,
+                                                                  ws=ag_ws), reps=reps, group=group)
+    with env_override(CHUNK_ROWS=str(-(-rows // 128) * 128)):
+        t["ce_ag_one_chunk"] = time_ms(lambda i: fused_ag_gemm.copy_engine_all_gather(xs[i % sets], group=group,
+                                                                                     ws=ag_ws), reps=reps, group=group)
     t.update(time_kernel_variants(lambda i, **cfg: fused_ag_gemm.ag_gemm(xs[i % sets], ws_[i % sets], group=group,
                                                                         ws=ag_ws, **cfg), reps=reps, group=group))
     ag_ws.check()
@@ -89,7 +97,7 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
            "ce_ag_gbps": (tp - 1) * shard_bytes / t["ce_ag"] / 1e6,
            "p2p_gbps": shard_bytes / t["p2p_copy_one_shard"] / 1e6,
            "rel_err_vs_cublas": err,
-           "ag_mode": os.environ.get("FLUX_LAYERS_AG_MODE", "pull"), "ag_order": ag_ws.order,
+           "ag_mode": _env.get("AG_MODE"), "ag_order": ag_ws.order,
            "dispatch_auto": ops.plan("ag_gemm", xs[0], ws_[0], group=group).path,
            "fused_default_config": tuning.kernel_name(tuning.resolve_kernel("ag_gemm", dtype=dtype, tp=tp,
                                                                             mkn=(m, k, n))),
@@ -111,6 +119,8 @@ def run(rank, tp, args):
     report_operator_rows(rank, tp, rows, [("m", "M", ""), ("k", "K", ""), ("n", "N", ""), ("gemm_cublas", "gemm", ".3f"),
                            ("ce_ag", "ce_ag", ".3f"), ("nccl_ag", "nccl_ag", ".3f"), ("nccl_then_gemm", "seq", ".3f"),
                            ("torch_symm_mem_fused", "torch", ".3f"), ("fused", "fused", ".3f"),
+                           ("fused_pull", "pull", ".3f"), ("ce_ag_pull", "ce_pull", ".3f"),
+                           ("ce_ag_one_chunk", "ce_1chunk", ".3f"),
                            ("fused_over_bound", "fused/bound", ".3f"), ("seq_over_fused", "seq/fused", ".3f"),
                            ("overlap_efficiency", "E", ".2f"), ("ce_over_p2p", "ce/p2p", ".2f"),
                            ("dispatch_auto", "auto", "")], args.out)

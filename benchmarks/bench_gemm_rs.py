@@ -20,7 +20,7 @@ DEFAULT_SHAPES = "4096x8192x8192,8192x28672x8192,8192x12288x12288,2048x4096x4096
 
 
 def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
-    from flux_layers import _env, ops
+    from flux_layers import ops
     from flux_layers.ops import fused_gemm, fused_gemm_rs
     from flux_layers.runtime import tuning, workspace
     import torch.distributed._symmetric_memory as symm_mem
@@ -86,7 +86,7 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
             "dispatch_auto": ops.plan("gemm_rs", xs[0], ws_[0], group=group).path,
             "fused_default_config": tuning.kernel_name(tuning.resolve_kernel("gemm_rs", dtype=dtype, tp=tp,
                                                                              mkn=(m, k, n))),
-            "fused_transport": _env.get("RS_TRANSPORT"),
+            "fused_transport": tuning.rs_transport(dtype=dtype, tp=tp, mkn=(m, k, n)),
             "implementation": "fused = flux_layers._C gemm_rs with the default transport (fused_transport: "
                               "'direct' = epilogue stores into peer slots, flagged tiles; 'copy_engine' = epilogue "
                               "stores locally, copy engine moves finished chunks); the owner reduces in its "

@@ -6,18 +6,20 @@ Both stacks are built from flux_layers.layers.spec.get_gpt_decoder_block_spec (t
 own ColumnParallelLinear/RowParallelLinear), with the same sequence-parallel RMSNorm and SDPA attention, so
 they differ only in the linear layers. TP over all visible GPUs with sequence parallelism, bf16, SwiGLU, no
 biases. One step = forward of the block on a random [seq/tp, batch, hidden] input + backward of a random
-gradient; the figure is the median step time over the repetitions, max over ranks.
+gradient; every variant is built at once and timed in interleaved rounds; the figure is the median step time
+over all repetitions (each the max over ranks).
 """
 from __future__ import annotations
 
 import argparse
 import os
+from statistics import median
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks.harness import environment, spawn_ranks, time_ms, write_json
+from benchmarks.harness import environment, spawn_ranks, time_samples_ms, write_json
 
 
 def build_block(args, baseline: bool, rs_dgrad: bool = False):
@@ -60,53 +62,65 @@ def run(rank, tp, args):
     gen = torch.Generator(device="cuda").manual_seed(99 + rank)
     x = torch.randn(rows, args.batch, args.hidden, generator=gen, device="cuda").to(torch.bfloat16)
     dy = torch.randn(rows, args.batch, args.hidden, generator=gen, device="cuda").to(torch.bfloat16)
-    results = {}
     # flux: column dgrad GEMM with its NCCL reduce-scatter under the wgrad GEMM (tp_comm_overlap_rs_dgrad=False,
     # Megatron's default); flux_rs_dgrad: column dgrad as the fused GEMM+ReduceScatter. The GEMM+ReduceScatter
     # transport is the library default (FLUX_LAYERS_RS_TRANSPORT) unless the variant names one (the _ce ones).
     default_transport = os.environ.get("FLUX_LAYERS_RS_TRANSPORT")
-    variants = (("baseline", True, False, None), ("flux", False, False, None),
-                ("flux_rs_dgrad", False, True, None), ("flux_ce", False, False, "copy_engine"),
-                ("flux_rs_dgrad_ce", False, True, "copy_engine"), ("baseline_again", True, False, None))
-    for name, baseline, rs_dgrad, transport in variants:
+    variants = {"baseline": (True, False, None), "flux": (False, False, None),
+                "flux_rs_dgrad": (False, True, None), "flux_ce": (False, False, "copy_engine"),
+                "flux_rs_dgrad_ce": (False, True, "copy_engine")}
+
+    def use_transport(transport):
         if transport is not None:
             os.environ["FLUX_LAYERS_RS_TRANSPORT"] = transport
         elif default_transport is None:
             os.environ.pop("FLUX_LAYERS_RS_TRANSPORT", None)
         else:
             os.environ["FLUX_LAYERS_RS_TRANSPORT"] = default_transport
-        block = build_block(args, baseline, rs_dgrad)
-        inp = x.clone().requires_grad_(True)
 
-        def step(i):
-            out = block(inp, attention_mask=None)
-            out.backward(dy)
+    # Every variant is built once and timed in interleaved rounds (the order rotating each round), so that the
+    # machine's drift over the run falls on all variants alike.
+    blocks = {name: build_block(args, baseline, rs_dgrad) for name, (baseline, rs_dgrad, _) in variants.items()}
+    inp = x.clone().requires_grad_(True)
+    samples = {name: [] for name in variants}
+    names = list(variants)
+    per_round = max(1, args.reps // args.rounds)
+    for rnd in range(args.rounds):
+        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+            use_transport(variants[name][2])
+            block = blocks[name]
 
-        ms = time_ms(step, reps=args.reps, warmup=3, group=dist.group.WORLD)
-        tokens = args.seq * args.batch
-        results[name] = {"step_ms": ms, "tokens_per_s": tokens / ms * 1e3,
-                         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-                         "paths": linear_paths(block) if not baseline else "megatron-core linears (NCCL + cuBLAS)",
-                         "rs_transport": None if baseline else os.environ.get("FLUX_LAYERS_RS_TRANSPORT", "direct")}
+            def step(i, block=block):
+                inp.grad = None
+                out = block(inp, attention_mask=None)
+                out.backward(dy)
+
+            samples[name] += time_samples_ms(step, reps=per_round, warmup=1, group=dist.group.WORLD)
+        if rank == 0:
+            print(f"  round {rnd + 1}/{args.rounds}: " + ", ".join(f"{n} {median(samples[n]):.2f}" for n in names),
+                  flush=True)
+    use_transport(None)
+    tokens = args.seq * args.batch
+    results = {}
+    for name, (baseline, _, transport) in variants.items():
+        ms = median(samples[name])
+        results[name] = {"step_ms": ms, "tokens_per_s": tokens / ms * 1e3, "samples_ms": samples[name],
+                         "paths": linear_paths(blocks[name]) if not baseline else
+                         "megatron-core linears (NCCL + cuBLAS)",
+                         "rs_transport": None if baseline else (transport or default_transport or "auto")}
         if rank == 0:
             print(f"  {name}: {ms:.2f} ms/step, {tokens / ms * 1e3:,.0f} tokens/s", flush=True)
-        block = None  # free the parameters before the next variant is built
-        torch.cuda.empty_cache()
-    base = min(results["baseline"]["step_ms"], results["baseline_again"]["step_ms"])
-    summary = {"speedup_vs_best_baseline": base / results["flux"]["step_ms"],
-               "speedup_rs_dgrad_vs_best_baseline": base / results["flux_rs_dgrad"]["step_ms"],
-               "speedup_ce_vs_best_baseline": base / results["flux_ce"]["step_ms"],
-               "speedup_rs_dgrad_ce_vs_best_baseline": base / results["flux_rs_dgrad_ce"]["step_ms"],
-               "baseline_drift": results["baseline_again"]["step_ms"] / results["baseline"]["step_ms"]}
+    base = results["baseline"]["step_ms"]
+    summary = {f"speedup_{name}": base / results[name]["step_ms"] for name in names if name != "baseline"}
+    summary["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     if rank == 0:
-        print(f"flux / baseline speedup: {summary['speedup_vs_best_baseline']:.3f}x, with fused column dgrad "
-              f"{summary['speedup_rs_dgrad_vs_best_baseline']:.3f}x; copy-engine reduce-scatter transport "
-              f"{summary['speedup_ce_vs_best_baseline']:.3f}x / {summary['speedup_rs_dgrad_ce_vs_best_baseline']:.3f}x "
-              f"(baseline drift between its two runs {summary['baseline_drift']:.3f})", flush=True)
+        print("speedup over the baseline: " + ", ".join(f"{n[8:]} {v:.3f}x" for n, v in summary.items()
+                                                        if n.startswith("speedup_")), flush=True)
         if args.out:
             write_json(args.out, {**environment(tp), "shape": vars(args), "method":
                                   "CUDA events around fwd+bwd of the block, GPU sleep + NCCL all-reduce before each "
-                                  "repetition, median, max over ranks; baseline timed before and after flux",
+                                  "repetition, each repetition the max over ranks; all variants built at once and "
+                                  "timed in interleaved rounds (rotating order); median over all repetitions",
                                   "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
                                   "results": results, **summary})
     parallel_state.destroy_model_parallel()
@@ -120,7 +134,8 @@ def main():
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=20, help="repetitions per variant, over all rounds")
+    ap.add_argument("--rounds", type=int, default=4, help="interleaved timing rounds")
     ap.add_argument("--nprocs", type=int, default=0)
     ap.add_argument("--out", default="")
     args = ap.parse_args()

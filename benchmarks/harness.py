@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -40,6 +41,36 @@ def commit() -> str:
 
 def time_ms(fn, *, reps: int = 30, warmup: int = 5, group=None, sleep_cycles: int = 2_000_000) -> float:
     """Median milliseconds of ``fn(i)`` over ``reps`` repetitions, max over the ranks of ``group``."""
+    ms = median(time_samples_ms(fn, reps=reps, warmup=warmup, group=group, sleep_cycles=sleep_cycles,
+                                reduce_ranks=False))
+    return ms if group is None else _max_over_ranks(ms, group)
+
+
+@contextlib.contextmanager
+def env_override(**values: str):
+    """Set FLUX_LAYERS_<name>=value for the duration (the library reads its settings per call)."""
+    saved = {k: os.environ.get("FLUX_LAYERS_" + k) for k in values}
+    os.environ.update({"FLUX_LAYERS_" + k: v for k, v in values.items()})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop("FLUX_LAYERS_" + k, None)
+            else:
+                os.environ["FLUX_LAYERS_" + k] = v
+
+
+def _max_over_ranks(ms: float, group) -> float:
+    t = torch.tensor([ms], device="cuda", dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.item()
+
+
+def time_samples_ms(fn, *, reps: int, warmup: int = 5, group=None, sleep_cycles: int = 2_000_000,
+                    reduce_ranks: bool = True) -> list[float]:
+    """Milliseconds of each of ``reps`` repetitions of ``fn(i)`` (CUDA events, after a GPU sleep and, with a
+    group, an all-reduce that lines the ranks up); with ``reduce_ranks``, each the maximum over the ranks."""
     tiny = torch.zeros(1, device="cuda") if group is not None else None
     for i in range(warmup):
         fn(i)
@@ -54,12 +85,12 @@ def time_ms(fn, *, reps: int = 30, warmup: int = 5, group=None, sleep_cycles: in
         fn(warmup + i)
         ends[i].record()
     torch.cuda.synchronize()
-    ms = median(s.elapsed_time(e) for s, e in zip(starts, ends))
-    if group is not None:
-        t = torch.tensor([ms], device="cuda", dtype=torch.float64)
+    samples = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    if group is not None and reduce_ranks:
+        t = torch.tensor(samples, device="cuda", dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        ms = t.item()
-    return ms
+        samples = t.tolist()
+    return samples
 
 
 def environment(gpu_count: int) -> dict:

@@ -4,7 +4,8 @@
         benchmarks/results/gemm_rs_h200x2.json --out configs/tuning/dispatch_h200.json
 
 For every measured shape: path 'sequential' where NCCL+GEMM (or GEMM+NCCL) was faster than the fused
-operator in that run, else 'fused'. Lookups take the nearest measured shape (flux_layers/runtime/tuning.py).
+operator in that run, else 'fused'; for GEMM+ReduceScatter runs that timed both transports, the faster one
+('direct' or 'copy_engine'). Lookups take the nearest measured shape (flux_layers/runtime/tuning.py).
 """
 from __future__ import annotations
 
@@ -21,11 +22,16 @@ def entries_from(path: str) -> tuple[str, list[dict]]:
     out = []
     for r in run["results"]:
         t = r["times_ms"]
-        faster_seq = t[SEQ_KEY[op]] < t["fused"]
-        out.append({"op": op, "dtype": r["dtype"], "tp": r["tp"], "m": r["m"], "k": r["k"], "n": r["n"],
-                    "path": "sequential" if faster_seq else "fused",
-                    "fused_ms": t["fused"], "sequential_ms": t[SEQ_KEY[op]],
-                    "source": f"{path} @ {run.get('commit', '?')}"})
+        entry = {"op": op, "dtype": r["dtype"], "tp": r["tp"], "m": r["m"], "k": r["k"], "n": r["n"]}
+        fused = t["fused"]
+        # GEMM+ReduceScatter runs measured with both transports: the faster one is the shape's transport.
+        transports = {name: t.get(f"fused_{name}") for name in ("direct", "copy_engine")}
+        if op == "gemm_rs" and all(v is not None for v in transports.values()):
+            entry["transport"] = min(transports, key=transports.get)
+            fused = transports[entry["transport"]]
+        entry.update({"path": "sequential" if t[SEQ_KEY[op]] < fused else "fused", "fused_ms": fused,
+                      "sequential_ms": t[SEQ_KEY[op]], "source": f"{path} @ {run.get('commit', '?')}"})
+        out.append(entry)
     return run["gpu"], out
 
 

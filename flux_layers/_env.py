@@ -10,7 +10,7 @@ launchers can set them per process.
 | FLUX_LAYERS_AG_MODE | copy-engine all-gather direction: ``push`` or ``pull`` | push |
 | FLUX_LAYERS_AG_ORDER | all-gather order: ``auto`` (from topology), ``mesh`` or ``ring`` | auto |
 | FLUX_LAYERS_CHUNK_ROWS | rows per copy-engine chunk (0: per-shape heuristic) | 0 |
-| FLUX_LAYERS_RS_TRANSPORT | how GEMM+ReduceScatter moves a peer's partial tiles: ``direct`` (the epilogue stores into the peer) or ``copy_engine`` (staged locally, moved by the copy engine per chunk) | direct |
+| FLUX_LAYERS_RS_TRANSPORT | how GEMM+ReduceScatter moves a peer's partial tiles: ``direct`` (the epilogue stores into the peer), ``copy_engine`` (staged locally, moved by the copy engine per chunk) or ``auto`` (the tuning table's choice for the shape, else direct) | auto |
 | FLUX_LAYERS_RS_CHUNK_COLS | columns per copy-engine chunk of the reduce-scatter (0: 1024) | 0 |
 | FLUX_LAYERS_TIMEOUT_S | bound on every cross-rank wait, seconds | 30 |
 | FLUX_LAYERS_TUNING | path of a tuning table (JSON) to use instead of configs/tuning | (packaged) |
@@ -30,7 +30,7 @@ _DEFAULTS = {
     "AG_MODE": "push",
     "AG_ORDER": "auto",
     "CHUNK_ROWS": "0",
-    "RS_TRANSPORT": "direct",
+    "RS_TRANSPORT": "auto",
     "RS_CHUNK_COLS": "0",
     "TIMEOUT_S": "30",
     "TUNING": "",
@@ -43,7 +43,7 @@ _CHOICES = {
     "BACKEND": ("auto", "fused", "reference"),
     "AG_MODE": ("pull", "push"),
     "AG_ORDER": ("auto", "mesh", "ring"),
-    "RS_TRANSPORT": ("direct", "copy_engine"),
+    "RS_TRANSPORT": ("auto", "direct", "copy_engine"),
     "DISPATCH": ("table", "always"),
     "POISON_OUTPUTS": ("0", "1"),
     "STREAM_K": ("0", "1"),

@@ -119,6 +119,8 @@ struct GemmKernel {
   // 128 x 256 tiles only.
   static constexpr bool kRegisterSlack = kTileM == 128;
   static constexpr bool kSplitCapable = kRegisterSlack;
+  static constexpr int kPartialBatch = kRegisterSlack ? 2 : 1;  // see epilogue()
+  static_assert(kTileM * (kEpiCols / 8) / kMmaThreads % kPartialBatch == 0, "batches must divide a thread's chunks");
 
   struct SharedStorage {
     typename Mainloop::TensorStorage mainloop;                   // aligned to 128 bytes by its type
@@ -344,6 +346,16 @@ struct GemmKernel {
     Element const* bias = static_cast<Element const*>(p.bias);
     Element* epi = ss.epi;
 
+    // 16-byte row chunks of a sub-tile: 8 per sub-tile row, kTileM rows, kIters per consumer thread.
+    constexpr int kChunks = kTileM * (kEpiCols / 8);
+    constexpr int kIters = kChunks / kMmaThreads;
+    auto chunk_row = [&](int it) { return (it * kMmaThreads + mma_thread_idx) / (kEpiCols / 8); };
+    auto chunk_col = [&](int it) { return (it * kMmaThreads + mma_thread_idx) % (kEpiCols / 8); };
+    auto partial_at = [&](int s, int grow, int gcol) {
+      return reinterpret_cast<uint4 const*>(static_cast<Element const*>(p.rs_partials[s]) + int64_t(grow) * p.ldd +
+                                            gcol);
+    };
+
     cute::for_each(make_int_sequence<kTileN / kEpiCols>{}, [&](auto j) {
       epi_barrier();  // previous sub-tile fully read (and thread 0's waits above are done)
       if constexpr (decltype(j)::value == 0) {
@@ -369,15 +381,26 @@ struct GemmKernel {
       });
       epi_barrier();
 
-      // 16-byte rows chunks: 8 per sub-tile row, kTileM rows, 256 threads.
-      constexpr int kChunks = kTileM * (kEpiCols / 8);
+      // Own rows: the first peer's partial is loaded kPartialBatch chunks at a time (one memory latency per
+      // batch instead of one per chunk: the stores in between would otherwise keep the loads apart). After the
+      // staging, where this sub-tile's accumulators are dead, so the registers are free; a larger batch spills.
+      uint4 first_partial[kPartialBatch];
       CUTLASS_PRAGMA_UNROLL
-      for (int it = 0; it < kChunks / kMmaThreads; ++it) {
-        int idx = it * kMmaThreads + mma_thread_idx;
-        int r = idx / (kEpiCols / 8);
-        int ch = idx % (kEpiCols / 8);
+      for (int it = 0; it < kIters; ++it) {
+        int r = chunk_row(it);
+        int ch = chunk_col(it);
         int grow = row0 + r;
         int gcol = col0 + decltype(j)::value * kEpiCols + ch * 8;
+        if constexpr (kPartialBatch > 1) {
+          if (reduce && it % kPartialBatch == 0) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int b = 0; b < kPartialBatch; ++b) {
+              int brow = row0 + chunk_row(it + b);
+              int bcol = col0 + decltype(j)::value * kEpiCols + chunk_col(it + b) * 8;
+              if (brow < p.rows_per_group && bcol < p.n) first_partial[b] = __ldcg(partial_at(0, brow, bcol));
+            }
+          }
+        }
         if (grow < p.rows_per_group && gcol < p.n) {
           uint4 v = *reinterpret_cast<uint4 const*>(epi + r * kEpiCols + ((ch ^ (r & 7)) << 3));
           if (reduce) {
@@ -386,8 +409,12 @@ struct GemmKernel {
             CUTLASS_PRAGMA_UNROLL
             for (int e = 0; e < 8; ++e) acc[e] = float(ve[e]);
             for (int s = 0; s < p.rs_num_partials; ++s) {  // fixed order: deterministic sum
-              Element const* src = static_cast<Element const*>(p.rs_partials[s]) + int64_t(grow) * p.ldd + gcol;
-              uint4 pv = __ldcg(reinterpret_cast<uint4 const*>(src));
+              uint4 pv;
+              if constexpr (kPartialBatch > 1) {
+                pv = s == 0 ? first_partial[it % kPartialBatch] : __ldcg(partial_at(s, grow, gcol));
+              } else {
+                pv = __ldcg(partial_at(s, grow, gcol));
+              }
               Element const* pe = reinterpret_cast<Element const*>(&pv);
               CUTLASS_PRAGMA_UNROLL
               for (int e = 0; e < 8; ++e) acc[e] += float(pe[e]);

@@ -54,12 +54,11 @@ def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
             sm_count: int = 0, transport: str | None = None, chunk_cols: int | None = None) -> torch.Tensor:
     """See the module docstring. ``tile``/``swizzle``: kernel configuration (None: tuning table or the measured
     default); ``stream_k``: split a last, partial wave of tiles along K (None: FLUX_LAYERS_STREAM_K);
-    ``sm_count``: SMs the persistent GEMM may hold (0: all); ``transport``: ``'direct'`` or ``'copy_engine'``
-    (None: FLUX_LAYERS_RS_TRANSPORT); ``chunk_cols``: columns per copy-engine chunk (None:
+    ``sm_count``: SMs the persistent GEMM may hold (0: all); ``transport``: ``'direct'``, ``'copy_engine'`` or
+    ``'auto'`` (the tuning table's choice; None: FLUX_LAYERS_RS_TRANSPORT); ``chunk_cols``: columns per copy-engine chunk (None:
     FLUX_LAYERS_RS_CHUNK_COLS; 0: 1024)."""
-    transport = _env.get("RS_TRANSPORT") if transport is None else transport
-    if transport not in ("direct", "copy_engine"):
-        raise ValueError(f"gemm_rs: transport must be 'direct' or 'copy_engine', got {transport!r}")
+    if transport not in (None, "auto") + tuning.RS_TRANSPORTS:
+        raise ValueError(f"gemm_rs: transport must be 'auto', 'direct' or 'copy_engine', got {transport!r}")
     chunk_cols = _env.get_int("RS_CHUNK_COLS") if chunk_cols is None else chunk_cols
     if chunk_cols < 0:
         raise ValueError(f"gemm_rs: chunk_cols must be >= 0 (0: default), got {chunk_cols}")
@@ -75,6 +74,7 @@ def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     elif m > ws.max_m or ws.n != n or ws.dtype != x.dtype:
         raise ValueError(f"gemm_rs: call needs M={m}, N={n}, {x.dtype}; the workspace holds "
                          f"max_m={ws.max_m}, N={ws.n}, {ws.dtype}")
+    transport = tuning.rs_transport(dtype=x.dtype, tp=tp, mkn=(m, k, n), requested=transport)
     kc = tuning.resolve_kernel("gemm_rs", dtype=x.dtype, tp=tp, mkn=(m, k, n), tile=tile, swizzle=swizzle,
                                stream_k=stream_k, sm_count=sm_count)
     return _gemm_rs(x, weight, bias, workspace.register(ws), weight_layout == "nn", kc.tile, kc.swizzle,

@@ -75,6 +75,22 @@ def kernel_config(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, 
     return tile, swizzle
 
 
+RS_TRANSPORTS = ("direct", "copy_engine")
+
+
+def rs_transport(*, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int], requested: str | None = None) -> str:
+    """How a GEMM+ReduceScatter call moves its partial tiles: ``requested`` if given, else
+    FLUX_LAYERS_RS_TRANSPORT; 'auto' takes the tuning table's measured choice for the nearest shape, else
+    'direct'. Every rank resolves the same (same shape, same table), as both sides of a transfer must agree."""
+    choice = _env.get("RS_TRANSPORT") if requested is None else requested
+    if choice not in ("auto",) + RS_TRANSPORTS:
+        raise ValueError(f"gemm_rs: transport must be 'auto', 'direct' or 'copy_engine', got {choice!r}")
+    if choice != "auto":
+        return choice
+    entry = dispatch_entry("gemm_rs", dtype=dtype, tp=tp, mkn=mkn)
+    return entry.get("transport", "direct") if entry is not None else "direct"
+
+
 class KernelChoice(NamedTuple):
     tile: int       # flux::TileConfig id
     swizzle: int    # tiles along M visited together

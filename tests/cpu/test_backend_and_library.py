@@ -41,7 +41,7 @@ def test_env_settings_are_validated(monkeypatch):
     monkeypatch.setenv("FLUX_LAYERS_TIMEOUT_S", "soon")
     with pytest.raises(ValueError, match="not a number"):
         _env.get_float("TIMEOUT_S")
-    assert _env.get("RS_TRANSPORT") == "direct"
+    assert _env.get("RS_TRANSPORT") == "auto"
     monkeypatch.setenv("FLUX_LAYERS_RS_TRANSPORT", "pigeon")
     with pytest.raises(ValueError, match="FLUX_LAYERS_RS_TRANSPORT"):
         _env.get("RS_TRANSPORT")
@@ -50,7 +50,7 @@ def test_env_settings_are_validated(monkeypatch):
 def test_gemm_rs_transport_arguments_are_validated_first():
     from flux_layers.ops import fused_gemm_rs
     x = torch.randn(4, 8)
-    with pytest.raises(ValueError, match="transport must be 'direct' or 'copy_engine'"):
+    with pytest.raises(ValueError, match="transport must be 'auto', 'direct' or 'copy_engine'"):
         fused_gemm_rs.gemm_rs(x, x, group=None, transport="pigeon")
     with pytest.raises(ValueError, match="chunk_cols must be >= 0"):
         fused_gemm_rs.gemm_rs(x, x, group=None, transport="copy_engine", chunk_cols=-1)
