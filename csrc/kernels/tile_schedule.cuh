@@ -21,8 +21,6 @@
 // flux_layers/runtime/schedules.py mirrors both; CPU tests check the two agree.
 #pragma once
 
-#include <cuda_runtime.h>
-
 #include "flux/gemm_params.h"
 
 namespace flux {

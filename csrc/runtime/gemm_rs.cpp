@@ -12,6 +12,8 @@
 // After the kernel, consumed[r] = e is written at every peer: our receive slots are free again.
 // Flag words of one rank: flag[src][flags_per_source] (set for us by src), consumed[tp] (set by each peer),
 // count[dst][flags_per_source] (our tiles of dst's rows per chunk; copy-engine transport, cleared per call).
+#include <cuda_runtime.h>  // before tile_schedule.cuh: defines __host__ / __device__ for the host compiler
+
 #include <algorithm>
 
 #include "../kernels/tile_schedule.cuh"
