@@ -4,7 +4,8 @@
 #   scripts/gpu_check.sh OUTDIR [STEP ...]
 #
 # Steps (default: all, in this order): env gemm_test ag_test rs_test layers_test gemm_bench ag_bench rs_bench
-# layer_bench layer_bench_conn1. Also: split_tests (only the stream-K tail's GPU tests). Each step runs under its own time limit; a failing step does not stop the others. Logs and
+# layer_bench layer_bench_conn1. Also: split_tests (only the stream-K tail's GPU tests), layer_profile
+# (benchmarks/profile_layer.py). Each step runs under its own time limit; a failing step does not stop the others. Logs and
 # JSON go to a work folder, packed at the end into OUTDIR/gpu_check.tgz (plus OUTDIR/summary.txt).
 #
 # Wheels the machine lacks (megatron-core for the layer steps) are installed from .whl/ if present; the
@@ -80,6 +81,9 @@ flux_layers._library.path(), flux_layers._library.unavailable_reason())'" ;;
     layer_bench_conn1)  # megatron-core's recommended setting for its SP overlap, one hardware queue per GPU
       step layer_bench_conn1 400 env CUDA_DEVICE_MAX_CONNECTIONS=1 $PY -m benchmarks.bench_layer \
         --out "$WORK/results/layer_${GPU_TAG}_conn1.json" ;;
+    layer_profile)  # kernel time per category, flux vs baseline (not in the default steps)
+      step layer_profile 300 env CUDA_DEVICE_MAX_CONNECTIONS=1 $PY -m benchmarks.profile_layer \
+        --out "$WORK/results/layer_profile_${GPU_TAG}.json" ;;
     *) echo "unknown step $s" | tee -a "$summary" ;;
   esac
 done

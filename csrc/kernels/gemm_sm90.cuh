@@ -292,8 +292,7 @@ struct GemmKernel {
     pending.group = -1;
   }
 
-  // Own rows of a ReduceScatter, after the peers' flags were seen: pull the whole tile of every partial into
-  // L2 at once, so that the sub-tile loads below do not each wait a full memory round trip.
+  // Own rows of a ReduceScatter: pull the whole tile of every partial into L2 at once (see the consumer loop).
   CUTLASS_DEVICE static void prefetch_partials(GemmProblem const& p, int row0, int col0, int mma_thread_idx) {
     constexpr int kLinesPerRow = kTileN * int(sizeof(Element)) / 128;
     for (int s = 0; s < p.rs_num_partials; ++s) {
@@ -358,12 +357,7 @@ struct GemmKernel {
 
     cute::for_each(make_int_sequence<kTileN / kEpiCols>{}, [&](auto j) {
       epi_barrier();  // previous sub-tile fully read (and thread 0's waits above are done)
-      if constexpr (decltype(j)::value == 0) {
-        flush_signal(p, pending, mma_thread_idx);
-        if constexpr (kRegisterSlack) {
-          if (reduce) prefetch_partials(p, row0, col0, mma_thread_idx);
-        }
-      }
+      if constexpr (decltype(j)::value == 0) flush_signal(p, pending, mma_thread_idx);
       cute::for_each(make_int_sequence<decltype(size(accum))::value>{}, [&](auto i) {
         auto offset = tCcD.layout()(i);
         constexpr int r_off = decltype(get<0>(offset))::value;
@@ -504,6 +498,13 @@ struct GemmKernel {
         if (pending.group >= 0 && t.group == p.rs_own_group) {
           epi_barrier();
           flush_signal(p, pending, mma_thread_idx);
+        }
+        if constexpr (kRegisterSlack) {
+          // Own rows of a ReduceScatter: pull the peers' partials of this tile into L2 under its mainloop, so the
+          // epilogue's loads hit L2. Safe before their flags are seen: every write to this GPU's memory, local,
+          // copy engine or NVLink peer, lands in its L2, and the epilogue's loads bypass L1.
+          if (t.group == p.rs_own_group && seg.k_begin == 0 && t.m * kTileM < p.rows_per_group)
+            prefetch_partials(p, t.m * kTileM, t.n * kTileN, mma_thread_idx);
         }
         int const k_count = seg.k_end - seg.k_begin;
         Tensor accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));

@@ -1,0 +1,117 @@
+"""Where a layer-stack step spends its GPU time: kernel time per category, flux spec vs baseline spec.
+
+    python -m benchmarks.profile_layer --out benchmarks/results/layer_profile_h200x2.json
+
+Builds the same blocks as benchmarks/bench_layer.py, runs a few fwd+bwd steps of each under torch.profiler and
+sums the CUDA kernel time per category (GEMM by cuBLAS, flux's persistent GEMM, NCCL, attention, the rest) per
+step, next to the step's wall time (CUDA events). Kernels on different streams overlap, so the categories may
+add up to more than the step; 'step - busiest stream' is not computed, the per-category sums are the figure.
+Rank 0 prints and writes the result.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.bench_layer import build_block
+from benchmarks.harness import environment, spawn_ranks, write_json
+
+CATEGORIES = (  # first match wins
+    ("flux_gemm", re.compile(r"flux.*gemm_kernel|gemm_kernel.*flux")),
+    ("nccl", re.compile(r"nccl", re.I)),
+    ("cublas_gemm", re.compile(r"gemm|xmma|nvjet|cutlass", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
+    ("copy", re.compile(r"memcpy|memset|copy", re.I)),
+)
+
+
+def category(name: str) -> str:
+    for cat, pattern in CATEGORIES:
+        if pattern.search(name):
+            return cat
+    return "other"
+
+
+def profile_variant(block, inp, dy, steps: int) -> dict:
+    def step():
+        out = block(inp, attention_mask=None)
+        out.backward(dy)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+    per_cat = defaultdict(float)
+    top = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        per_cat[category(ev.name)] += us / 1e3 / steps
+        top[ev.name[:120]] += us / 1e3 / steps
+    return {"step_ms": start.elapsed_time(end) / steps,
+            "kernel_ms_per_step": dict(sorted(per_cat.items(), key=lambda kv: -kv[1])),
+            "top_kernels_ms_per_step": dict(sorted(top.items(), key=lambda kv: -kv[1])[:15])}
+
+
+def run(rank, tp, args):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    model_parallel_cuda_manual_seed(1234)
+    rows = args.seq // tp
+    gen = torch.Generator(device="cuda").manual_seed(99 + rank)
+    x = torch.randn(rows, args.batch, args.hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    dy = torch.randn(rows, args.batch, args.hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    results = {}
+    for name, baseline in (("baseline", True), ("flux", False)):
+        block = build_block(args, baseline)
+        inp = x.clone().requires_grad_(True)
+        results[name] = profile_variant(block, inp, dy, args.steps)
+        block = None
+        torch.cuda.empty_cache()
+        if rank == 0:
+            r = results[name]
+            print(f"  {name}: step {r['step_ms']:.2f} ms; kernel ms per step: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in r["kernel_ms_per_step"].items()), flush=True)
+            for k, v in r["top_kernels_ms_per_step"].items():
+                print(f"      {v:8.2f}  {k}", flush=True)
+    if rank == 0 and args.out:
+        write_json(args.out, {**environment(tp), "shape": vars(args),
+                              "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+                              "method": "torch.profiler CUDA kernel times summed per category, per step, rank 0",
+                              "results": results})
+    parallel_state.destroy_model_parallel()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=8192)
+    ap.add_argument("--ffn", type=int, default=28672)
+    ap.add_argument("--heads", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--nprocs", type=int, default=0)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    os.environ.setdefault("FLUX_LAYERS_BACKEND", "auto")
+    spawn_ranks(run, args.nprocs or torch.cuda.device_count(), args)
+
+
+if __name__ == "__main__":
+    main()
