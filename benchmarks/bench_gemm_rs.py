@@ -78,6 +78,12 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
         t[f"fused_{transport}"] = time_ms(
             lambda i: fused_gemm_rs.gemm_rs(xs[i % sets], ws_[i % sets], group=group, ws=rs_ws, transport=transport),
             reps=reps, group=group)
+    # Copy-engine chunk widths (columns; the default is 1024): narrower strips finish sooner, wider ones copy
+    # longer rows.
+    for cols in (512, 2048, 4096):
+        t[f"fused_copy_engine_cols{cols}"] = time_ms(
+            lambda i: fused_gemm_rs.gemm_rs(xs[i % sets], ws_[i % sets], group=group, ws=rs_ws,
+                                            transport="copy_engine", chunk_cols=cols), reps=reps, group=group)
     rs_ws.check()
 
     return {"m": m, "k": k, "n": n, "k_local": k_local, "tp": tp, "dtype": str(dtype).replace("torch.", ""),
@@ -107,7 +113,9 @@ def run(rank, tp, args):
                            ("gemm_flux", "gemm_flux", ".3f"), ("nccl_rs", "nccl_rs", ".3f"),
                            ("gemm_then_nccl", "seq", ".3f"), ("torch_symm_mem_fused", "torch", ".3f"),
                            ("fused", "fused", ".3f"), ("fused_direct", "direct", ".3f"),
-                           ("fused_copy_engine", "ce", ".3f"), ("fused_over_bound", "fused/bound", ".3f"),
+                           ("fused_copy_engine", "ce", ".3f"), ("fused_copy_engine_cols512", "ce512", ".3f"),
+                           ("fused_copy_engine_cols2048", "ce2048", ".3f"),
+                           ("fused_copy_engine_cols4096", "ce4096", ".3f"), ("fused_over_bound", "fused/bound", ".3f"),
                            ("seq_over_fused", "seq/fused", ".3f"), ("overlap_efficiency", "E", ".2f"),
                            ("dispatch_auto", "auto", "")], args.out)
 
