@@ -378,7 +378,7 @@ struct GemmKernel {
       // Own rows: the first peer's partial is loaded kPartialBatch chunks at a time (one memory latency per
       // batch instead of one per chunk: the stores in between would otherwise keep the loads apart). After the
       // staging, where this sub-tile's accumulators are dead, so the registers are free; a larger batch spills.
-      uint4 first_partial[kPartialBatch];
+      [[maybe_unused]] uint4 first_partial[kPartialBatch];
       CUTLASS_PRAGMA_UNROLL
       for (int it = 0; it < kIters; ++it) {
         int r = chunk_row(it);
