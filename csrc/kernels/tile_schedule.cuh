@@ -18,7 +18,8 @@
 // work items stay whole (round robin over clusters) and the k iterations of the trailing items are spread
 // evenly over the clusters, so no cluster idles through a last, partial wave.
 //
-// flux_layers/runtime/schedules.py mirrors both; CPU tests check the two agree.
+// flux_layers/runtime/schedules.py mirrors the schedule, the stream-K tail and the reduce-scatter chunks (RsChunkGrid
+// below); CPU tests check the two agree.
 #pragma once
 
 #include "flux/gemm_params.h"
@@ -68,6 +69,46 @@ struct TileSchedule {
     int cm = panel * swizzle + rem % rows_here;
     int n = rem / rows_here;
     return TileCoord{group_order[step], cm * cluster_m + cluster_rank_m, n};
+  }
+};
+
+// Copy-engine ReduceScatter: the chunks of one destination group, each a unit the copy engine moves once all
+// of its tiles are stored. A chunk is one panel of the schedule (chunk_tiles_m = swizzle * cluster_m tiles along
+// M, visited together) times a strip of chunk_tiles_n tiles along N; the panel sweeps N, so the chunks complete
+// in index order (cm, then cn). Tile (m, n) lies in chunk (m / chunk_tiles_m) * chunks_n + n / chunk_tiles_n;
+// tiles_in counts only tiles holding rows (a cluster's padding tiles are neither stored nor counted).
+struct RsChunkGrid {
+  int tile_m = 0, tile_n = 0;
+  int tiles_m = 0;  // tiles holding rows
+  int tiles_n = 0;
+  int chunk_tiles_m = 0;
+  int chunk_tiles_n = 0;
+  int chunks_m = 0, chunks_n = 0;
+
+  // Columns per chunk when the caller does not say: 2-4 MB chunks on the layer shapes, copy-engine rows of at
+  // least 2 KB.
+  static constexpr int kDefaultChunkCols = 1024;
+
+  static RsChunkGrid make(const TileSchedule& s, int rows_per_group, int tile_m, int tile_n, int chunk_cols) {
+    RsChunkGrid g;
+    g.tile_m = tile_m;
+    g.tile_n = tile_n;
+    g.tiles_m = (rows_per_group + tile_m - 1) / tile_m;
+    g.tiles_n = s.tiles_n;
+    g.chunk_tiles_m = s.swizzle * s.cluster_m;
+    int const cols = chunk_cols > 0 ? chunk_cols : kDefaultChunkCols;
+    int const strip = (cols + tile_n - 1) / tile_n;
+    g.chunk_tiles_n = strip < 1 ? 1 : (strip > g.tiles_n ? g.tiles_n : strip);
+    g.chunks_m = (g.tiles_m + g.chunk_tiles_m - 1) / g.chunk_tiles_m;
+    g.chunks_n = g.chunk_tiles_n > 0 ? (g.tiles_n + g.chunk_tiles_n - 1) / g.chunk_tiles_n : 0;
+    return g;
+  }
+
+  int index(int cm, int cn) const { return cm * chunks_n + cn; }
+  unsigned tiles_in(int cm, int cn) const {
+    int const m_end = (cm + 1) * chunk_tiles_m < tiles_m ? (cm + 1) * chunk_tiles_m : tiles_m;
+    int const n_end = (cn + 1) * chunk_tiles_n < tiles_n ? (cn + 1) * chunk_tiles_n : tiles_n;
+    return unsigned((m_end - cm * chunk_tiles_m) * (n_end - cn * chunk_tiles_n));
   }
 };
 

@@ -27,42 +27,6 @@ void rs_group_order(int rank, int tp, int* group_order) {
   for (int s = 0; s < tp; ++s) group_order[s] = (rank + 1 + s) % tp;
 }
 
-namespace {
-
-// The chunks of one group (a peer's rows) in the order this rank's GEMM finishes them.
-struct RsChunkGrid {
-  int tile_m, tile_n;
-  int tiles_m;        // tiles holding rows (the cluster's padding tiles are never stored nor counted)
-  int tiles_n;
-  int chunk_tiles_m;  // one panel of the schedule
-  int chunk_tiles_n;
-  int chunks_m, chunks_n;
-
-  RsChunkGrid(const GemmRsArgs& a, const GemmProblem& g) {
-    tile_m = flux::tile_m(a.tile);
-    tile_n = flux::tile_n(a.tile);
-    TileSchedule s = TileSchedule::make(g, tile_m, tile_n, kClusterM);
-    tiles_m = (a.rows_per_group + tile_m - 1) / tile_m;
-    tiles_n = s.tiles_n;
-    chunk_tiles_m = s.swizzle * kClusterM;
-    int const cols = a.chunk_cols > 0 ? a.chunk_cols : kDefaultChunkCols;
-    chunk_tiles_n = std::min(tiles_n, std::max(1, (cols + tile_n - 1) / tile_n));
-    chunks_m = (tiles_m + chunk_tiles_m - 1) / chunk_tiles_m;
-    chunks_n = (tiles_n + chunk_tiles_n - 1) / chunk_tiles_n;
-  }
-  // Columns per chunk when the caller does not say: 2-4 MB chunks on the layer shapes, rows of at least
-  // 2 KB for the copy engine.
-  static constexpr int kDefaultChunkCols = 1024;
-
-  int index(int cm, int cn) const { return cm * chunks_n + cn; }
-  uint32_t tiles_in(int cm, int cn) const {
-    int mt = std::min(tiles_m, (cm + 1) * chunk_tiles_m) - cm * chunk_tiles_m;
-    int nt = std::min(tiles_n, (cn + 1) * chunk_tiles_n) - cn * chunk_tiles_n;
-    return uint32_t(mt * nt);
-  }
-};
-
-}  // namespace
 
 void gemm_rs(const GemmRsArgs& a) {
   FLUX_CHECK(a.tp >= 2 && a.tp <= kMaxGroups, "tp ", a.tp, " outside [2, ", kMaxGroups, "]");
@@ -118,7 +82,8 @@ void gemm_rs(const GemmRsArgs& a) {
   g.launch = a.launch;
 
   auto& ev = call_events();
-  RsChunkGrid const grid(a, g);
+  RsChunkGrid const grid = RsChunkGrid::make(TileSchedule::make(g, tile_m(a.tile), tile_n(a.tile), kClusterM),
+                                             a.rows_per_group, tile_m(a.tile), tile_n(a.tile), a.chunk_cols);
   if (copy_engine) {
     g.rs_chunk_tiles_m = grid.chunk_tiles_m;
     g.rs_chunk_tiles_n = grid.chunk_tiles_n;

@@ -80,6 +80,44 @@ class TileSchedule:
 
 
 @dataclass(frozen=True)
+class RsChunkGrid:
+    """Python twin of flux::RsChunkGrid: the copy-engine ReduceScatter's chunks of one destination group, a
+    schedule panel (along M) times a strip of tiles (along N)."""
+    sched: TileSchedule
+    chunk_cols: int = 0  # 0: the default, 1024 columns
+
+    @property
+    def tiles_m(self) -> int:  # tiles holding rows (no cluster padding)
+        return -(-self.sched.rows_per_group // self.sched.tile_m)
+
+    @property
+    def chunk_tiles_m(self) -> int:
+        return self.sched.swizzle * self.sched.cluster_m
+
+    @property
+    def chunk_tiles_n(self) -> int:
+        strip = -(-(self.chunk_cols or 1024) // self.sched.tile_n)
+        return max(1, min(self.sched.tiles_n, strip))
+
+    @property
+    def chunks_m(self) -> int:
+        return -(-self.tiles_m // self.chunk_tiles_m)
+
+    @property
+    def chunks_n(self) -> int:
+        return -(-self.sched.tiles_n // self.chunk_tiles_n)
+
+    def chunk_of(self, m_tile: int, n_tile: int) -> int:
+        """The kernel's flag/count index of tile (m, n) (gemm_sm90.cuh epilogue)."""
+        return (m_tile // self.chunk_tiles_m) * self.chunks_n + n_tile // self.chunk_tiles_n
+
+    def tiles_in(self, cm: int, cn: int) -> int:
+        m_end = min(self.tiles_m, (cm + 1) * self.chunk_tiles_m)
+        n_end = min(self.sched.tiles_n, (cn + 1) * self.chunk_tiles_n)
+        return (m_end - cm * self.chunk_tiles_m) * (n_end - cn * self.chunk_tiles_n)
+
+
+@dataclass(frozen=True)
 class StreamK:
     """Python twin of flux::StreamK: whole items first, then the k iterations of a last, partial wave spread
     over the clusters."""

@@ -22,8 +22,26 @@ int dump_stream_k(int argc, char** argv) {
   return 0;
 }
 
+// rschunks rows_per_group n tile_m tile_n swizzle_m chunk_cols: "chunk_tiles_m chunk_tiles_n chunks_m chunks_n",
+// then per chunk in copy order "cm cn index tiles".
+int dump_rs_chunks(int argc, char** argv) {
+  if (argc < 8) return 2;
+  flux::GemmProblem p;
+  p.rows_per_group = std::atoi(argv[2]);
+  p.n = std::atoi(argv[3]);
+  int tile_m = std::atoi(argv[4]), tile_n = std::atoi(argv[5]);
+  p.launch.swizzle_m = std::atoi(argv[6]);
+  flux::TileSchedule s = flux::TileSchedule::make(p, tile_m, tile_n, 2);
+  flux::RsChunkGrid g = flux::RsChunkGrid::make(s, p.rows_per_group, tile_m, tile_n, std::atoi(argv[7]));
+  std::printf("%d %d %d %d\n", g.chunk_tiles_m, g.chunk_tiles_n, g.chunks_m, g.chunks_n);
+  for (int cm = 0; cm < g.chunks_m; ++cm)
+    for (int cn = 0; cn < g.chunks_n; ++cn) std::printf("%d %d %d %u\n", cm, cn, g.index(cm, cn), g.tiles_in(cm, cn));
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "streamk") return dump_stream_k(argc, argv);
+  if (argc > 1 && std::string(argv[1]) == "rschunks") return dump_rs_chunks(argc, argv);
   // rows_per_group n num_groups tile_m tile_n cluster_m swizzle_m order...
   if (argc < 8) return 2;
   flux::GemmProblem p;

@@ -130,3 +130,53 @@ def test_cpp_stream_k_matches_python(tmp_path):
                 last = (contrib[-1] if contrib else c) if kb == 0 and ke < k_tiles else -1
                 py.append((c, work, kb, ke, last))
         assert cpp == py, (total, clusters, k_tiles)
+
+
+# (rows per group, N, tile config, swizzle, chunk columns): the layer and benchmark shapes at TP=2, ragged ones.
+RS_CHUNK_CASES = [(2048, 8192, 1, 16, 0), (4096, 8192, 1, 16, 512), (8192, 4096, 1, 16, 0), (1000, 264, 1, 16, 256),
+                  (1000, 520, 0, 8, 0), (8, 256, 1, 16, 0), (4096, 12288, 0, 8, 4096), (1000, 768, 0, 8, 300)]
+
+
+@pytest.mark.parametrize("rows,n,tile,swizzle,cols", RS_CHUNK_CASES)
+def test_rs_chunks_counted_complete_and_in_order(rows, n, tile, swizzle, cols):
+    """The counts the copy engine waits for equal the tiles the kernel counts into each chunk (a mismatch would
+    hang until the timeout), and chunks complete in the order the copy engine moves them."""
+    tile_m, tile_n = schedules.TILE_CONFIGS[tile]
+    sched = _sched(rows, n, 1, [0], (tile_m, tile_n), swizzle)
+    grid = schedules.RsChunkGrid(sched, cols)
+    counted, last_item = {}, {}
+    for item in range(sched.total_work):
+        for c in range(schedules.CLUSTER_M):
+            _, m, nt = sched.get(item, c)
+            if m * tile_m >= rows:
+                continue  # a cluster's padding tile: not stored, not counted
+            chunk = grid.chunk_of(m, nt)
+            counted[chunk] = counted.get(chunk, 0) + 1
+            last_item[chunk] = item
+    expected = {cm * grid.chunks_n + cn: grid.tiles_in(cm, cn)
+                for cm in range(grid.chunks_m) for cn in range(grid.chunks_n)}
+    assert counted == expected
+    assert sum(expected.values()) == grid.tiles_m * sched.tiles_n
+    order = [last_item[c] for c in sorted(last_item)]
+    assert order == sorted(order) and len(set(order)) == len(order)
+    # The workspace's flags per source (RsWorkspace: 128-row tiles, cluster padding, 128-column tiles) hold them.
+    flags_per_source = -(-(-(-rows // 128)) // 2) * 2 * -(-n // 128)
+    assert grid.chunks_m * grid.chunks_n <= flags_per_source
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the C++ schedule")
+def test_cpp_rs_chunks_match_python(tmp_path):
+    exe = tmp_path / "schedule_dump"
+    include = os.path.join(HERE, "..", "..", "csrc", "include")
+    subprocess.run(["g++", "-std=c++17", "-O1", "-I", include, "-o", str(exe), os.path.join(HERE, "schedule_dump.cpp")],
+                   check=True)
+    for rows, n, tile, swizzle, cols in RS_CHUNK_CASES:
+        tile_m, tile_n = schedules.TILE_CONFIGS[tile]
+        out = subprocess.run([str(exe), "rschunks", str(rows), str(n), str(tile_m), str(tile_n), str(swizzle), str(cols)],
+                             check=True, capture_output=True, text=True).stdout.splitlines()
+        grid = schedules.RsChunkGrid(_sched(rows, n, 1, [0], (tile_m, tile_n), swizzle), cols)
+        assert tuple(int(v) for v in out[0].split()) == (grid.chunk_tiles_m, grid.chunk_tiles_n, grid.chunks_m,
+                                                         grid.chunks_n)
+        py = [(cm, cn, cm * grid.chunks_n + cn, grid.tiles_in(cm, cn))
+              for cm in range(grid.chunks_m) for cn in range(grid.chunks_n)]
+        assert [tuple(int(v) for v in line.split()) for line in out[1:]] == py, (rows, n, tile, swizzle, cols)
