@@ -4,9 +4,9 @@
 
 Builds the same blocks as benchmarks/bench_layer.py, runs a few fwd+bwd steps of each under torch.profiler and
 sums the CUDA kernel time per category (GEMM by cuBLAS, flux's persistent GEMM, NCCL, attention, the rest) per
-step, next to the step's wall time (CUDA events). Kernels on different streams overlap, so the categories may
-add up to more than the step; 'step - busiest stream' is not computed, the per-category sums are the figure.
-Rank 0 prints and writes the result.
+step, next to the step's wall time (CUDA events). Kernels on different streams overlap (NCCL beside a GEMM,
+copy-engine transfers beside the fused kernels), so the categories may add up to more than the step. Rank 0
+prints and writes the result.
 """
 from __future__ import annotations
 
