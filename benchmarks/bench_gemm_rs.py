@@ -73,7 +73,7 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
                          reps=reps, group=group)
     t.update(time_kernel_variants(lambda i, **cfg: fused_gemm_rs.gemm_rs(xs[i % sets], ws_[i % sets], group=group,
                                                                         ws=rs_ws, **cfg), reps=reps, group=group))
-    # The other transport, default kernel configuration (fused_<transport>), then the default path again.
+    # Each transport with the default kernel configuration (fused_<transport>); 'fused' above took the table's.
     for transport in TRANSPORTS:
         t[f"fused_{transport}"] = time_ms(
             lambda i: fused_gemm_rs.gemm_rs(xs[i % sets], ws_[i % sets], group=group, ws=rs_ws, transport=transport),

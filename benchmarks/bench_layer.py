@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks.harness import environment, spawn_ranks, time_samples_ms, write_json
+from benchmarks.harness import env_override, environment, spawn_ranks, time_samples_ms, write_json
 
 
 def build_block(args, baseline: bool, rs_dgrad: bool = False):
@@ -52,31 +52,49 @@ def linear_paths(block) -> dict:
     return paths
 
 
-def run(rank, tp, args):
+def setup_ranks(tp):
+    """Megatron's model-parallel state for TP over every rank, with its seeded RNG."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     model_parallel_cuda_manual_seed(1234)
+
+
+def step_tensors(rank, tp, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's random input and output gradient of one step, [seq/tp, batch, hidden] bf16."""
     rows = args.seq // tp
     gen = torch.Generator(device="cuda").manual_seed(99 + rank)
     x = torch.randn(rows, args.batch, args.hidden, generator=gen, device="cuda").to(torch.bfloat16)
     dy = torch.randn(rows, args.batch, args.hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    return x, dy
+
+
+def add_shape_args(ap: argparse.ArgumentParser) -> None:
+    """The stack's shape and the launch (shared with benchmarks/profile_layer.py)."""
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=8192)
+    ap.add_argument("--ffn", type=int, default=28672)
+    ap.add_argument("--heads", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--nprocs", type=int, default=0)
+    ap.add_argument("--out", default="")
+
+
+def run(rank, tp, args):
+    from megatron.core import parallel_state
+
+    from flux_layers import _env
+
+    setup_ranks(tp)
+    x, dy = step_tensors(rank, tp, args)
     # flux: column dgrad GEMM with its NCCL reduce-scatter under the wgrad GEMM (tp_comm_overlap_rs_dgrad=False,
     # Megatron's default); flux_rs_dgrad: column dgrad as the fused GEMM+ReduceScatter. The GEMM+ReduceScatter
     # transport is the library default (FLUX_LAYERS_RS_TRANSPORT) unless the variant names one (the _ce ones).
-    default_transport = os.environ.get("FLUX_LAYERS_RS_TRANSPORT")
     variants = {"baseline": (True, False, None), "flux": (False, False, None),
                 "flux_rs_dgrad": (False, True, None), "flux_ce": (False, False, "copy_engine"),
                 "flux_rs_dgrad_ce": (False, True, "copy_engine")}
-
-    def use_transport(transport):
-        if transport is not None:
-            os.environ["FLUX_LAYERS_RS_TRANSPORT"] = transport
-        elif default_transport is None:
-            os.environ.pop("FLUX_LAYERS_RS_TRANSPORT", None)
-        else:
-            os.environ["FLUX_LAYERS_RS_TRANSPORT"] = default_transport
 
     # Every variant is built once and timed in interleaved rounds (the order rotating each round), so that the
     # machine's drift over the run falls on all variants alike.
@@ -87,7 +105,7 @@ def run(rank, tp, args):
     per_round = max(1, args.reps // args.rounds)
     for rnd in range(args.rounds):
         for name in names[rnd % len(names):] + names[:rnd % len(names)]:
-            use_transport(variants[name][2])
+            transport = variants[name][2]
             block = blocks[name]
 
             def step(i, block=block):
@@ -95,11 +113,11 @@ def run(rank, tp, args):
                 out = block(inp, attention_mask=None)
                 out.backward(dy)
 
-            samples[name] += time_samples_ms(step, reps=per_round, warmup=1, group=dist.group.WORLD)
+            with env_override(RS_TRANSPORT=transport):
+                samples[name] += time_samples_ms(step, reps=per_round, warmup=1, group=dist.group.WORLD)
         if rank == 0:
             print(f"  round {rnd + 1}/{args.rounds}: " + ", ".join(f"{n} {median(samples[n]):.2f}" for n in names),
                   flush=True)
-    use_transport(None)
     tokens = args.seq * args.batch
     results = {}
     for name, (baseline, _, transport) in variants.items():
@@ -107,7 +125,7 @@ def run(rank, tp, args):
         results[name] = {"step_ms": ms, "tokens_per_s": tokens / ms * 1e3, "samples_ms": samples[name],
                          "paths": linear_paths(blocks[name]) if not baseline else
                          "megatron-core linears (NCCL + cuBLAS)",
-                         "rs_transport": None if baseline else (transport or default_transport or "auto")}
+                         "rs_transport": None if baseline else (transport or _env.get("RS_TRANSPORT"))}
         if rank == 0:
             print(f"  {name}: {ms:.2f} ms/step, {tokens / ms * 1e3:,.0f} tokens/s", flush=True)
     base = results["baseline"]["step_ms"]
@@ -128,16 +146,9 @@ def run(rank, tp, args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=8192)
-    ap.add_argument("--ffn", type=int, default=28672)
-    ap.add_argument("--heads", type=int, default=64)
-    ap.add_argument("--seq", type=int, default=8192)
-    ap.add_argument("--batch", type=int, default=1)
+    add_shape_args(ap)
     ap.add_argument("--reps", type=int, default=20, help="repetitions per variant, over all rounds")
     ap.add_argument("--rounds", type=int, default=4, help="interleaved timing rounds")
-    ap.add_argument("--nprocs", type=int, default=0)
-    ap.add_argument("--out", default="")
     args = ap.parse_args()
     os.environ.setdefault("FLUX_LAYERS_BACKEND", "auto")
     spawn_ranks(run, args.nprocs or torch.cuda.device_count(), args)

@@ -47,8 +47,10 @@ def time_ms(fn, *, reps: int = 30, warmup: int = 5, group=None, sleep_cycles: in
 
 
 @contextlib.contextmanager
-def env_override(**values: str):
-    """Set FLUX_LAYERS_<name>=value for the duration (the library reads its settings per call)."""
+def env_override(**values: str | None):
+    """Set FLUX_LAYERS_<name>=value for the duration (the library reads its settings per call); None leaves a
+    setting as it is."""
+    values = {k: v for k, v in values.items() if v is not None}
     saved = {k: os.environ.get("FLUX_LAYERS_" + k) for k in values}
     os.environ.update({"FLUX_LAYERS_" + k: v for k, v in values.items()})
     try:

@@ -18,7 +18,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from benchmarks.bench_layer import build_block
+from benchmarks.bench_layer import add_shape_args, build_block, setup_ranks, step_tensors
 from benchmarks.harness import environment, spawn_ranks, write_json
 
 CATEGORIES = (  # first match wins
@@ -68,14 +68,9 @@ def profile_variant(block, inp, dy, steps: int) -> dict:
 
 def run(rank, tp, args):
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    model_parallel_cuda_manual_seed(1234)
-    rows = args.seq // tp
-    gen = torch.Generator(device="cuda").manual_seed(99 + rank)
-    x = torch.randn(rows, args.batch, args.hidden, generator=gen, device="cuda").to(torch.bfloat16)
-    dy = torch.randn(rows, args.batch, args.hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    setup_ranks(tp)
+    x, dy = step_tensors(rank, tp, args)
     results = {}
     for name, baseline in (("baseline", True), ("flux", False)):
         block = build_block(args, baseline)
@@ -99,15 +94,8 @@ def run(rank, tp, args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=8192)
-    ap.add_argument("--ffn", type=int, default=28672)
-    ap.add_argument("--heads", type=int, default=64)
-    ap.add_argument("--seq", type=int, default=8192)
-    ap.add_argument("--batch", type=int, default=1)
+    add_shape_args(ap)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--nprocs", type=int, default=0)
-    ap.add_argument("--out", default="")
     args = ap.parse_args()
     os.environ.setdefault("FLUX_LAYERS_BACKEND", "auto")
     spawn_ranks(run, args.nprocs or torch.cuda.device_count(), args)

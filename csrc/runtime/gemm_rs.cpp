@@ -2,7 +2,7 @@
 // a tile of own rows waits for the peers' flags and adds their partials in rank order, so the result is the
 // same bits on every run. How a peer's partial reaches it is the transport:
 //
-//   direct (default): the epilogue stores each tile of a peer's rows straight into that peer's receive slot
+//   direct          : the epilogue stores each tile of a peer's rows straight into that peer's receive slot
 //                     (NVLink P2P) and raises a per-tile flag there;
 //   copy engine     : the epilogue stores it into a local staging area and counts it into its chunk (a panel
 //                     of the tile schedule x a strip of columns, so chunks complete one after another); a

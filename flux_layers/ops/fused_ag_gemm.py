@@ -114,7 +114,7 @@ def copy_engine_all_gather(x_shard_m: torch.Tensor, *, group, ws: workspace.AgWo
     dummy_w = x_shard_m.new_empty((8, k))
     dummy_out = x_shard_m.new_empty((m, 8))
     _launch(ws, x_shard_m, dummy_w, None, dummy_out, None, epoch=epoch, weight_nn=False, tile=0, swizzle=0,
-            stream_k=False, sm_count=0, mode=_env.get("AG_MODE"), order=ws.order, rows_per_chunk=_rows_per_chunk(ws, rows, k,
-            x_shard_m.element_size()), run_gemm=False)
+            stream_k=False, sm_count=0, mode=_env.get("AG_MODE"), order=ws.order,
+            rows_per_chunk=_rows_per_chunk(ws, rows, k, x_shard_m.element_size()), run_gemm=False)
     # The op leaves our own rows in the buffer only in pull mode; the view is for timing, not for reading.
     return ws.buffer[:m]

@@ -10,8 +10,8 @@ Each tile of a peer's rows reaches that peer's receive slot and is flagged there
 come last and add the peers' partials in rank order (deterministic), see csrc/runtime/gemm_rs.cpp. Two
 transports: ``direct``, the GEMM epilogue stores the tile into the peer's memory over NVLink; ``copy_engine``,
 the epilogue stores it locally and a copy engine moves each finished chunk (a panel of tiles x a strip of
-columns), so the SMs never wait on NVLink. Partials travel in the input dtype (as with NCCL's reduce-scatter of bf16 data);
-the sum is accumulated in fp32.
+columns), so the SMs never wait on NVLink. Partials travel in the input dtype (as with NCCL's reduce-scatter of
+bf16 data); the sum is accumulated in fp32.
 """
 from __future__ import annotations
 
@@ -55,10 +55,10 @@ def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     """See the module docstring. ``tile``/``swizzle``: kernel configuration (None: tuning table or the measured
     default); ``stream_k``: split a last, partial wave of tiles along K (None: FLUX_LAYERS_STREAM_K);
     ``sm_count``: SMs the persistent GEMM may hold (0: all); ``transport``: ``'direct'``, ``'copy_engine'`` or
-    ``'auto'`` (the tuning table's choice; None: FLUX_LAYERS_RS_TRANSPORT); ``chunk_cols``: columns per copy-engine chunk (None:
-    FLUX_LAYERS_RS_CHUNK_COLS; 0: 1024)."""
-    if transport not in (None, "auto") + tuning.RS_TRANSPORTS:
-        raise ValueError(f"gemm_rs: transport must be 'auto', 'direct' or 'copy_engine', got {transport!r}")
+    ``'auto'`` (the tuning table's choice; None: FLUX_LAYERS_RS_TRANSPORT); ``chunk_cols``: columns per
+    copy-engine chunk (None: FLUX_LAYERS_RS_CHUNK_COLS; 0: 1024). Every rank must pass the same transport."""
+    if transport is not None:
+        tuning.check_rs_transport(transport)  # before anything else, so that bad arguments fail anywhere
     chunk_cols = _env.get_int("RS_CHUNK_COLS") if chunk_cols is None else chunk_cols
     if chunk_cols < 0:
         raise ValueError(f"gemm_rs: chunk_cols must be >= 0 (0: default), got {chunk_cols}")

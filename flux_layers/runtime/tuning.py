@@ -78,13 +78,18 @@ def kernel_config(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, 
 RS_TRANSPORTS = ("direct", "copy_engine")
 
 
+def check_rs_transport(transport: str) -> str:
+    """``transport`` if it names a GEMM+ReduceScatter transport or 'auto', else a ValueError."""
+    if transport not in ("auto",) + RS_TRANSPORTS:
+        raise ValueError(f"gemm_rs: transport must be 'auto', 'direct' or 'copy_engine', got {transport!r}")
+    return transport
+
+
 def rs_transport(*, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int], requested: str | None = None) -> str:
     """How a GEMM+ReduceScatter call moves its partial tiles: ``requested`` if given, else
     FLUX_LAYERS_RS_TRANSPORT; 'auto' takes the tuning table's measured choice for the nearest shape, else
     'direct'. Every rank resolves the same (same shape, same table), as both sides of a transfer must agree."""
-    choice = _env.get("RS_TRANSPORT") if requested is None else requested
-    if choice not in ("auto",) + RS_TRANSPORTS:
-        raise ValueError(f"gemm_rs: transport must be 'auto', 'direct' or 'copy_engine', got {choice!r}")
+    choice = _env.get("RS_TRANSPORT") if requested is None else check_rs_transport(requested)
     if choice != "auto":
         return choice
     entry = dispatch_entry("gemm_rs", dtype=dtype, tp=tp, mkn=mkn)

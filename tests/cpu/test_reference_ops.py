@@ -19,7 +19,6 @@ def _inputs(seed: int, m: int, k: int, n: int, layout: str):
 
 
 def _check_ag_gemm(rank, tp, seed, m, k, n, layout):
-    n_local = n // tp
     x, w, b = _inputs(seed, m, k, n, layout)
     full = x @ (w.t() if layout == "nt" else w) + b
     rows = m // tp

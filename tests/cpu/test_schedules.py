@@ -12,6 +12,16 @@ from flux_layers.runtime import schedules
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+@pytest.fixture(scope="module")
+def schedule_dump(tmp_path_factory) -> str:
+    """tests/cpu/schedule_dump.cpp built once: the C++ schedules printed for comparison."""
+    exe = tmp_path_factory.mktemp("schedule_dump") / "schedule_dump"
+    include = os.path.join(HERE, "..", "..", "csrc", "include")
+    subprocess.run(["g++", "-std=c++17", "-O1", "-I", include, "-o", str(exe), os.path.join(HERE, "schedule_dump.cpp")],
+                   check=True)
+    return str(exe)
+
+
 def _sched(rows, n, tp, order, tile=(256, 128), swizzle=8):
     return schedules.TileSchedule(rows_per_group=rows, n=n, num_groups=tp, group_order=tuple(order),
                                   tile_m=tile[0], tile_n=tile[1], swizzle_m=swizzle)
@@ -61,13 +71,9 @@ def test_chunk_heuristic():
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the C++ schedule")
 @pytest.mark.parametrize("rows,n,tp,tile,swizzle", [(1000, 520, 2, (256, 128), 8), (3000, 3000, 4, (128, 256), 16),
                                                      (64, 8, 3, (256, 128), 2)])
-def test_cpp_schedule_matches_python(tmp_path, rows, n, tp, tile, swizzle):
-    exe = tmp_path / "schedule_dump"
-    include = os.path.join(HERE, "..", "..", "csrc", "include")
-    subprocess.run(["g++", "-std=c++17", "-O1", "-I", include, "-o", str(exe), os.path.join(HERE, "schedule_dump.cpp")],
-                   check=True)
+def test_cpp_schedule_matches_python(schedule_dump, rows, n, tp, tile, swizzle):
     order = schedules.rs_group_order(1, tp)
-    out = subprocess.run([str(exe), str(rows), str(n), str(tp), str(tile[0]), str(tile[1]),
+    out = subprocess.run([schedule_dump, str(rows), str(n), str(tp), str(tile[0]), str(tile[1]),
                           str(schedules.CLUSTER_M), str(swizzle)] + [str(g) for g in order],
                          check=True, capture_output=True, text=True).stdout
     cpp = [tuple(int(v) for v in line.split()) for line in out.splitlines()]
@@ -113,13 +119,9 @@ def test_stream_k_stays_off_where_it_cannot_help():
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the C++ schedule")
-def test_cpp_stream_k_matches_python(tmp_path):
-    exe = tmp_path / "schedule_dump"
-    include = os.path.join(HERE, "..", "..", "csrc", "include")
-    subprocess.run(["g++", "-std=c++17", "-O1", "-I", include, "-o", str(exe), os.path.join(HERE, "schedule_dump.cpp")],
-                   check=True)
+def test_cpp_stream_k_matches_python(schedule_dump):
     for total, clusters, k_tiles in STREAM_K_CASES:
-        out = subprocess.run([str(exe), "streamk", str(total), str(clusters), str(k_tiles)], check=True,
+        out = subprocess.run([schedule_dump, "streamk", str(total), str(clusters), str(k_tiles)], check=True,
                              capture_output=True, text=True).stdout
         cpp = [tuple(int(v) for v in line.split()) for line in out.splitlines()]
         sk = schedules.StreamK(total, clusters, k_tiles)
@@ -165,14 +167,10 @@ def test_rs_chunks_counted_complete_and_in_order(rows, n, tile, swizzle, cols):
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the C++ schedule")
-def test_cpp_rs_chunks_match_python(tmp_path):
-    exe = tmp_path / "schedule_dump"
-    include = os.path.join(HERE, "..", "..", "csrc", "include")
-    subprocess.run(["g++", "-std=c++17", "-O1", "-I", include, "-o", str(exe), os.path.join(HERE, "schedule_dump.cpp")],
-                   check=True)
+def test_cpp_rs_chunks_match_python(schedule_dump):
     for rows, n, tile, swizzle, cols in RS_CHUNK_CASES:
         tile_m, tile_n = schedules.TILE_CONFIGS[tile]
-        out = subprocess.run([str(exe), "rschunks", str(rows), str(n), str(tile_m), str(tile_n), str(swizzle), str(cols)],
+        out = subprocess.run([schedule_dump, "rschunks", str(rows), str(n), str(tile_m), str(tile_n), str(swizzle), str(cols)],
                              check=True, capture_output=True, text=True).stdout.splitlines()
         grid = schedules.RsChunkGrid(_sched(rows, n, 1, [0], (tile_m, tile_n), swizzle), cols)
         assert tuple(int(v) for v in out[0].split()) == (grid.chunk_tiles_m, grid.chunk_tiles_n, grid.chunks_m,
