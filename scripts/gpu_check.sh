@@ -5,7 +5,7 @@
 #
 # Steps (default: all, in this order): env gemm_test ag_test rs_test layers_test gemm_bench ag_bench rs_bench
 # layer_bench layer_bench_conn1. Also: split_tests (only the stream-K tail's GPU tests), layer_profile
-# (benchmarks/profile_layer.py). Each step runs under its own time limit; a failing step does not stop the others. Logs and
+# (benchmarks/profile_layer.py), stock_bench (benchmarks/bench_cutlass_stock.py). Each step runs under its own time limit; a failing step does not stop the others. Logs and
 # JSON go to a work folder, packed at the end into OUTDIR/gpu_check.tgz (plus OUTDIR/summary.txt).
 #
 # Wheels the machine lacks (megatron-core for the layer steps) are installed from .whl/ if present; the
@@ -84,6 +84,9 @@ flux_layers._library.path(), flux_layers._library.unavailable_reason())'" ;;
     layer_profile)  # kernel time per category, flux vs baseline (not in the default steps)
       step layer_profile 300 env CUDA_DEVICE_MAX_CONNECTIONS=1 $PY -m benchmarks.profile_layer \
         --out "$WORK/results/layer_profile_${GPU_TAG}.json" ;;
+    stock_bench)  # stock CUTLASS kernel schedules beside cuBLAS and ours (not in the default steps)
+      [ -f build/cutlass_stock/libstock_gemm.so ] || bash benchmarks/cutlass_stock/build.sh > "$WORK/stock_build.log" 2>&1
+      step stock_bench 200 $PY -m benchmarks.bench_cutlass_stock --out "$WORK/results/gemm_stock_cutlass_h200.json" ;;
     *) echo "unknown step $s" | tee -a "$summary" ;;
   esac
 done

@@ -56,6 +56,10 @@ struct GemmConfig {
   static constexpr int kTileK = 64;                 // 128-byte rows: the SW128 smem atom
   static constexpr int kClusterM = kClusterM_;      // CTAs along M sharing (multicasting) the B tile
   static constexpr int kEpiCols = 64;               // epilogue sub-tile width (one 128-byte smem row)
+  // Two sub-tile buffers let a sub-tile be staged while the previous one is still being read (one consumer
+  // barrier per sub-tile instead of two). 128 x 256 tiles can afford them without losing a mainloop stage;
+  // 256 x 128 tiles (a 32 KB sub-tile) cannot.
+  static constexpr int kEpiBuffers = kTileM == 128 ? 2 : 1;
 
   using LayoutA = cutlass::layout::RowMajor;        // x [M, K]
   using LayoutB = cute::conditional_t<kLayout == WeightLayout::kNT,
@@ -64,8 +68,8 @@ struct GemmConfig {
   using TileShape = Shape<Int<kTileM>, Int<kTileN>, Int<kTileK>>;
   using ClusterShape = Shape<Int<kClusterM>, _1, _1>;
 
-  static constexpr int kEpiSmemBytes = kTileM * kEpiCols * int(sizeof(Element));
-  static constexpr int kCarveoutBytes = kEpiSmemBytes + 256;  // epilogue sub-tile + alignment slack
+  static constexpr int kEpiSmemBytes = kEpiBuffers * kTileM * kEpiCols * int(sizeof(Element));
+  static constexpr int kCarveoutBytes = kEpiSmemBytes + 256;  // epilogue sub-tiles + alignment slack
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
@@ -121,10 +125,13 @@ struct GemmKernel {
   static constexpr bool kSplitCapable = kRegisterSlack;
   static constexpr int kPartialBatch = kRegisterSlack ? 2 : 1;  // see epilogue()
   static_assert(kTileM * (kEpiCols / 8) / kMmaThreads % kPartialBatch == 0, "batches must divide a thread's chunks");
+  static constexpr int kEpiBuffers = Cfg::kEpiBuffers;
+  static constexpr int kEpiTileElems = kTileM * kEpiCols;
+  static_assert(Mainloop::DispatchPolicy::Stages >= 4, "the epilogue buffers must not cost a mainloop stage");
 
   struct SharedStorage {
     typename Mainloop::TensorStorage mainloop;                   // aligned to 128 bytes by its type
-    alignas(128) Element epi[kTileM * kEpiCols];                 // one epilogue sub-tile
+    alignas(128) Element epi[kEpiBuffers * kEpiTileElems];       // epilogue sub-tile buffers
     alignas(16) typename Mainloop::PipelineStorage pipeline;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
@@ -137,6 +144,21 @@ struct GemmKernel {
 
   CUTLASS_DEVICE static void epi_barrier() {
     asm volatile("bar.sync %0, %1;" ::"r"(kEpiBarrierId), "r"(kMmaThreads) : "memory");
+  }
+
+  CUTLASS_DEVICE static uint32_t pack2(float lo, float hi) {
+    Element e[2] = {Element(lo), Element(hi)};
+    uint32_t packed;
+    memcpy(&packed, e, sizeof(packed));
+    return packed;
+  }
+
+  // One warp stores a 16 x 16 block as four 8 x 8 matrices (rows 0-7 | 8-15 x columns 0-7 | 8-15); lane l gives
+  // the address of row l % 8 of matrix l / 8 and holds, in register q, its two columns of matrix q.
+  CUTLASS_DEVICE static void stmatrix_x4(uint32_t smem_addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(smem_addr), "r"(r0),
+                 "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
   }
 
   // ---------------------------------------------------------------- producer: TMA loads of one tile
@@ -343,7 +365,6 @@ struct GemmKernel {
     int const r_base = get<0>(tCcD(0));
     int const c_base = get<1>(tCcD(0));
     Element const* bias = static_cast<Element const*>(p.bias);
-    Element* epi = ss.epi;
 
     // 16-byte row chunks of a sub-tile: 8 per sub-tile row, kTileM rows, kIters per consumer thread.
     constexpr int kChunks = kTileM * (kEpiCols / 8);
@@ -355,22 +376,53 @@ struct GemmKernel {
                                             gcol);
     };
 
+    // The wgmma accumulator fragment comes in runs of 8 that make one warp-wide 16 x 16 block: values
+    // (i, i+1) are columns (c, c+1) of row r, (i+2, i+3) the same columns of row r+8, (i+4 .. i+7) the same
+    // again 8 columns right. Checked at compile time below; it is what lets stmatrix stage a block at once.
+    int const lane = mma_thread_idx % 32;
+    int const warp_row0 = r_base - lane / 4;  // the warp's block origin before the compile-time offsets
+    int const warp_col0 = c_base - 2 * (lane % 4);
+    int const lane_row = (lane % 8) + 8 * ((lane / 8) % 2);  // the row (in a block) whose address lane gives
+    int const lane_col = 8 * (lane / 16);
+    uint32_t const epi_base = uint32_t(__cvta_generic_to_shared(ss.epi));
+
     cute::for_each(make_int_sequence<kTileN / kEpiCols>{}, [&](auto j) {
-      epi_barrier();  // previous sub-tile fully read (and thread 0's waits above are done)
-      if constexpr (decltype(j)::value == 0) flush_signal(p, pending, mma_thread_idx);
-      cute::for_each(make_int_sequence<decltype(size(accum))::value>{}, [&](auto i) {
-        auto offset = tCcD.layout()(i);
-        constexpr int r_off = decltype(get<0>(offset))::value;
-        constexpr int c_off = decltype(get<1>(offset))::value;
-        if constexpr (c_off / kEpiCols == decltype(j)::value) {
-          int const r = r_base + r_off;
-          int const c = c_base + c_off - decltype(j)::value * kEpiCols;
-          float v = accum(i);
+      constexpr int kSub = decltype(j)::value;
+      Element* epi = ss.epi + (kSub % kEpiBuffers) * kEpiTileElems;
+      // Single buffer: wait until the previous sub-tile was fully read. Double buffers: the buffer written now
+      // was last read two sub-tiles ago, before every thread passed the previous sub-tile's barrier; only the
+      // first sub-tile of a tile waits, so that thread 0's flag waits above and the pending tile's stores
+      // (flush_signal) are ordered before what follows.
+      if constexpr (kEpiBuffers == 1 || kSub == 0) epi_barrier();
+      if constexpr (kSub == 0) flush_signal(p, pending, mma_thread_idx);
+      cute::for_each(make_int_sequence<decltype(size(accum))::value / 8>{}, [&](auto b) {
+        constexpr int i = decltype(b)::value * 8;
+        auto o = tCcD.layout()(Int<i>{});
+        constexpr int r_off = decltype(get<0>(o))::value;
+        constexpr int c_off = decltype(get<1>(o))::value;
+        if constexpr (c_off / kEpiCols == kSub) {
+          static_assert(c_off % 16 == 0, "a block starts on a 16-column boundary");
+          cute::for_each(make_int_sequence<8>{}, [&](auto u) {
+            auto ou = tCcD.layout()(Int<i + decltype(u)::value>{});
+            constexpr int ur = decltype(get<0>(ou))::value - r_off;
+            constexpr int uc = decltype(get<1>(ou))::value - c_off;
+            constexpr int uv = decltype(u)::value;
+            static_assert(ur == 8 * ((uv / 2) % 2) && uc == uv % 2 + 8 * (uv / 4), "unexpected wgmma fragment");
+          });
+          float v[8];
+          CUTLASS_PRAGMA_UNROLL
+          for (int u = 0; u < 8; ++u) v[u] = accum(i + u);
           if (add_bias) {
-            int gc = col0 + c_base + c_off;
-            v += gc < p.n ? float(bias[gc]) : 0.f;
+            int gc = col0 + c_base + c_off;  // this thread's columns gc, gc+1, gc+8, gc+9
+            float b0 = gc < p.n ? float(bias[gc]) : 0.f, b1 = gc + 1 < p.n ? float(bias[gc + 1]) : 0.f;
+            float b8 = gc + 8 < p.n ? float(bias[gc + 8]) : 0.f, b9 = gc + 9 < p.n ? float(bias[gc + 9]) : 0.f;
+            v[0] += b0, v[1] += b1, v[2] += b0, v[3] += b1, v[4] += b8, v[5] += b9, v[6] += b8, v[7] += b9;
           }
-          epi[epi_offset(r, c)] = Element(v);
+          int const row = warp_row0 + r_off + lane_row;
+          int const col = warp_col0 + c_off - kSub * kEpiCols + lane_col;
+          stmatrix_x4(epi_base + uint32_t(((kSub % kEpiBuffers) * kEpiTileElems + epi_offset(row, col)) *
+                                          int(sizeof(Element))),
+                      pack2(v[0], v[1]), pack2(v[2], v[3]), pack2(v[4], v[5]), pack2(v[6], v[7]));
         }
       });
       epi_barrier();
