@@ -113,15 +113,8 @@ struct GemmKernel {
   static constexpr int kMmaThreads = 256;
   static constexpr int kThreads = 128 + kMmaThreads;
   static constexpr int kEpiBarrierId = 1;  // named barrier of the 256 consumer threads (0 is __syncthreads)
-  // ReduceScatter own rows with two sub-tile buffers: the consumers stage a sub-tile and move on; warps 1-3 of
-  // the producer warp group (idle otherwise) add the peers' partials and store the sum, under the next
-  // sub-tile's staging or the next tile's mainloop. full[b]: staged, consumers -> reducers; empty[b]: read,
-  // reducers -> consumers; one more barrier among the reducers.
-  static constexpr int kReduceThreads = 96;
-  static constexpr int kFullBarrierId = 2;   // + buffer
-  static constexpr int kEmptyBarrierId = 4;  // + buffer
-  static constexpr int kReduceBarrierId = 6;
-  static constexpr int kHandoffThreads = kMmaThreads + kReduceThreads;
+  static constexpr uint32_t kLoadRegs = 40;
+  static constexpr uint32_t kMmaRegs = 232;
   static_assert(size(TiledMma{}) == kMmaThreads, "cooperative mainloop: two consumer warp groups");
   static_assert(kTileN % kEpiCols == 0, "epilogue sub-tiles must divide the tile");
   static_assert(kTileM * kTileN <= kSplitTileFloats, "split workspace sized for 32768 accumulators per CTA");
@@ -133,12 +126,6 @@ struct GemmKernel {
   static constexpr int kPartialBatch = kRegisterSlack ? 2 : 1;  // see epilogue()
   static_assert(kTileM * (kEpiCols / 8) / kMmaThreads % kPartialBatch == 0, "batches must divide a thread's chunks");
   static constexpr int kEpiBuffers = Cfg::kEpiBuffers;
-  static constexpr bool kReduceWarps = kEpiBuffers == 2;  // else the consumers reduce (see epilogue())
-  // Registers per thread after setmaxnreg (the CTA's pool is 168 x 384): the reducer warps need more than a
-  // TMA-issuing producer (40 would spill), which the consumers of 128 x 256 tiles can spare.
-  static constexpr uint32_t kLoadRegs = kReduceWarps ? 56 : 40;
-  static constexpr uint32_t kMmaRegs = kReduceWarps ? 224 : 232;
-  static_assert(kLoadRegs * 128 + kMmaRegs * kMmaThreads <= 168 * kThreads, "register pool exceeded");
   static constexpr int kEpiTileElems = kTileM * kEpiCols;
   static_assert(Mainloop::DispatchPolicy::Stages >= 4, "the epilogue buffers must not cost a mainloop stage");
 
@@ -157,13 +144,6 @@ struct GemmKernel {
 
   CUTLASS_DEVICE static void epi_barrier() {
     asm volatile("bar.sync %0, %1;" ::"r"(kEpiBarrierId), "r"(kMmaThreads) : "memory");
-  }
-
-  CUTLASS_DEVICE static void named_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-  }
-  CUTLASS_DEVICE static void named_arrive(int id, int threads) {
-    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
   }
 
   CUTLASS_DEVICE static uint32_t pack2(float lo, float hi) {
@@ -348,64 +328,6 @@ struct GemmKernel {
     }
   }
 
-  // Every peer's partial of chunk `flag_index` of own rows has landed here.
-  CUTLASS_DEVICE static void wait_partials(GemmProblem const& p, int flag_index) {
-    for (int i = 0; i < p.rs_num_partials; ++i)
-      wait_flag(p.rs_partial_flags[i] + flag_index, p.epoch, p, kTileTimeout, i * (1 << 24) + flag_index);
-  }
-
-  // Reducer warps (kReduceWarps): walk the same segments as the consumers and, for every own-row tile the
-  // consumers hand over, add the peers' partials to each staged sub-tile in a fixed order (own, then peers by
-  // index: deterministic) and store the sum. The tiles and sub-tiles must be exactly those for which the
-  // consumers arrive on full[] (epilogue(): handoff), in the same order, or the named barriers would hang.
-  CUTLASS_DEVICE static void reduce_tiles(Params const& params, SharedStorage& ss, int cluster_id, int num_clusters,
-                                          int cluster_rank_m, int reduce_thread_idx) {
-    GemmProblem const& p = params.prob;
-    for (int b = 0; b < kEpiBuffers; ++b) named_arrive(kEmptyBarrierId + b, kHandoffThreads);  // both free
-    Segment seg;
-    for (SegmentCursor cur = params.split.begin(cluster_id, num_clusters); params.split.next(cur, seg);) {
-      if (seg.k_begin > 0) continue;  // a later segment of a split item: no epilogue
-      TileCoord t = params.sched.get(seg.work, cluster_rank_m);
-      int const row0 = t.m * kTileM;
-      int const col0 = t.n * kTileN;
-      if (t.group != p.rs_own_group || row0 >= p.rows_per_group) continue;
-      if (reduce_thread_idx == 0)
-        wait_partials(p, (t.m / p.rs_chunk_tiles_m) * p.rs_chunks_n + t.n / p.rs_chunk_tiles_n);
-      named_sync(kReduceBarrierId, kReduceThreads);  // the flags were seen before any partial is read
-      Element* dst = static_cast<Element*>(p.d[t.group]);
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (int j = 0; j < kTileN / kEpiCols; ++j) {
-        int const buf = j % kEpiBuffers;
-        Element const* epi = ss.epi + buf * kEpiTileElems;
-        named_sync(kFullBarrierId + buf, kHandoffThreads);
-        CUTLASS_PRAGMA_NO_UNROLL
-        for (int c = reduce_thread_idx; c < kTileM * (kEpiCols / 8); c += kReduceThreads) {
-          int const r = c / (kEpiCols / 8);
-          int const ch = c % (kEpiCols / 8);
-          int const grow = row0 + r;
-          int const gcol = col0 + j * kEpiCols + ch * 8;
-          if (grow >= p.rows_per_group || gcol >= p.n) continue;
-          uint4 v = *reinterpret_cast<uint4 const*>(epi + r * kEpiCols + ((ch ^ (r & 7)) << 3));
-          Element* ve = reinterpret_cast<Element*>(&v);
-          float acc[8];
-          CUTLASS_PRAGMA_UNROLL
-          for (int e = 0; e < 8; ++e) acc[e] = float(ve[e]);
-          for (int s = 0; s < p.rs_num_partials; ++s) {
-            uint4 pv = __ldcg(reinterpret_cast<uint4 const*>(static_cast<Element const*>(p.rs_partials[s]) +
-                                                             int64_t(grow) * p.ldd + gcol));
-            Element const* pe = reinterpret_cast<Element const*>(&pv);
-            CUTLASS_PRAGMA_UNROLL
-            for (int e = 0; e < 8; ++e) acc[e] += float(pe[e]);
-          }
-          CUTLASS_PRAGMA_UNROLL
-          for (int e = 0; e < 8; ++e) ve[e] = Element(acc[e]);
-          *reinterpret_cast<uint4*>(dst + int64_t(grow) * p.ldd + gcol) = v;
-        }
-        named_arrive(kEmptyBarrierId + buf, kHandoffThreads);
-      }
-    }
-  }
-
   template <class Accum>
   CUTLASS_DEVICE static void epilogue(Params const& params, TileCoord t, Accum const& accum, int mma_thread_idx,
                                       SharedStorage& ss, uint32_t& consumed_seen, PendingSignal& pending) {
@@ -428,9 +350,11 @@ struct GemmKernel {
         wait_flag(p.rs_consumed + t.group, p.epoch - 1, p, kConsumedTimeout, t.group);
         consumed_seen |= 1u << t.group;
       }
-      if (reduce && !kReduceWarps) wait_partials(p, flag_index);
+      if (reduce) {
+        for (int i = 0; i < p.rs_num_partials; ++i)
+          wait_flag(p.rs_partial_flags[i] + flag_index, p.epoch, p, kTileTimeout, i * (1 << 24) + flag_index);
+      }
     }
-    bool const handoff = kReduceWarps && reduce;  // the reducer warps finish this tile (reduce_tiles())
 
     TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(mma_thread_idx);
@@ -471,7 +395,6 @@ struct GemmKernel {
       // (flush_signal) are ordered before what follows.
       if constexpr (kEpiBuffers == 1 || kSub == 0) epi_barrier();
       if constexpr (kSub == 0) flush_signal(p, pending, mma_thread_idx);
-      if (handoff) named_sync(kEmptyBarrierId + kSub % kEpiBuffers, kHandoffThreads);  // reducers done with it
       cute::for_each(make_int_sequence<decltype(size(accum))::value / 8>{}, [&](auto b) {
         constexpr int i = decltype(b)::value * 8;
         auto o = tCcD.layout()(Int<i>{});
@@ -502,10 +425,6 @@ struct GemmKernel {
                       pack2(v[0], v[1]), pack2(v[2], v[3]), pack2(v[4], v[5]), pack2(v[6], v[7]));
         }
       });
-      if (handoff) {
-        named_arrive(kFullBarrierId + kSub % kEpiBuffers, kHandoffThreads);
-        return;
-      }
       epi_barrier();
 
       // Own rows: the first peer's partial is loaded kPartialBatch chunks at a time (one memory latency per
@@ -616,9 +535,6 @@ struct GemmKernel {
         // Keep the CTA alive until every stage was released by the cluster's consumers (no remote
         // arrivals on this CTA's barriers after it exits).
         pipeline.producer_tail(write_state);
-      } else if (kReduceWarps && warp_in_group > 0 && p.rs_own_group >= 0) {
-        reduce_tiles(params, ss, cluster_id, num_clusters, cluster_rank_m,
-                     thread_idx - cutlass::NumThreadsPerWarp);
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<kMmaRegs>();
@@ -662,11 +578,6 @@ struct GemmKernel {
       if (pending.group >= 0) {
         epi_barrier();
         flush_signal(p, pending, mma_thread_idx);
-      }
-      if (kReduceWarps && p.rs_own_group >= 0) {
-        // Each empty[] barrier holds one more reducer arrival than the consumers waited for (the reducers
-        // free both buffers up front): complete it, which also waits for the last sums.
-        for (int b = 0; b < kEpiBuffers; ++b) named_sync(kEmptyBarrierId + b, kHandoffThreads);
       }
     }
 #endif
