@@ -4,15 +4,16 @@
 
 Shapes are MxKxN. Each row reports cuBLAS and every configuration of ours (tile shape, swizzle panel, with and
 without the stream-K tail), TFLOP/s, and ours/cuBLAS for the best configuration and for the default one; the
-implementation that ran is named in each row.
+implementation that ran is named in each row. Variants are timed in interleaved rounds (order rotated per round).
 """
 from __future__ import annotations
 
 import argparse
+from statistics import median
 
 import torch
 
-from benchmarks.harness import environment, parse_shapes, print_table, time_ms, write_json
+from benchmarks.harness import environment, parse_shapes, print_table, time_samples_ms, write_json
 
 DEFAULT_SHAPES = "8192x8192x8192,4096x8192x4096,8192x8192x14336,8192x28672x8192"
 TILE_NAMES = {0: "256x128_c2", 1: "128x256_c2"}
@@ -20,7 +21,7 @@ SWIZZLES = (8, 16)
 STREAM_K = {"sk": True, "dp": False}  # stream-K tail on / whole tiles only
 
 
-def bench_shape(m, k, n, layout, dtype, reps, sets=2):
+def bench_shape(m, k, n, layout, dtype, reps, rounds, sets=2):
     from flux_layers.ops import fused_gemm
     gen = torch.Generator(device="cuda").manual_seed(m * 7 + n * 3 + k)
     xs = [torch.randn(m, k, generator=gen, device="cuda").to(dtype) for _ in range(sets)]
@@ -41,23 +42,28 @@ def bench_shape(m, k, n, layout, dtype, reps, sets=2):
                 raise RuntimeError(f"flux gemm {name} {sk_name} disagrees with cuBLAS on {m}x{k}x{n} {layout}: "
                                    f"rel err {err}")
     flop = 2.0 * m * n * k
-    # cuBLAS is timed before and after ours; its figure is the better of the two (drift guard).
-    t = time_ms(cublas, reps=reps)
-    best = None
-    timed = {}
+    # Every variant is timed in each of `rounds` rounds, the order rotated per round, so drift (clocks, power)
+    # hits all of them alike; each figure is the median over all rounds' samples.
+    variants = {"cublas": cublas}
     for tile, name in TILE_NAMES.items():
         for swizzle in SWIZZLES:
             for sk_name, sk in STREAM_K.items():
-                tv = time_ms(lambda i, tile=tile, swizzle=swizzle, sk=sk: fused_gemm.gemm(
-                    xs[i % sets], ws[i % sets], weight_layout=layout, tile=tile, swizzle=swizzle, stream_k=sk),
-                    reps=reps)
-                key = f"{name}_swz{swizzle}_{sk_name}"
-                timed[(tile, swizzle, sk)] = tv
-                row[f"flux_{key}_ms"] = tv
-                row[f"flux_{key}_tflops"] = flop / tv / 1e9
-                if best is None or tv < best[1]:
-                    best = (key, tv)
-    t = min(t, time_ms(cublas, reps=reps))
+                variants[(tile, swizzle, sk)] = (lambda i, tile=tile, swizzle=swizzle, sk=sk: fused_gemm.gemm(
+                    xs[i % sets], ws[i % sets], weight_layout=layout, tile=tile, swizzle=swizzle, stream_k=sk))
+    samples = {key: [] for key in variants}
+    keys = list(variants)
+    for r in range(rounds):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            samples[key] += time_samples_ms(variants[key], reps=reps)
+    timed = {key: median(s) for key, s in samples.items() if key != "cublas"}
+    best = None
+    for (tile, swizzle, sk), tv in timed.items():
+        key = f"{TILE_NAMES[tile]}_swz{swizzle}_{'sk' if sk else 'dp'}"
+        row[f"flux_{key}_ms"] = tv
+        row[f"flux_{key}_tflops"] = flop / tv / 1e9
+        if best is None or tv < best[1]:
+            best = (key, tv)
+    t = median(samples["cublas"])
     row["cublas_ms"], row["cublas_tflops"] = t, flop / t / 1e9
     row["flux_best"] = best[0]
     row["flux_best_tflops"] = flop / best[1] / 1e9
@@ -77,7 +83,8 @@ def main():
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated MxKxN")
     ap.add_argument("--layouts", default="nt,nn")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=10, help="timed repetitions per variant per round")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (variant order rotated per round)")
     ap.add_argument("--out", default="", help="JSON path (default: print only)")
     args = ap.parse_args()
     from flux_layers import _library
@@ -86,7 +93,7 @@ def main():
     rows = []
     for (m, k, n) in parse_shapes(args.shapes):
         for layout in args.layouts.split(","):
-            rows.append(bench_shape(m, k, n, layout, dtype, args.reps))
+            rows.append(bench_shape(m, k, n, layout, dtype, args.reps, args.rounds))
             print(f"  {m}x{k}x{n} {layout}: cuBLAS {rows[-1]['cublas_tflops']:.0f}  flux "
                   f"{rows[-1]['flux_best_tflops']:.0f} TFLOP/s ({rows[-1]['flux_best']})", flush=True)
     print_table(rows, [("m", "M", ""), ("k", "K", ""), ("n", "N", ""), ("layout", "layout", ""),
@@ -94,8 +101,9 @@ def main():
                        ("flux_best", "best config", ""), ("flux_over_cublas", "best/cuBLAS", ".3f"),
                        ("flux_default_over_cublas", "default/cuBLAS", ".3f")])
     if args.out:
-        write_json(args.out, {**environment(1), "method": "CUDA events, median of reps after warm-up, 2 rotated "
-                              "random input sets", "results": rows})
+        write_json(args.out, {**environment(1), "method": f"CUDA events, {args.rounds} interleaved rounds of "
+                              f"{args.reps} reps per variant after warm-up (order rotated per round), median of "
+                              "all samples, 2 rotated random input sets", "results": rows})
 
 
 if __name__ == "__main__":

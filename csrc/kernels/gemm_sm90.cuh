@@ -113,8 +113,6 @@ struct GemmKernel {
   static constexpr int kMmaThreads = 256;
   static constexpr int kThreads = 128 + kMmaThreads;
   static constexpr int kEpiBarrierId = 1;  // named barrier of the 256 consumer threads (0 is __syncthreads)
-  static constexpr uint32_t kLoadRegs = 40;
-  static constexpr uint32_t kMmaRegs = 232;
   static_assert(size(TiledMma{}) == kMmaThreads, "cooperative mainloop: two consumer warp groups");
   static_assert(kTileN % kEpiCols == 0, "epilogue sub-tiles must divide the tile");
   static_assert(kTileM * kTileN <= kSplitTileFloats, "split workspace sized for 32768 accumulators per CTA");
@@ -122,6 +120,11 @@ struct GemmKernel {
   // adds or the partials' prefetch make ptxas spill, and the whole kernel ran ~8% slower. Both are built for
   // 128 x 256 tiles only.
   static constexpr bool kRegisterSlack = kTileM == 128;
+  // Registers per thread after setmaxnreg (the CTA's pool is 168 x 384). 128 x 256 tiles: the producer thread
+  // (schedule walk, stream-K cursor, TMA issue) gets 56, the consumers 224, which they fit without spilling.
+  static constexpr uint32_t kLoadRegs = kRegisterSlack ? 56 : 40;
+  static constexpr uint32_t kMmaRegs = kRegisterSlack ? 224 : 232;
+  static_assert(kLoadRegs * 128 + kMmaRegs * kMmaThreads <= 168 * kThreads, "register pool exceeded");
   static constexpr bool kSplitCapable = kRegisterSlack;
   static constexpr int kPartialBatch = kRegisterSlack ? 2 : 1;  // see epilogue()
   static_assert(kTileM * (kEpiCols / 8) / kMmaThreads % kPartialBatch == 0, "batches must divide a thread's chunks");
