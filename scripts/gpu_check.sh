@@ -5,8 +5,9 @@
 #
 # Steps (default: all, in this order): env gemm_test ag_test rs_test layers_test gemm_bench ag_bench rs_bench
 # layer_bench layer_bench_conn1. Also: split_tests (only the stream-K tail's GPU tests), layer_profile
-# (benchmarks/profile_layer.py), stock_bench (benchmarks/bench_cutlass_stock.py). Each step runs under its own time limit; a failing step does not stop the others. Logs and
-# JSON go to a work folder, packed at the end into OUTDIR/gpu_check.tgz (plus OUTDIR/summary.txt).
+# (benchmarks/profile_layer.py), stock_bench (benchmarks/bench_cutlass_stock.py). Each step runs under its own
+# time limit; a failing step does not stop the others. Logs and JSON go to a work folder, packed at the end into
+# OUTDIR/gpu_check.tgz (plus OUTDIR/summary.txt).
 #
 # Wheels the machine lacks (megatron-core for the layer steps) are installed from .whl/ if present; the
 # op library is taken prebuilt from flux_layers/_C*.so, else built here (needs nvcc and nvidia-cutlass).

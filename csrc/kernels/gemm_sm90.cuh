@@ -120,8 +120,9 @@ struct GemmKernel {
   // adds or the partials' prefetch make ptxas spill, and the whole kernel ran ~8% slower. Both are built for
   // 128 x 256 tiles only.
   static constexpr bool kRegisterSlack = kTileM == 128;
-  // Registers per thread after setmaxnreg (the CTA's pool is 168 x 384). 128 x 256 tiles: the producer thread
-  // (schedule walk, stream-K cursor, TMA issue) gets 56, the consumers 224, which they fit without spilling.
+  // Registers per thread after setmaxnreg (the CTA's pool is 168 x 384). 128 x 256 tiles: the producer warp group
+  // gets 56, the consumers 224, which they fit without spilling; measured the same speed as 40 / 232
+  // (benchmarks/README.md, register split), it leaves the producer's schedule walk headroom.
   static constexpr uint32_t kLoadRegs = kRegisterSlack ? 56 : 40;
   static constexpr uint32_t kMmaRegs = kRegisterSlack ? 224 : 232;
   static_assert(kLoadRegs * 128 + kMmaRegs * kMmaThreads <= 168 * kThreads, "register pool exceeded");
@@ -253,7 +254,7 @@ struct GemmKernel {
     epi_barrier();  // every consumer thread's partial is written before the flag
     if (mma_thread_idx == 0) {
       __threadfence();
-      st_release_gpu(params.split_flags + slot, 1u);
+      st_release<Scope::kGpu>(params.split_flags + slot, 1u);
     }
   }
 
@@ -311,7 +312,7 @@ struct GemmKernel {
       if (p.rs_stage_counters != nullptr) {
         red_add_release_sys(p.rs_stage_counters + int64_t(pending.group) * p.rs_flags_per_source + pending.index, 1u);
       } else {
-        st_release_sys(p.rs_signal[pending.group] + pending.index, p.epoch);
+        st_release<Scope::kSys>(p.rs_signal[pending.group] + pending.index, p.epoch);
       }
     }
     pending.group = -1;
@@ -344,7 +345,7 @@ struct GemmKernel {
     bool const to_peer = is_rs && !reduce;                   // partial for a peer: signal afterwards
     bool const add_bias = p.bias != nullptr && (!is_rs || reduce);
     Element* dst = static_cast<Element*>(p.d[t.group]);
-    int const flag_index = is_rs ? (t.m / p.rs_chunk_tiles_m) * p.rs_chunks_n + t.n / p.rs_chunk_tiles_n : 0;
+    int const flag_index = is_rs ? rs_chunk_index(t.m, t.n, p.rs_chunk_tiles_m, p.rs_chunk_tiles_n, p.rs_chunks_n) : 0;
     bool const direct = p.rs_stage_counters == nullptr;  // else the copy engine waits for the slot's release
 
     if (mma_thread_idx == 0) {
@@ -374,6 +375,12 @@ struct GemmKernel {
     constexpr int kIters = kChunks / kMmaThreads;
     auto chunk_row = [&](int it) { return (it * kMmaThreads + mma_thread_idx) / (kEpiCols / 8); };
     auto chunk_col = [&](int it) { return (it * kMmaThreads + mma_thread_idx) % (kEpiCols / 8); };
+    // Output row and column of this thread's chunk `it` of sub-tile `sub`, and whether it holds data.
+    auto chunk_at = [&](int it, int sub, int& grow, int& gcol) {
+      grow = row0 + chunk_row(it);
+      gcol = col0 + sub * kEpiCols + chunk_col(it) * 8;
+      return grow < p.rows_per_group && gcol < p.n;
+    };
     auto partial_at = [&](int s, int grow, int gcol) {
       return reinterpret_cast<uint4 const*>(static_cast<Element const*>(p.rs_partials[s]) + int64_t(grow) * p.ldd +
                                             gcol);
@@ -436,21 +443,20 @@ struct GemmKernel {
       [[maybe_unused]] uint4 first_partial[kPartialBatch];
       CUTLASS_PRAGMA_UNROLL
       for (int it = 0; it < kIters; ++it) {
-        int r = chunk_row(it);
-        int ch = chunk_col(it);
-        int grow = row0 + r;
-        int gcol = col0 + decltype(j)::value * kEpiCols + ch * 8;
+        int const r = chunk_row(it);
+        int const ch = chunk_col(it);
+        int grow, gcol;
+        bool const in_range = chunk_at(it, kSub, grow, gcol);
         if constexpr (kPartialBatch > 1) {
           if (reduce && it % kPartialBatch == 0) {
             CUTLASS_PRAGMA_UNROLL
             for (int b = 0; b < kPartialBatch; ++b) {
-              int brow = row0 + chunk_row(it + b);
-              int bcol = col0 + decltype(j)::value * kEpiCols + chunk_col(it + b) * 8;
-              if (brow < p.rows_per_group && bcol < p.n) first_partial[b] = __ldcg(partial_at(0, brow, bcol));
+              int brow, bcol;
+              if (chunk_at(it + b, kSub, brow, bcol)) first_partial[b] = __ldcg(partial_at(0, brow, bcol));
             }
           }
         }
-        if (grow < p.rows_per_group && gcol < p.n) {
+        if (in_range) {
           uint4 v = *reinterpret_cast<uint4 const*>(epi + r * kEpiCols + ((ch ^ (r & 7)) << 3));
           if (reduce) {
             Element* ve = reinterpret_cast<Element*>(&v);
@@ -661,12 +667,10 @@ struct Launcher {
     params.prob = prob;
     params.sched = TileSchedule::make(prob, Cfg::kTileM, Cfg::kTileN, Cfg::kClusterM);
     if (prob.rs_own_group >= 0) {
-      GemmProblem& q = params.prob;
-      if (q.rs_chunk_tiles_m <= 0 || q.rs_chunk_tiles_n <= 0) {  // direct stores: one flag per tile
-        q.rs_chunk_tiles_m = 1;
-        q.rs_chunk_tiles_n = 1;
-        q.rs_chunks_n = params.sched.tiles_n;
-      }
+      GemmProblem const& q = params.prob;
+      FLUX_CHECK(q.rs_chunk_tiles_m > 0 && q.rs_chunk_tiles_n > 0 && q.rs_chunks_n > 0,
+                 "reduce-scatter chunk grid not set (", q.rs_chunk_tiles_m, " x ", q.rs_chunk_tiles_n, " tiles, ",
+                 q.rs_chunks_n, " along N)");
       int64_t const chunks = int64_t((params.sched.tiles_m + q.rs_chunk_tiles_m - 1) / q.rs_chunk_tiles_m) *
                              q.rs_chunks_n;
       FLUX_CHECK(q.rs_chunks_n * q.rs_chunk_tiles_n >= params.sched.tiles_n, "reduce-scatter chunk grid (",

@@ -9,14 +9,27 @@
 
 namespace flux {
 
-__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
+// Scope of a flag's observers: kSys for other GPUs and the copy engine, kGpu for other CTAs of this grid.
+enum class Scope { kGpu, kSys };
+
+template <Scope kScope>
+__device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p) {
   uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  if constexpr (kScope == Scope::kSys) {
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  } else {
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  }
   return v;
 }
 
-__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+template <Scope kScope>
+__device__ __forceinline__ void st_release(uint32_t* p, uint32_t v) {
+  if constexpr (kScope == Scope::kSys) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+  } else {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+  }
 }
 
 // Counter raised for an observer outside the SMs (the copy engine's stream wait): release at system scope.
@@ -75,20 +88,11 @@ __device__ __forceinline__ bool bounded_wait(const uint32_t* flag, Load load, Re
 __device__ __forceinline__ bool wait_flag(const uint32_t* flag, uint32_t epoch, const GemmProblem& p, int code,
                                        int index) {
   return bounded_wait(
-      flag, [](const uint32_t* f) { return ld_acquire_sys(f); },
+      flag, [](const uint32_t* f) { return ld_acquire<Scope::kSys>(f); },
       [epoch](uint32_t v) { return epoch_reached(v, epoch); }, p.timeout_ns, p, code, index);
 }
 
 // ---- flags inside one grid (stream-K partials): 0 = empty, 1 = written; cleared before each launch.
-__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void st_release_gpu(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
 
 // Wait for another CTA of this grid (all CTAs are co-resident, so only a bug can make this time out). The
 // fused operators record the timeout and the host raises; the plain GEMM has no error record and traps
@@ -96,7 +100,7 @@ __device__ __forceinline__ void st_release_gpu(uint32_t* p, uint32_t v) {
 __device__ __forceinline__ void wait_grid_flag(const uint32_t* flag, const GemmProblem& p, int index) {
   uint64_t const limit_ns = p.timeout_ns > 0 ? p.timeout_ns : uint64_t(20) * 1000000000ull;
   bool ok = bounded_wait(
-      flag, [](const uint32_t* f) { return ld_acquire_gpu(f); }, [](uint32_t v) { return v != 0; }, limit_ns, p,
+      flag, [](const uint32_t* f) { return ld_acquire<Scope::kGpu>(f); }, [](uint32_t v) { return v != 0; }, limit_ns, p,
       kSplitTimeout, index);
   if (!ok && p.error_record == nullptr) __trap();
 }

@@ -72,6 +72,14 @@ struct TileSchedule {
   }
 };
 
+// The flag (and copy-engine count) index of tile (m_tile, n_tile) of a ReduceScatter group: chunks of
+// chunk_tiles_m x chunk_tiles_n tiles, numbered row-major. The kernel's epilogue and the host's copy loop both
+// use it.
+__host__ __device__ inline int rs_chunk_index(int m_tile, int n_tile, int chunk_tiles_m, int chunk_tiles_n,
+                                              int chunks_n) {
+  return (m_tile / chunk_tiles_m) * chunks_n + n_tile / chunk_tiles_n;
+}
+
 // Copy-engine ReduceScatter: the chunks of one destination group, each a unit the copy engine moves once all
 // of its tiles are stored. A chunk is one panel of the schedule (chunk_tiles_m = swizzle * cluster_m tiles along
 // M, visited together) times a strip of chunk_tiles_n tiles along N; the panel sweeps N, so the chunks complete
@@ -104,7 +112,24 @@ struct RsChunkGrid {
     return g;
   }
 
+  // Direct transport: one chunk (one flag) per tile.
+  static RsChunkGrid per_tile(const TileSchedule& s, int rows_per_group, int tile_m, int tile_n) {
+    RsChunkGrid g;
+    g.tile_m = tile_m;
+    g.tile_n = tile_n;
+    g.tiles_m = (rows_per_group + tile_m - 1) / tile_m;
+    g.tiles_n = s.tiles_n;
+    g.chunk_tiles_m = 1;
+    g.chunk_tiles_n = 1;
+    g.chunks_m = g.tiles_m;
+    g.chunks_n = g.tiles_n;
+    return g;
+  }
+
   int index(int cm, int cn) const { return cm * chunks_n + cn; }
+  int chunk_of(int m_tile, int n_tile) const {
+    return rs_chunk_index(m_tile, n_tile, chunk_tiles_m, chunk_tiles_n, chunks_n);
+  }
   unsigned tiles_in(int cm, int cn) const {
     int const m_end = (cm + 1) * chunk_tiles_m < tiles_m ? (cm + 1) * chunk_tiles_m : tiles_m;
     int const n_end = (cn + 1) * chunk_tiles_n < tiles_n ? (cn + 1) * chunk_tiles_n : tiles_n;

@@ -4,10 +4,11 @@
 //
 //   direct          : the epilogue stores each tile of a peer's rows straight into that peer's receive slot
 //                     (NVLink P2P) and raises a per-tile flag there;
-//   copy engine     : the epilogue stores it into a local staging area and counts it into its chunk (a panel
-//                     of the tile schedule x a strip of columns, so chunks complete one after another); a
-//                     comm stream per peer waits for each chunk's count, copies it into the peer's receive
-//                     slot and raises the peer's flag for it. The SMs never wait on NVLink.
+//   copy engine     : the epilogue stores it into a local staging area (tp - 1 slots, one per peer in group
+//                     order) and counts it into its chunk (a panel of the tile schedule x a strip of
+//                     columns, so chunks complete one after another); a comm stream per peer waits for each
+//                     chunk's count, copies it into the peer's receive slot and raises the peer's flag for
+//                     it. The SMs never wait on NVLink.
 //
 // After the kernel, consumed[r] = e is written at every peer: our receive slots are free again.
 // Flag words of one rank: flag[src][flags_per_source] (set for us by src), consumed[tp] (set by each peer),
@@ -57,8 +58,10 @@ void gemm_rs(const GemmRsArgs& a) {
   g.b = a.w;
   g.ldb = a.ldw;
   g.bias = a.bias;
+  // Staging slot of destination d (copy engine): its step in the group order, so tp - 1 slots serve every rank.
+  auto stage_slot = [&](int d) { return a.stage + size_t((d - r - 1 + a.tp) % a.tp) * slot_bytes; };
   for (int d = 0; d < a.tp; ++d) {
-    char* peer_slot = copy_engine ? a.stage + size_t(d) * slot_bytes : a.recv[d] + size_t(r) * slot_bytes;
+    char* peer_slot = copy_engine ? stage_slot(d) : a.recv[d] + size_t(r) * slot_bytes;
     g.d[d] = d == r ? a.out : static_cast<void*>(peer_slot);
   }
   g.ldd = a.n;
@@ -82,12 +85,14 @@ void gemm_rs(const GemmRsArgs& a) {
   g.launch = a.launch;
 
   auto& ev = call_events();
-  RsChunkGrid const grid = RsChunkGrid::make(TileSchedule::make(g, tile_m(a.tile), tile_n(a.tile), kClusterM),
-                                             a.rows_per_group, tile_m(a.tile), tile_n(a.tile), a.chunk_cols);
+  TileSchedule const sched = TileSchedule::make(g, tile_m(a.tile), tile_n(a.tile), kClusterM);
+  RsChunkGrid const grid =
+      copy_engine ? RsChunkGrid::make(sched, a.rows_per_group, tile_m(a.tile), tile_n(a.tile), a.chunk_cols)
+                  : RsChunkGrid::per_tile(sched, a.rows_per_group, tile_m(a.tile), tile_n(a.tile));
+  g.rs_chunk_tiles_m = grid.chunk_tiles_m;
+  g.rs_chunk_tiles_n = grid.chunk_tiles_n;
+  g.rs_chunks_n = grid.chunks_n;
   if (copy_engine) {
-    g.rs_chunk_tiles_m = grid.chunk_tiles_m;
-    g.rs_chunk_tiles_n = grid.chunk_tiles_n;
-    g.rs_chunks_n = grid.chunks_n;
     g.rs_stage_counters = counts;
     // The previous call's copies of the staging area finished before its end (joined below).
     FLUX_CUDA_CHECK(cudaMemsetAsync(counts, 0, size_t(a.tp) * fps * 4, a.compute));
@@ -114,7 +119,7 @@ void gemm_rs(const GemmRsArgs& a) {
           size_t const offset = size_t(row0) * row_bytes + size_t(col0) * elem;
           stream_wait_u32_geq(s, counts + int64_t(d) * fps + c, grid.tiles_in(cm, cn));
           FLUX_CUDA_CHECK(cudaMemcpy2DAsync(a.recv[d] + size_t(r) * slot_bytes + offset, row_bytes,
-                                            a.stage + size_t(d) * slot_bytes + offset, row_bytes,
+                                            stage_slot(d) + offset, row_bytes,
                                             size_t(cols) * elem, rows, cudaMemcpyDefault, s));
           stream_write_u32(s, a.flags[d] + int64_t(r) * fps + c, a.epoch);
         }

@@ -182,7 +182,7 @@ class AgWorkspace(Workspace):
 class RsWorkspace(Workspace):
     """GEMM+ReduceScatter: receive slots [tp][max_m/tp][n] per rank + per-chunk flags, consumed flags and the
     copy-engine transport's chunk counts (csrc/runtime/gemm_rs.cpp); one comm stream per peer and, once the
-    copy-engine transport is used, a local staging area of the receive slots' size."""
+    copy-engine transport is used, a local staging area of one slot per peer."""
 
     def __init__(self, group, dtype: torch.dtype, max_m: int, n: int, *, min_tile: int = 128):
         tp = dist.get_world_size(group)
@@ -199,9 +199,10 @@ class RsWorkspace(Workspace):
         self._stage: torch.Tensor | None = None
 
     def stage_buffer(self) -> torch.Tensor:
-        """Local staging area of the copy-engine transport, [tp * max_m/tp * n], allocated on first use."""
+        """Local staging area of the copy-engine transport, [(tp - 1) * max_m/tp * n] (a slot per peer, in the
+        kernel's destination order), allocated on first use."""
         if self._stage is None:
-            self._stage = torch.empty(self.tp * self.slot_rows * self.n, dtype=self.dtype, device=self.device)
+            self._stage = torch.empty((self.tp - 1) * self.slot_rows * self.n, dtype=self.dtype, device=self.device)
         return self._stage
 
 

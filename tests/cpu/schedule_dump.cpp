@@ -23,7 +23,8 @@ int dump_stream_k(int argc, char** argv) {
 }
 
 // rschunks rows_per_group n tile_m tile_n swizzle_m chunk_cols: "chunk_tiles_m chunk_tiles_n chunks_m chunks_n",
-// then per chunk in copy order "cm cn index tiles".
+// then per chunk in copy order "cm cn index tiles", then one line: the chunk of every tile (row-major), as the
+// kernel's epilogue computes it (rs_chunk_index).
 int dump_rs_chunks(int argc, char** argv) {
   if (argc < 8) return 2;
   flux::GemmProblem p;
@@ -36,6 +37,9 @@ int dump_rs_chunks(int argc, char** argv) {
   std::printf("%d %d %d %d\n", g.chunk_tiles_m, g.chunk_tiles_n, g.chunks_m, g.chunks_n);
   for (int cm = 0; cm < g.chunks_m; ++cm)
     for (int cn = 0; cn < g.chunks_n; ++cn) std::printf("%d %d %d %u\n", cm, cn, g.index(cm, cn), g.tiles_in(cm, cn));
+  for (int m = 0; m < g.tiles_m; ++m)
+    for (int n = 0; n < g.tiles_n; ++n) std::printf("%d ", g.chunk_of(m, n));
+  std::printf("\n");
   return 0;
 }
 

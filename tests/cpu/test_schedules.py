@@ -177,4 +177,7 @@ def test_cpp_rs_chunks_match_python(schedule_dump):
                                                          grid.chunks_n)
         py = [(cm, cn, cm * grid.chunks_n + cn, grid.tiles_in(cm, cn))
               for cm in range(grid.chunks_m) for cn in range(grid.chunks_n)]
-        assert [tuple(int(v) for v in line.split()) for line in out[1:]] == py, (rows, n, tile, swizzle, cols)
+        assert [tuple(int(v) for v in line.split()) for line in out[1:-1]] == py, (rows, n, tile, swizzle, cols)
+        tiles_n = grid.sched.tiles_n
+        assert [int(v) for v in out[-1].split()] == [grid.chunk_of(m, nt) for m in range(grid.tiles_m)
+                                                     for nt in range(tiles_n)], (rows, n, tile, swizzle, cols)

@@ -89,7 +89,7 @@ struct GemmRsArgs {
   uint32_t* flags[kMaxGroups] = {nullptr};    // flag words of every rank: flag[tp][per_source], consumed[tp],
                                               // count[tp][per_source]
   int flags_per_source = 0;
-  // Copy-engine transport (see gemm_rs.cpp): local staging area [tp][slot_rows][N] and one comm stream per
+  // Copy-engine transport (see gemm_rs.cpp): local staging area [tp - 1][slot_rows][N] and one comm stream per
   // peer (at least one); null stage: the epilogue stores straight into the peers' receive slots.
   char* stage = nullptr;
   int chunk_cols = 0;  // columns per copy-engine chunk (0: default)
