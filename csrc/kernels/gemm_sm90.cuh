@@ -5,7 +5,8 @@
 //   roles    : warp group 0 = producer (one elected thread issues TMA loads; in AllGather mode it first waits
 //              on the readiness flag of the chunk the A tile reads), warp groups 1-2 = consumers (wgmma via
 //              CUTLASS's sm90 TMA/GMMA collective mainloop, then this file's epilogue)
-//   epilogue : accumulators -> bf16/fp16 sub-tile in shared memory (XOR-swizzled, conflict-free) -> 16-byte
+//   epilogue : accumulators -> bf16/fp16 sub-tile in shared memory (stmatrix, one per 16 x 16 block of a warp's
+//              fragment; XOR-swizzled, conflict-free; two alternating buffers for 128 x 256 tiles) -> 16-byte
 //              coalesced stores to the group's destination, which may be a peer GPU's receive slot (NVLink
 //              P2P). ReduceScatter: a tile for a peer is followed by a release flag in the peer's memory (direct
 //              transport), or goes to a local staging area and is counted into its chunk, which the host-side
