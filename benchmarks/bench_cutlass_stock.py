@@ -75,7 +75,8 @@ def bench_shape(stock, m, k, n, reps, rounds, swizzles, sets=2):
             raise RuntimeError(f"{name} on {m}x{k}x{n}: relative error {err} against the fp32 reference")
     samples = {name: [] for name in variants}
     for r in range(rounds):
-        order = list(variants)[r % len(variants):] + list(variants)[:r % len(variants)]
+        shift = r * len(variants) // rounds  # spread the starting points evenly over the rounds
+        order = list(variants)[shift:] + list(variants)[:shift]
         for name in order:
             samples[name] += time_samples_ms(variants[name], reps=reps)
     flop = 2.0 * m * n * k

@@ -53,7 +53,8 @@ def bench_shape(m, k, n, layout, dtype, reps, rounds, sets=2):
     samples = {key: [] for key in variants}
     keys = list(variants)
     for r in range(rounds):
-        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+        shift = r * len(keys) // rounds  # spread the starting points evenly over the rounds
+        for key in keys[shift:] + keys[:shift]:
             samples[key] += time_samples_ms(variants[key], reps=reps)
     timed = {key: median(s) for key, s in samples.items() if key != "cublas"}
     best = None

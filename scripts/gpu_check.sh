@@ -86,7 +86,7 @@ flux_layers._library.path(), flux_layers._library.unavailable_reason())'" ;;
       step layer_profile 300 env CUDA_DEVICE_MAX_CONNECTIONS=1 $PY -m benchmarks.profile_layer \
         --out "$WORK/results/layer_profile_${GPU_TAG}.json" ;;
     stock_bench)  # stock CUTLASS kernel schedules beside cuBLAS and ours (not in the default steps)
-      [ -f build/cutlass_stock/libstock_gemm.so ] || bash benchmarks/cutlass_stock/build.sh > "$WORK/stock_build.log" 2>&1
+      [ -f build/cutlass_stock/libstock_gemm.so ] || step stock_build 300 env PYTHON=$PY bash benchmarks/cutlass_stock/build.sh
       step stock_bench 200 $PY -m benchmarks.bench_cutlass_stock --out "$WORK/results/gemm_stock_cutlass_h200.json" ;;
     *) echo "unknown step $s" | tee -a "$summary" ;;
   esac

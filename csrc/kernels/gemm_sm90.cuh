@@ -122,8 +122,8 @@ struct GemmKernel {
   // 128 x 256 tiles only.
   static constexpr bool kRegisterSlack = kTileM == 128;
   // Registers per thread after setmaxnreg (the CTA's pool is 168 x 384). 128 x 256 tiles: the producer warp group
-  // gets 56, the consumers 224, which they fit without spilling; measured the same speed as 40 / 232
-  // (benchmarks/README.md, register split), it leaves the producer's schedule walk headroom.
+  // gets 56, the consumers 224, which they fit without spilling. Against 40 / 232 it measured within one run's
+  // resolution (benchmarks/README.md, register split).
   static constexpr uint32_t kLoadRegs = kRegisterSlack ? 56 : 40;
   static constexpr uint32_t kMmaRegs = kRegisterSlack ? 224 : 232;
   static_assert(kLoadRegs * 128 + kMmaRegs * kMmaThreads <= 168 * kThreads, "register pool exceeded");
@@ -142,7 +142,8 @@ struct GemmKernel {
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
 
   // Row r, column c (< kEpiCols) of the epilogue sub-tile. 16-byte chunks are XOR-swizzled by row so that
-  // both the fragment writes (8 rows x 4 columns pairs per warp) and the 16-byte row reads are conflict-free.
+  // both the stmatrix writes (eight consecutive rows, one 16-byte chunk each) and the 16-byte row reads are
+  // conflict-free.
   CUTLASS_DEVICE static int epi_offset(int r, int c) {
     return r * kEpiCols + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7);
   }

@@ -73,8 +73,8 @@ struct GemmProblem {
   uint32_t* rs_signal[kMaxGroups] = {nullptr};  // per destination group: dest's flag array for our partial
   const uint32_t* rs_consumed = nullptr;  // local: rs_consumed[g] >= epoch-1 before writing into g's slot
   int rs_flags_per_source = 0;          // capacity of each source's flag array (one flag per chunk must fit)
-  // Chunks: the unit a flag covers. Tile (m, n) of a group lies in chunk (m / chunk_tiles_m) * chunks_n +
-  // n / chunk_tiles_n. Direct stores: one tile per chunk (set by the launcher when chunk_tiles_m is 0).
+  // Chunks: the unit a flag covers. Tile (m, n) of a group lies in chunk rs_chunk_index(m, n, ...)
+  // (tile_schedule.cuh), set by the host from its RsChunkGrid; direct stores: one tile per chunk.
   int rs_chunk_tiles_m = 0;
   int rs_chunk_tiles_n = 0;
   int rs_chunks_n = 0;
