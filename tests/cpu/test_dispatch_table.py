@@ -1,0 +1,59 @@
+"""The per-shape dispatch table: how benchmarks/make_dispatch_table.py derives it from benchmark results, and that
+the packaged table (configs/tuning/) still says what the result files it cites measured."""
+import json
+import os
+
+import pytest
+
+from benchmarks.make_dispatch_table import entries_from
+from flux_layers.runtime import tuning
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _rs_row(m, fused, seq, direct=None, copy_engine=None):
+    times = {"fused": fused, "gemm_then_nccl": seq}
+    if direct is not None:
+        times.update(fused_direct=direct, fused_copy_engine=copy_engine)
+    return {"dtype": "bfloat16", "tp": 2, "m": m, "k": 4096, "n": 4096, "times_ms": times}
+
+
+def test_entries_from_picks_the_faster_path_and_transport(tmp_path):
+    results = tmp_path / "rs.json"
+    results.write_text(json.dumps({"gpu": "G", "commit": "abc", "results": [
+        _rs_row(1024, fused=0.9, seq=1.0),                                      # fused wins, one transport timed
+        _rs_row(2048, fused=1.2, seq=1.0),                                      # sequential wins
+        _rs_row(4096, fused=1.0, seq=1.5, direct=1.1, copy_engine=0.95),        # copy engine is the faster one
+        _rs_row(8192, fused=1.0, seq=1.02, direct=1.01, copy_engine=1.05),      # direct, and still fused
+        _rs_row(16384, fused=1.0, seq=1.04, direct=1.06, copy_engine=1.05)]}))  # both transports lose
+    gpu, entries = entries_from(str(results))
+    assert gpu == "G"
+    got = [(e["m"], e["path"], e.get("transport")) for e in entries]
+    assert got == [(1024, "fused", None), (2048, "sequential", None), (4096, "fused", "copy_engine"),
+                   (8192, "fused", "direct"), (16384, "sequential", "copy_engine")]
+    assert all(e["op"] == "gemm_rs" and e["source"] == f"{results} @ abc" for e in entries)
+    assert entries[2]["fused_ms"] == 0.95  # the chosen transport's time, not the run's default
+
+
+def test_packaged_table_matches_the_results_it_cites():
+    tables = tuning._load_tables("")
+    assert tables, "configs/tuning holds the measured dispatch table"
+    checked = 0
+    for table in tables:
+        for entry in table["entries"]:
+            path, _, commit = entry["source"].partition(" @ ")
+            full = os.path.join(ROOT, path)
+            if not os.path.exists(full):
+                pytest.fail(f"dispatch entry {entry} cites {path}, which is not in the repository")
+            _, fresh = entries_from(full)
+            same_shape = [e for e in fresh if (e["op"], e["tp"], e["m"], e["k"], e["n"]) ==
+                          (entry["op"], entry["tp"], entry["m"], entry["k"], entry["n"])]
+            assert len(same_shape) == 1, f"{path} has no single row for {entry}"
+            with open(full) as f:
+                assert json.load(f).get("commit") == commit, f"{path} is no longer the run of {commit}"
+            for key in ("path", "transport", "fused_ms", "sequential_ms"):
+                assert same_shape[0].get(key) == entry.get(key), f"{key} of {entry} disagrees with {path}"
+            if "transport" in entry:
+                assert tuning.check_rs_transport(entry["transport"]) == entry["transport"]
+            checked += 1
+    assert checked > 0
