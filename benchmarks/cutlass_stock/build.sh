@@ -5,7 +5,9 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${1:-$ROOT/build/cutlass_stock/libstock_gemm.so}
 PY=${PYTHON:-python3}
-NVCC=${NVCC:-${CUDA_HOME:-/usr/local/cuda}/bin/nvcc}
+if [ -z "${NVCC:-}" ]; then
+  if [ -n "${CUDA_HOME:-}" ]; then NVCC=$CUDA_HOME/bin/nvcc; else NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc); fi
+fi
 INC=$($PY -c "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source'))")
 mkdir -p "$(dirname "$OUT")"
 "$NVCC" -O3 -std=c++17 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
