@@ -16,7 +16,7 @@ from statistics import median
 
 import torch
 
-from benchmarks.harness import environment, parse_shapes, print_table, time_samples_ms, write_json
+from benchmarks.harness import environment, parse_shapes, print_table, time_interleaved, write_json
 
 DEFAULT_SHAPES = "8192x8192x8192,4096x8192x4096,8192x8192x14336,8192x28672x8192"
 DEFAULT_LIB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "cutlass_stock",
@@ -73,12 +73,7 @@ def bench_shape(stock, m, k, n, reps, rounds, swizzles, sets=2):
         err = ((got - ref).norm() / ref.norm()).item()
         if not err < 1e-2:
             raise RuntimeError(f"{name} on {m}x{k}x{n}: relative error {err} against the fp32 reference")
-    samples = {name: [] for name in variants}
-    for r in range(rounds):
-        shift = r * len(variants) // rounds  # spread the starting points evenly over the rounds
-        order = list(variants)[shift:] + list(variants)[:shift]
-        for name in order:
-            samples[name] += time_samples_ms(variants[name], reps=reps)
+    samples = time_interleaved(variants, reps=reps, rounds=rounds)
     flop = 2.0 * m * n * k
     for name, s in samples.items():
         row[f"{name}_ms"] = median(s)

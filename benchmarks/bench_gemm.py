@@ -13,7 +13,7 @@ from statistics import median
 
 import torch
 
-from benchmarks.harness import environment, parse_shapes, print_table, time_samples_ms, write_json
+from benchmarks.harness import environment, parse_shapes, print_table, time_interleaved, write_json
 
 DEFAULT_SHAPES = "8192x8192x8192,4096x8192x4096,8192x8192x14336,8192x28672x8192"
 TILE_NAMES = {0: "256x128_c2", 1: "128x256_c2"}
@@ -50,12 +50,7 @@ def bench_shape(m, k, n, layout, dtype, reps, rounds, sets=2):
             for sk_name, sk in STREAM_K.items():
                 variants[(tile, swizzle, sk)] = (lambda i, tile=tile, swizzle=swizzle, sk=sk: fused_gemm.gemm(
                     xs[i % sets], ws[i % sets], weight_layout=layout, tile=tile, swizzle=swizzle, stream_k=sk))
-    samples = {key: [] for key in variants}
-    keys = list(variants)
-    for r in range(rounds):
-        shift = r * len(keys) // rounds  # spread the starting points evenly over the rounds
-        for key in keys[shift:] + keys[:shift]:
-            samples[key] += time_samples_ms(variants[key], reps=reps)
+    samples = time_interleaved(variants, reps=reps, rounds=rounds)
     timed = {key: median(s) for key, s in samples.items() if key != "cublas"}
     best = None
     for (tile, swizzle, sk), tv in timed.items():

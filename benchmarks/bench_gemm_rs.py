@@ -8,14 +8,12 @@ fused_matmul_reduce_scatter, and the fused operator; bound = max(GEMM alone, red
 """
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 
 from benchmarks.harness import (check_kernel_variants, operator_main, overlap_figures, parse_shapes,
                                 report_operator_rows, time_kernel_variants, time_ms)
-
-TRANSPORTS = ("direct", "copy_engine")
+from flux_layers.runtime.tuning import RS_TRANSPORTS as TRANSPORTS
 DEFAULT_SHAPES = "4096x8192x8192,8192x28672x8192,8192x12288x12288,2048x4096x4096,16384x4096x4096"
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks.harness import env_override, environment, spawn_ranks, time_samples_ms, write_json
+from benchmarks.harness import env_override, environment, spawn_ranks, time_interleaved, write_json
 
 
 def build_block(args, baseline: bool, rs_dgrad: bool = False):
@@ -100,24 +100,25 @@ def run(rank, tp, args):
     # machine's drift over the run falls on all variants alike.
     blocks = {name: build_block(args, baseline, rs_dgrad) for name, (baseline, rs_dgrad, _) in variants.items()}
     inp = x.clone().requires_grad_(True)
-    samples = {name: [] for name in variants}
     names = list(variants)
-    per_round = max(1, args.reps // args.rounds)
-    for rnd in range(args.rounds):
-        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
-            transport = variants[name][2]
-            block = blocks[name]
 
-            def step(i, block=block):
+    def step_of(name):
+        block, transport = blocks[name], variants[name][2]
+
+        def step(i):
+            with env_override(RS_TRANSPORT=transport):
                 inp.grad = None
                 out = block(inp, attention_mask=None)
                 out.backward(dy)
+        return step
 
-            with env_override(RS_TRANSPORT=transport):
-                samples[name] += time_samples_ms(step, reps=per_round, warmup=1, group=dist.group.WORLD)
+    def report(rnd, samples):
         if rank == 0:
             print(f"  round {rnd + 1}/{args.rounds}: " + ", ".join(f"{n} {median(samples[n]):.2f}" for n in names),
                   flush=True)
+
+    samples = time_interleaved({name: step_of(name) for name in names}, reps=max(1, args.reps // args.rounds),
+                               rounds=args.rounds, warmup=1, group=dist.group.WORLD, on_round=report)
     tokens = args.seq * args.batch
     results = {}
     for name, (baseline, _, transport) in variants.items():

@@ -95,6 +95,23 @@ def time_samples_ms(fn, *, reps: int, warmup: int = 5, group=None, sleep_cycles:
     return samples
 
 
+def time_interleaved(variants: dict, *, reps: int, rounds: int, warmup: int = 5, group=None,
+                     on_round=None) -> dict:
+    """Samples (ms) of every ``variants[key](i)``: ``rounds`` rounds, each timing every variant for ``reps``
+    repetitions (:func:`time_samples_ms`), the order rotated so that the rounds start at evenly spread
+    variants; the machine's drift over the run then falls on all variants alike. ``on_round(r, samples)`` is
+    called after each round."""
+    samples = {key: [] for key in variants}
+    keys = list(variants)
+    for r in range(rounds):
+        shift = r * len(keys) // rounds
+        for key in keys[shift:] + keys[:shift]:
+            samples[key] += time_samples_ms(variants[key], reps=reps, warmup=warmup, group=group)
+        if on_round is not None:
+            on_round(r, samples)
+    return samples
+
+
 def environment(gpu_count: int) -> dict:
     return {
         "commit": commit(),

@@ -83,8 +83,8 @@ __host__ __device__ inline int rs_chunk_index(int m_tile, int n_tile, int chunk_
 // Copy-engine ReduceScatter: the chunks of one destination group, each a unit the copy engine moves once all
 // of its tiles are stored. A chunk is one panel of the schedule (chunk_tiles_m = swizzle * cluster_m tiles along
 // M, visited together) times a strip of chunk_tiles_n tiles along N; the panel sweeps N, so the chunks complete
-// in index order (cm, then cn). Tile (m, n) lies in chunk (m / chunk_tiles_m) * chunks_n + n / chunk_tiles_n;
-// tiles_in counts only tiles holding rows (a cluster's padding tiles are neither stored nor counted).
+// in index order (cm, then cn). Tile (m, n) lies in chunk chunk_of(m, n); tiles_in counts only tiles holding
+// rows (a cluster's padding tiles are neither stored nor counted).
 struct RsChunkGrid {
   int tile_m = 0, tile_n = 0;
   int tiles_m = 0;  // tiles holding rows
@@ -97,32 +97,30 @@ struct RsChunkGrid {
   // least 2 KB.
   static constexpr int kDefaultChunkCols = 1024;
 
+  // Copy-engine transport: panels of the schedule x strips of chunk_cols columns (0: the default).
   static RsChunkGrid make(const TileSchedule& s, int rows_per_group, int tile_m, int tile_n, int chunk_cols) {
-    RsChunkGrid g;
-    g.tile_m = tile_m;
-    g.tile_n = tile_n;
-    g.tiles_m = (rows_per_group + tile_m - 1) / tile_m;
-    g.tiles_n = s.tiles_n;
-    g.chunk_tiles_m = s.swizzle * s.cluster_m;
     int const cols = chunk_cols > 0 ? chunk_cols : kDefaultChunkCols;
     int const strip = (cols + tile_n - 1) / tile_n;
-    g.chunk_tiles_n = strip < 1 ? 1 : (strip > g.tiles_n ? g.tiles_n : strip);
-    g.chunks_m = (g.tiles_m + g.chunk_tiles_m - 1) / g.chunk_tiles_m;
-    g.chunks_n = g.chunk_tiles_n > 0 ? (g.tiles_n + g.chunk_tiles_n - 1) / g.chunk_tiles_n : 0;
-    return g;
+    int const chunk_tiles_n = strip < 1 ? 1 : (strip > s.tiles_n ? s.tiles_n : strip);
+    return with_chunks(s, rows_per_group, tile_m, tile_n, s.swizzle * s.cluster_m, chunk_tiles_n);
   }
 
   // Direct transport: one chunk (one flag) per tile.
   static RsChunkGrid per_tile(const TileSchedule& s, int rows_per_group, int tile_m, int tile_n) {
+    return with_chunks(s, rows_per_group, tile_m, tile_n, 1, 1);
+  }
+
+  static RsChunkGrid with_chunks(const TileSchedule& s, int rows_per_group, int tile_m, int tile_n,
+                                 int chunk_tiles_m, int chunk_tiles_n) {
     RsChunkGrid g;
     g.tile_m = tile_m;
     g.tile_n = tile_n;
     g.tiles_m = (rows_per_group + tile_m - 1) / tile_m;
     g.tiles_n = s.tiles_n;
-    g.chunk_tiles_m = 1;
-    g.chunk_tiles_n = 1;
-    g.chunks_m = g.tiles_m;
-    g.chunks_n = g.tiles_n;
+    g.chunk_tiles_m = chunk_tiles_m;
+    g.chunk_tiles_n = chunk_tiles_n;
+    g.chunks_m = (g.tiles_m + chunk_tiles_m - 1) / chunk_tiles_m;
+    g.chunks_n = chunk_tiles_n > 0 ? (g.tiles_n + chunk_tiles_n - 1) / chunk_tiles_n : 0;
     return g;
   }
 

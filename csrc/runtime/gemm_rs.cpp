@@ -28,7 +28,6 @@ void rs_group_order(int rank, int tp, int* group_order) {
   for (int s = 0; s < tp; ++s) group_order[s] = (rank + 1 + s) % tp;
 }
 
-
 void gemm_rs(const GemmRsArgs& a) {
   FLUX_CHECK(a.tp >= 2 && a.tp <= kMaxGroups, "tp ", a.tp, " outside [2, ", kMaxGroups, "]");
   FLUX_CHECK(a.rank >= 0 && a.rank < a.tp, "rank ", a.rank, " outside [0, ", a.tp, ")");

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from flux_layers.runtime.tuning import RS_TRANSPORTS as TRANSPORTS
 from tests.dist_harness import run_distributed
 from tests.gpu.gpu_support import assert_close_rel, global_inputs, needs_gpus, poison_outputs, split_sm_count
 
@@ -14,7 +15,6 @@ pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 
 # Every visible GPU takes part (2 on the 2-GPU machine; 4 or 8 where lent), at least 2.
 TP = min(max(torch.cuda.device_count(), 2), 8)
-TRANSPORTS = ("direct", "copy_engine")
 
 
 def _one_call(rank, tp, seed, m, k, n, dtype, layout, *, with_bias=True, ws=None, late_rank=None, tile=None,
