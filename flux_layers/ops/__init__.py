@@ -7,7 +7,8 @@
 | ``gemm_rs(x, w, bias, group=...)`` | x [M, K_local], w [N, K_local] ('nt') or [K_local, N] ('nn') | [M/tp, N], summed over ranks |
 
 Every op takes ``backend=`` ('auto' | 'fused' | 'reference', default from ``FLUX_LAYERS_BACKEND``); see
-:mod:`flux_layers.ops.backend`. ``plan()`` says which path a call with those arguments would take.
+:mod:`flux_layers.ops.backend`. ``plan()`` says which path a call with those arguments would take. Under
+torch.compile each call is one opaque graph node (:mod:`flux_layers.ops._traceable`), dispatch included.
 """
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ __all__ = ["gemm", "ag_gemm", "gemm_rs", "plan", "Choice", "reference"]
 
 
 def _tp(group) -> int:
-    return dist.get_world_size(group) if group is not None else 1
+    if group is None:
+        return 1
+    return group.size() if torch.compiler.is_compiling() else dist.get_world_size(group)
 
 
 def plan(op: str, x: torch.Tensor, weight: torch.Tensor, *, group=None, weight_layout: str = "nt",
@@ -36,6 +39,9 @@ def plan(op: str, x: torch.Tensor, weight: torch.Tensor, *, group=None, weight_l
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_layout: str = "nt",
          backend: str | None = None) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        from flux_layers.ops import _traceable
+        return _traceable.op_gemm(x, weight, bias, weight_layout, backend)
     choice = plan("gemm", x, weight, weight_layout=weight_layout, backend=backend)
     if choice.path == "fused":
         from flux_layers.ops import fused_gemm
@@ -49,6 +55,11 @@ def ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if _tp(group) == 1:
         out = gemm(x_shard_m, weight, bias, weight_layout=weight_layout, backend=backend)
         return (out, x_shard_m) if return_gathered else out
+    if torch.compiler.is_compiling():
+        from flux_layers.ops import _traceable
+        out, gathered = _traceable.op_ag_gemm(x_shard_m, weight, bias, group.group_name, weight_layout,
+                                              return_gathered, backend)
+        return (out, gathered) if return_gathered else out
     choice = plan("ag_gemm", x_shard_m, weight, group=group, weight_layout=weight_layout, backend=backend)
     if choice.path == "fused":
         from flux_layers.ops import fused_ag_gemm
@@ -62,6 +73,9 @@ def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
             weight_layout: str = "nt", backend: str | None = None) -> torch.Tensor:
     if _tp(group) == 1:
         return gemm(x, weight, bias, weight_layout=weight_layout, backend=backend)
+    if torch.compiler.is_compiling():
+        from flux_layers.ops import _traceable
+        return _traceable.op_gemm_rs(x, weight, bias, group.group_name, weight_layout, backend)
     choice = plan("gemm_rs", x, weight, group=group, weight_layout=weight_layout, backend=backend)
     if choice.path == "fused":
         from flux_layers.ops import fused_gemm_rs

@@ -70,3 +70,31 @@ def test_gemm_rs_reference(tp, layout):
 
 def test_bad_inputs_raise_clear_errors():
     run_distributed(_check_bad_inputs, 2)
+
+
+def _compiled_ops(rank, tp, seed):
+    """torch.compile(fullgraph=True) over the public ops: each call is one opaque node (no graph break) and
+    gives what the eager call gives."""
+    x, w, b = _inputs(seed, 64, 48, 32, "nt")
+    group = dist.group.WORLD
+    x_shard_m = x[rank * 32:(rank + 1) * 32]
+    w_shard_n = w.chunk(tp, dim=0)[rank].contiguous()
+    x_shard_k = x.chunk(tp, dim=1)[rank].contiguous()
+    w_shard_k = w.chunk(tp, dim=1)[rank].contiguous()
+
+    def step(x_shard_m, w_shard_n, x_shard_k, w_shard_k, b):
+        y, gathered = ops.ag_gemm(x_shard_m, w_shard_n, None, group=group, return_gathered=True,
+                                  backend="reference")
+        z = ops.gemm_rs(x_shard_k, w_shard_k, b, group=group, backend="reference")
+        return y, gathered, z, ops.gemm(gathered, w_shard_n, None, backend="reference")
+
+    eager = step(x_shard_m, w_shard_n, x_shard_k, w_shard_k, b)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(x_shard_m, w_shard_n, x_shard_k,
+                                                                        w_shard_k, b)
+    for a, c in zip(eager, compiled):
+        torch.testing.assert_close(c, a, rtol=0, atol=0)
+
+
+def test_ops_compile_to_opaque_nodes():
+    run_distributed(_compiled_ops, 2, int(torch.randint(0, 2**30, ()).item()))

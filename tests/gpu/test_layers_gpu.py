@@ -22,11 +22,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
 TP = 2
 REL_TOL = 1e-2  # bf16
 
-# Known gaps of the fused ops (not of the layers), kept as strict xfails so that a fix shows up as a failure here.
+# A known gap of the fused ops (not of the layers), kept as a strict xfail so that a fix shows up as a failure here.
 FUSED_NOT_CAPTURABLE = pytest.param("fused", marks=pytest.mark.xfail(strict=True, reason=(
     "ops refuse CUDA-graph capture: host-side epoch flags (FusedOpsUnavailable during capture)")))
-FUSED_NOT_TRACEABLE = pytest.param("fused", marks=pytest.mark.xfail(strict=True, reason=(
-    "ops.ag_gemm/gemm_rs Python wrappers (dispatch, library lock, workspaces) are not traceable by Dynamo")))
 
 
 def _rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -241,7 +239,7 @@ def _compiled(rank, tp, backend, seed):
         _close(a, b, f"rank {rank} {backend} torch.compile vs eager, tensor {j}")
 
 
-@pytest.mark.parametrize("backend", ["reference", FUSED_NOT_TRACEABLE])
+@pytest.mark.parametrize("backend", ["reference", "fused"])
 def test_torch_compile(backend):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     run_distributed(_compiled, TP, backend, seed, backend="nccl")
