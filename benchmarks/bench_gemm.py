@@ -13,12 +13,20 @@ from statistics import median
 
 import torch
 
-from benchmarks.harness import environment, parse_shapes, print_table, time_interleaved, write_json
+from benchmarks.harness import cuda_kernels_of, environment, parse_shapes, print_table, time_interleaved, write_json
+from flux_layers.runtime.schedules import DEFAULT_STREAM_K_FILL, SPLIT_TILE_CONFIGS
 
 DEFAULT_SHAPES = "8192x8192x8192,4096x8192x4096,8192x8192x14336,8192x28672x8192"
 TILE_NAMES = {0: "256x128_c2", 1: "128x256_c2"}
 SWIZZLES = (8, 16)
-STREAM_K = {"sk": True, "dp": False}  # stream-K tail on / whole tiles only
+# Stream-K tail fill limit (percent of the grid a last wave may keep busy and still be split; 0: whole tiles).
+# 'sk' is the default limit; 'sk100' splits every partial last wave (built for 128 x 256 tiles only).
+STREAM_K = {"sk": DEFAULT_STREAM_K_FILL, "dp": 0, "sk100": 100}
+
+
+def _stream_k_modes(tile: int) -> dict[str, int]:
+    return {name: fill for name, fill in STREAM_K.items() if fill in (0, DEFAULT_STREAM_K_FILL)
+            or tile in SPLIT_TILE_CONFIGS}
 
 
 def bench_shape(m, k, n, layout, dtype, reps, rounds, sets=2):
@@ -35,7 +43,7 @@ def bench_shape(m, k, n, layout, dtype, reps, rounds, sets=2):
     row = {"m": m, "k": k, "n": n, "layout": layout, "dtype": str(dtype).replace("torch.", "")}
     ref = cublas(0).float()
     for tile, name in TILE_NAMES.items():
-        for sk_name, sk in STREAM_K.items():
+        for sk_name, sk in _stream_k_modes(tile).items():
             out = fused_gemm.gemm(xs[0], ws[0], weight_layout=layout, tile=tile, stream_k=sk)
             err = ((out.float() - ref).norm() / ref.norm()).item()
             if not (err < 1e-2):
@@ -47,26 +55,27 @@ def bench_shape(m, k, n, layout, dtype, reps, rounds, sets=2):
     variants = {"cublas": cublas}
     for tile, name in TILE_NAMES.items():
         for swizzle in SWIZZLES:
-            for sk_name, sk in STREAM_K.items():
+            for sk_name, sk in _stream_k_modes(tile).items():
                 variants[(tile, swizzle, sk)] = (lambda i, tile=tile, swizzle=swizzle, sk=sk: fused_gemm.gemm(
                     xs[i % sets], ws[i % sets], weight_layout=layout, tile=tile, swizzle=swizzle, stream_k=sk))
     samples = time_interleaved(variants, reps=reps, rounds=rounds)
     timed = {key: median(s) for key, s in samples.items() if key != "cublas"}
     best = None
     for (tile, swizzle, sk), tv in timed.items():
-        key = f"{TILE_NAMES[tile]}_swz{swizzle}_{'sk' if sk else 'dp'}"
+        key = f"{TILE_NAMES[tile]}_swz{swizzle}_{next(k for k, v in STREAM_K.items() if v == sk)}"
         row[f"flux_{key}_ms"] = tv
         row[f"flux_{key}_tflops"] = flop / tv / 1e9
         if best is None or tv < best[1]:
             best = (key, tv)
     t = median(samples["cublas"])
     row["cublas_ms"], row["cublas_tflops"] = t, flop / t / 1e9
+    row["cublas_kernels"] = cuda_kernels_of(lambda: cublas(0))
     row["flux_best"] = best[0]
     row["flux_best_tflops"] = flop / best[1] / 1e9
     row["flux_over_cublas"] = row["cublas_ms"] / best[1]
     from flux_layers.runtime import tuning
     default = tuning.resolve_kernel("gemm", dtype=dtype, tp=1, mkn=(m, k, n))
-    d_key = (default.tile, default.swizzle, default.stream_k)
+    d_key = (default.tile, default.swizzle, default.stream_k_fill)
     if d_key in timed:
         row["flux_default"] = tuning.kernel_name(default)
         row["flux_default_over_cublas"] = row["cublas_ms"] / timed[d_key]

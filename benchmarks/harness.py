@@ -112,6 +112,22 @@ def time_interleaved(variants: dict, *, reps: int, rounds: int, warmup: int = 5,
     return samples
 
 
+def cuda_kernels_of(fn) -> list[str]:
+    """Names of the CUDA kernels one call of ``fn`` launches (torch profiler), e.g. which cuBLAS kernel a
+    matmul picked; ['unknown: ...'] if the profiler cannot say."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        names = [e.key for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return names or ["unknown: no CUDA kernel recorded"]
+    except Exception as exc:  # the figure stays useful without the name
+        return [f"unknown: {type(exc).__name__}: {exc}"]
+
+
 def environment(gpu_count: int) -> dict:
     return {
         "commit": commit(),
@@ -192,8 +208,10 @@ OPERATOR_METHOD = ("CUDA events around one call, GPU sleep + NCCL all-reduce bef
 
 # Kernel configurations the operator benchmarks time side by side with the default one:
 # (tile configuration id, swizzle panel, stream-K tail).
+# name -> (tile, swizzle, stream_k); stream_k True: the default fill limit, an int: that limit (tuning.stream_k_fill)
 KERNEL_VARIANTS = {"256x128_swz8_dp": (0, 8, False), "256x128_swz8_sk": (0, 8, True),
-                   "128x256_swz16_dp": (1, 16, False), "128x256_swz16_sk": (1, 16, True)}
+                   "128x256_swz16_dp": (1, 16, False), "128x256_swz16_sk": (1, 16, True),
+                   "128x256_swz16_sk100": (1, 16, 100)}
 
 
 def check_kernel_variants(call, ref: torch.Tensor, what: str) -> None:

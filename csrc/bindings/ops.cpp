@@ -78,17 +78,21 @@ void translate_errors(Fn&& fn) {
 
 void check_out(const Tensor& out, const Tensor& x, int64_t rows, int64_t cols, const char* name);
 
-// The persistent grid's options of one launch. With stream_k, `scratch` receives the stream-K tail's workspace,
+// The persistent grid's options of one launch. stream_k_fill > 0: split a last wave that keeps at most that
+// percentage of the clusters busy (the stream-K tail); `scratch` then receives the tail's workspace,
 // from the caching allocator on the current stream (so launches on different streams never share it); it must
 // outlive the launch call.
-flux::LaunchOptions launch_options(const Tensor& like, int64_t sm_count, int64_t swizzle, bool stream_k,
+flux::LaunchOptions launch_options(const Tensor& like, int64_t sm_count, int64_t swizzle, int64_t stream_k_fill,
                                    Tensor& scratch) {
   TORCH_CHECK_VALUE(sm_count >= 0, "sm_count ", sm_count, " must be >= 0 (0: all SMs)");
   TORCH_CHECK_VALUE(swizzle >= 0 && swizzle <= 64, "swizzle ", swizzle, " outside [0, 64]");
+  TORCH_CHECK_VALUE(stream_k_fill >= 0 && stream_k_fill <= 100, "stream_k_fill ", stream_k_fill,
+                    " outside [0, 100] (0: no stream-K tail)");
   flux::LaunchOptions o;
   o.sm_count = int(sm_count);
   o.swizzle_m = int(swizzle);
-  if (stream_k) {
+  o.split_max_fill_pct = int(stream_k_fill);
+  if (stream_k_fill > 0) {
     int sms = 0;
     FLUX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, like.device().index()));
     scratch = at::empty({flux::split_workspace_bytes(sms)}, like.options().dtype(at::kByte));
@@ -99,7 +103,7 @@ flux::LaunchOptions launch_options(const Tensor& like, int64_t sm_count, int64_t
 }
 
 void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, Tensor out, bool weight_nn,
-          int64_t tile, int64_t sm_count, int64_t swizzle, bool stream_k) {
+          int64_t tile, int64_t sm_count, int64_t swizzle, int64_t stream_k_fill) {
   auto s = check_operands(x, w, bias, weight_nn);
   check_out(out, x, s.m, s.n, "out");
   c10::cuda::CUDAGuard guard(x.device());
@@ -118,7 +122,7 @@ void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, T
   p.d[0] = out.data_ptr();
   p.ldd = s.n;
   Tensor scratch;
-  p.launch = launch_options(x, sm_count, swizzle, stream_k, scratch);
+  p.launch = launch_options(x, sm_count, swizzle, stream_k_fill, scratch);
   translate_errors([&] {
     flux::launch_gemm(p, to_dtype(x, "x"), weight_nn ? flux::WeightLayout::kNN : flux::WeightLayout::kNT,
                       to_tile(tile), c10::cuda::getCurrentCUDAStream());
@@ -146,7 +150,7 @@ void ag_gemm(const Tensor& x_shard_m, const Tensor& w, const std::optional<Tenso
              int64_t chunk_capacity, int64_t rows_per_chunk, int64_t rank, int64_t mode, int64_t order,
              int64_t epoch, int64_t timeout_ns, int64_t error_record_ptr, int64_t error_claim_ptr,
              std::vector<int64_t> comm_streams, bool weight_nn, int64_t tile, int64_t sm_count, int64_t swizzle,
-             bool stream_k, bool run_gemm) {
+             int64_t stream_k_fill, bool run_gemm) {
   auto s = check_operands(x_shard_m, w, bias, weight_nn);
   int64_t tp = int64_t(buffer_ptrs.size());
   TORCH_CHECK_VALUE(tp >= 2 && tp <= flux::kMaxGroups, "group size ", tp, " outside [2, ", flux::kMaxGroups, "]");
@@ -188,7 +192,7 @@ void ag_gemm(const Tensor& x_shard_m, const Tensor& w, const std::optional<Tenso
   for (size_t i = 0; i < comm_streams.size(); ++i) a.comm[i] = reinterpret_cast<cudaStream_t>(comm_streams[i]);
   a.run_gemm = run_gemm;
   Tensor scratch;
-  a.launch = launch_options(x_shard_m, sm_count, swizzle, stream_k && run_gemm, scratch);
+  a.launch = launch_options(x_shard_m, sm_count, swizzle, run_gemm ? stream_k_fill : 0, scratch);
   translate_errors([&] { flux::ag_gemm(a); });
 }
 
@@ -196,7 +200,7 @@ void gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias
              std::vector<int64_t> recv_ptrs, int64_t slot_rows, std::vector<int64_t> flag_ptrs,
              int64_t flags_per_source, int64_t rank, int64_t epoch, int64_t timeout_ns, int64_t error_record_ptr,
              int64_t error_claim_ptr, bool weight_nn, int64_t tile, int64_t sm_count, int64_t swizzle,
-             bool stream_k, int64_t stage_ptr, int64_t chunk_cols, std::vector<int64_t> comm_streams) {
+             int64_t stream_k_fill, int64_t stage_ptr, int64_t chunk_cols, std::vector<int64_t> comm_streams) {
   auto s = check_operands(x, w, bias, weight_nn);
   int64_t tp = int64_t(recv_ptrs.size());
   TORCH_CHECK_VALUE(tp >= 2 && tp <= flux::kMaxGroups, "group size ", tp, " outside [2, ", flux::kMaxGroups, "]");
@@ -236,7 +240,7 @@ void gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias
   a.num_comm = int(comm_streams.size());
   for (size_t i = 0; i < comm_streams.size(); ++i) a.comm[i] = reinterpret_cast<cudaStream_t>(comm_streams[i]);
   Tensor scratch;
-  a.launch = launch_options(x, sm_count, swizzle, stream_k, scratch);
+  a.launch = launch_options(x, sm_count, swizzle, stream_k_fill, scratch);
   a.compute = c10::cuda::getCurrentCUDAStream();
   translate_errors([&] { flux::gemm_rs(a); });
 }
@@ -245,16 +249,16 @@ void gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias
 
 TORCH_LIBRARY(flux_layers, m) {
   m.def("gemm(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool weight_nn, int tile, int sm_count, int swizzle, "
-        "bool stream_k) -> ()");
+        "int stream_k_fill) -> ()");
   m.def(
       "ag_gemm(Tensor x_shard_m, Tensor weight, Tensor? bias, Tensor(a!) out, Tensor(b!)? gathered_out, "
       "int[] buffer_ptrs, int[] flag_ptrs, int chunk_capacity, int rows_per_chunk, int rank, int mode, int order, "
       "int epoch, int timeout_ns, int error_record_ptr, int error_claim_ptr, int[] comm_streams, bool weight_nn, "
-      "int tile, int sm_count, int swizzle, bool stream_k, bool run_gemm) -> ()");
+      "int tile, int sm_count, int swizzle, int stream_k_fill, bool run_gemm) -> ()");
   m.def(
       "gemm_rs(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, int[] recv_ptrs, int slot_rows, "
       "int[] flag_ptrs, int flags_per_source, int rank, int epoch, int timeout_ns, int error_record_ptr, "
-      "int error_claim_ptr, bool weight_nn, int tile, int sm_count, int swizzle, bool stream_k, int stage_ptr, "
+      "int error_claim_ptr, bool weight_nn, int tile, int sm_count, int swizzle, int stream_k_fill, int stage_ptr, "
       "int chunk_cols, int[] comm_streams) -> ()");
 }
 

@@ -396,11 +396,11 @@ struct GemmKernel {
     int const warp_col0 = c_base - 2 * (lane % 4);
     int const lane_row = (lane % 8) + 8 * ((lane / 8) % 2);  // the row (in a block) whose address lane gives
     int const lane_col = 8 * (lane / 16);
-    uint32_t const epi_base = uint32_t(__cvta_generic_to_shared(ss.epi));
 
     cute::for_each(make_int_sequence<kTileN / kEpiCols>{}, [&](auto j) {
       constexpr int kSub = decltype(j)::value;
       Element* epi = ss.epi + (kSub % kEpiBuffers) * kEpiTileElems;
+      uint32_t const epi_smem = uint32_t(__cvta_generic_to_shared(epi));
       // Single buffer: wait until the previous sub-tile was fully read. Double buffers: the buffer written now
       // was last read two sub-tiles ago, before every thread passed the previous sub-tile's barrier; only the
       // first sub-tile of a tile waits, so that thread 0's flag waits above and the pending tile's stores
@@ -432,8 +432,7 @@ struct GemmKernel {
           }
           int const row = warp_row0 + r_off + lane_row;
           int const col = warp_col0 + c_off - kSub * kEpiCols + lane_col;
-          stmatrix_x4(epi_base + uint32_t(((kSub % kEpiBuffers) * kEpiTileElems + epi_offset(row, col)) *
-                                          int(sizeof(Element))),
+          stmatrix_x4(epi_smem + uint32_t(epi_offset(row, col) * int(sizeof(Element))),
                       pack2(v[0], v[1]), pack2(v[2], v[3]), pack2(v[4], v[5]), pack2(v[6], v[7]));
         }
       });
@@ -710,11 +709,11 @@ struct Launcher {
     int const k_tiles = (prob.k + Cfg::kTileK - 1) / Cfg::kTileK;
     bool split_ok = Kernel::kSplitCapable && opts.split_workspace != nullptr &&
                     opts.split_workspace_bytes >= split_workspace_bytes(ctas);
-    params.split = StreamK::make(params.sched.total_work, clusters, k_tiles, split_ok);
+    params.split = StreamK::make(params.sched.total_work, clusters, k_tiles, split_ok, opts.split_max_fill_pct);
     // ReduceScatter: split items must all be own rows (the last group), which no peer waits on; a reducer
     // of a peer's rows could otherwise hold back a flag that the peer's own reducers wait for.
     if (prob.rs_own_group >= 0 && params.sched.total_work - params.split.dp_work > params.sched.work_per_group)
-      params.split = StreamK::make(params.sched.total_work, clusters, k_tiles, false);
+      params.split = StreamK::make(params.sched.total_work, clusters, k_tiles, false, 0);
     if (params.split.active()) {
       params.split_flags = static_cast<uint32_t*>(opts.split_workspace);
       params.split_partials = reinterpret_cast<float4*>(static_cast<char*>(opts.split_workspace) +

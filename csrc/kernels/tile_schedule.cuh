@@ -165,14 +165,14 @@ struct StreamK {
   // Fewest k iterations a cluster's range may hold: below that the partials' traffic outweighs the gain.
   static constexpr int kMinIters = 8;
 
-  static StreamK make(int total_work, int clusters, int k_tiles, bool enabled) {
+  // max_fill_pct: a last wave keeping more than this percentage of the clusters busy stays whole, as it
+  // leaves too little idle time to pay for the partials (LaunchOptions::split_max_fill_pct).
+  static StreamK make(int total_work, int clusters, int k_tiles, bool enabled, int max_fill_pct) {
     StreamK s;
     s.dp_work = total_work;
     s.k_tiles = k_tiles;
     int rem = clusters > 0 ? total_work % clusters : 0;
-    // A last wave at least 3/4 full leaves too little idle time to pay for the partials (measured:
-    // benchmarks/results/gemm_h200.json, 4096 x 8192 x 4096 is 2% slower split).
-    if (!enabled || rem == 0 || 4 * rem > 3 * clusters || k_tiles < 2) return s;
+    if (!enabled || rem == 0 || 100 * rem > max_fill_pct * clusters || k_tiles < 2) return s;
     long long iters = (long long)rem * k_tiles;
     long long want = iters / kMinIters;
     int sk_clusters = int(want < clusters ? want : clusters);

@@ -36,7 +36,7 @@ def _rows_per_chunk(ws: workspace.AgWorkspace, rows_per_shard: int, k: int, elem
 
 @torch.library.custom_op("flux::ag_gemm", mutates_args=())
 def _ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int,
-             weight_nn: bool, return_gathered: bool, tile: int, swizzle: int, stream_k: bool, sm_count: int,
+             weight_nn: bool, return_gathered: bool, tile: int, swizzle: int, stream_k_fill: int, sm_count: int,
              mode: str, order: str, rows_per_chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     ws = workspace.lookup(handle)
     epoch = ws.next_epoch()
@@ -48,22 +48,22 @@ def _ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         out.fill_(float("nan"))
         gathered.fill_(float("nan"))
     _launch(ws, x_shard_m, weight, bias, out, gathered if return_gathered else None, epoch=epoch,
-            weight_nn=weight_nn, tile=tile, swizzle=swizzle, stream_k=stream_k, sm_count=sm_count, mode=mode,
+            weight_nn=weight_nn, tile=tile, swizzle=swizzle, stream_k_fill=stream_k_fill, sm_count=sm_count, mode=mode,
             order=order, rows_per_chunk=rows_per_chunk, run_gemm=True)
     return out, gathered
 
 
-def _launch(ws, x_shard_m, weight, bias, out, gathered, *, epoch, weight_nn, tile, swizzle, stream_k, sm_count,
+def _launch(ws, x_shard_m, weight, bias, out, gathered, *, epoch, weight_nn, tile, swizzle, stream_k_fill, sm_count,
             mode, order, rows_per_chunk, run_gemm):
     torch.ops.flux_layers.ag_gemm(
         x_shard_m, weight, bias, out, gathered, ws.data_ptrs, ws.flag_ptrs, ws.chunk_capacity, rows_per_chunk,
         ws.rank, _MODES[mode], _ORDERS[order], epoch, ws.timeout_ns, ws.error_record.data_ptr(),
-        ws.error_claim.data_ptr(), [s.cuda_stream for s in ws.comm_streams], weight_nn, tile, sm_count, swizzle, stream_k,
+        ws.error_claim.data_ptr(), [s.cuda_stream for s in ws.comm_streams], weight_nn, tile, sm_count, swizzle, stream_k_fill,
         run_gemm)
 
 
 @_ag_gemm.register_fake
-def _(x_shard_m, weight, bias, handle, weight_nn, return_gathered, tile, swizzle, stream_k, sm_count, mode, order,
+def _(x_shard_m, weight, bias, handle, weight_nn, return_gathered, tile, swizzle, stream_k_fill, sm_count, mode, order,
       rows_per_chunk):
     tp = workspace.lookup(handle).tp
     m = x_shard_m.shape[0] * tp
@@ -75,9 +75,10 @@ def _(x_shard_m, weight, bias, handle, weight_nn, return_gathered, tile, swizzle
 def ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group,
             weight_layout: str = "nt", return_gathered: bool = False,
             ws: workspace.AgWorkspace | None = None, tile: int | None = None, swizzle: int | None = None,
-            stream_k: bool | None = None, sm_count: int = 0):
+            stream_k: bool | int | None = None, sm_count: int = 0):
     """See the module docstring. ``tile``/``swizzle``: kernel configuration (None: tuning table or the measured
-    default); ``stream_k``: split a last, partial wave of tiles along K (None: FLUX_LAYERS_STREAM_K);
+    default); ``stream_k``: split a last, partial wave of tiles along K (None:
+    FLUX_LAYERS_STREAM_K; an int: the fill limit, see tuning.stream_k_fill);
     ``sm_count``: SMs the persistent GEMM may hold (0: all)."""
     _library.require()
     rows, k, n = check_matmul_args("ag_gemm", x_shard_m, weight, bias, weight_layout)
@@ -94,7 +95,7 @@ def ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                                stream_k=stream_k, sm_count=sm_count)
     rows_per_chunk = _rows_per_chunk(ws, rows, k, x_shard_m.element_size())
     out, gathered = _ag_gemm(x_shard_m, weight, bias, workspace.register(ws), weight_layout == "nn",
-                             return_gathered, kc.tile, kc.swizzle, kc.stream_k, kc.sm_count, _env.get("AG_MODE"),
+                             return_gathered, kc.tile, kc.swizzle, kc.stream_k_fill, kc.sm_count, _env.get("AG_MODE"),
                              ws.order, rows_per_chunk)
     return (out, gathered) if return_gathered else out
 
@@ -114,7 +115,7 @@ def copy_engine_all_gather(x_shard_m: torch.Tensor, *, group, ws: workspace.AgWo
     dummy_w = x_shard_m.new_empty((8, k))
     dummy_out = x_shard_m.new_empty((m, 8))
     _launch(ws, x_shard_m, dummy_w, None, dummy_out, None, epoch=epoch, weight_nn=False, tile=0, swizzle=0,
-            stream_k=False, sm_count=0, mode=_env.get("AG_MODE"), order=ws.order,
+            stream_k_fill=0, sm_count=0, mode=_env.get("AG_MODE"), order=ws.order,
             rows_per_chunk=_rows_per_chunk(ws, rows, k, x_shard_m.element_size()), run_gemm=False)
     # The op leaves our own rows in the buffer only in pull mode; the view is for timing, not for reading.
     return ws.buffer[:m]

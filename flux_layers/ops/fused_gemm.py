@@ -19,31 +19,32 @@ from flux_layers.runtime import tuning
 
 @torch.library.custom_op("flux::gemm", mutates_args=())
 def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_nn: bool, tile: int,
-          sm_count: int, swizzle: int, stream_k: bool) -> torch.Tensor:
+          sm_count: int, swizzle: int, stream_k_fill: int) -> torch.Tensor:
     n = weight.shape[1] if weight_nn else weight.shape[0]
     out = x.new_empty((x.shape[0], n))
     if _env.get("POISON_OUTPUTS") == "1":
         out.fill_(float("nan"))
-    torch.ops.flux_layers.gemm(x, weight, bias, out, weight_nn, tile, sm_count, swizzle, stream_k)
+    torch.ops.flux_layers.gemm(x, weight, bias, out, weight_nn, tile, sm_count, swizzle, stream_k_fill)
     return out
 
 
 @_gemm.register_fake
-def _(x, weight, bias, weight_nn, tile, sm_count, swizzle, stream_k):
+def _(x, weight, bias, weight_nn, tile, sm_count, swizzle, stream_k_fill):
     n = weight.shape[1] if weight_nn else weight.shape[0]
     return x.new_empty((x.shape[0], n))
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_layout: str = "nt",
          tile: int | None = None, sm_count: int = 0, swizzle: int | None = None,
-         stream_k: bool | None = None) -> torch.Tensor:
+         stream_k: bool | int | None = None) -> torch.Tensor:
     """x @ op(weight) + bias on the persistent kernel. ``tile``: configuration id and ``swizzle``: tiles along M
     visited together (None: tuning table or the measured default); ``sm_count``: limit the persistent grid
-    (0: all SMs); ``stream_k``: split a last, partial wave of tiles along K (None: FLUX_LAYERS_STREAM_K)."""
+    (0: all SMs); ``stream_k``: split a last, partial wave of tiles along K (None:
+    FLUX_LAYERS_STREAM_K; an int: the fill limit, see tuning.stream_k_fill)."""
     _library.require()
     m, k, n = check_matmul_args("gemm", x, weight, bias, weight_layout)
     check_fused_tensor("gemm", "x", x)
     check_fused_tensor("gemm", "weight", weight)
     kc = tuning.resolve_kernel("gemm", dtype=x.dtype, tp=1, mkn=(m, k, n), tile=tile, swizzle=swizzle,
                                stream_k=stream_k, sm_count=sm_count)
-    return _gemm(x, weight, bias, weight_layout == "nn", kc.tile, kc.sm_count, kc.swizzle, kc.stream_k)
+    return _gemm(x, weight, bias, weight_layout == "nn", kc.tile, kc.sm_count, kc.swizzle, kc.stream_k_fill)

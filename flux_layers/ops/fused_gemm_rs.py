@@ -25,7 +25,7 @@ from flux_layers.runtime import tuning, workspace
 
 @torch.library.custom_op("flux::gemm_rs", mutates_args=())
 def _gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int, weight_nn: bool,
-             tile: int, swizzle: int, stream_k: bool, sm_count: int, copy_engine: bool,
+             tile: int, swizzle: int, stream_k_fill: int, sm_count: int, copy_engine: bool,
              chunk_cols: int) -> torch.Tensor:
     ws = workspace.lookup(handle)
     epoch = ws.next_epoch()
@@ -36,13 +36,13 @@ def _gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, h
     torch.ops.flux_layers.gemm_rs(
         x, weight, bias, out, ws.data_ptrs, ws.slot_rows, ws.flag_ptrs, ws.flags_per_source, ws.rank, epoch,
         ws.timeout_ns, ws.error_record.data_ptr(), ws.error_claim.data_ptr(), weight_nn, tile, sm_count, swizzle,
-        stream_k, ws.stage_buffer().data_ptr() if copy_engine else 0, chunk_cols,
+        stream_k_fill, ws.stage_buffer().data_ptr() if copy_engine else 0, chunk_cols,
         [s.cuda_stream for s in ws.comm_streams])
     return out
 
 
 @_gemm_rs.register_fake
-def _(x, weight, bias, handle, weight_nn, tile, swizzle, stream_k, sm_count, copy_engine, chunk_cols):
+def _(x, weight, bias, handle, weight_nn, tile, swizzle, stream_k_fill, sm_count, copy_engine, chunk_cols):
     tp = workspace.lookup(handle).tp
     n = weight.shape[1] if weight_nn else weight.shape[0]
     return x.new_empty((x.shape[0] // tp, n))
@@ -50,10 +50,11 @@ def _(x, weight, bias, handle, weight_nn, tile, swizzle, stream_k, sm_count, cop
 
 def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group,
             weight_layout: str = "nt", ws: workspace.RsWorkspace | None = None,
-            tile: int | None = None, swizzle: int | None = None, stream_k: bool | None = None,
+            tile: int | None = None, swizzle: int | None = None, stream_k: bool | int | None = None,
             sm_count: int = 0, transport: str | None = None, chunk_cols: int | None = None) -> torch.Tensor:
     """See the module docstring. ``tile``/``swizzle``: kernel configuration (None: tuning table or the measured
-    default); ``stream_k``: split a last, partial wave of tiles along K (None: FLUX_LAYERS_STREAM_K);
+    default); ``stream_k``: split a last, partial wave of tiles along K (None:
+    FLUX_LAYERS_STREAM_K; an int: the fill limit, see tuning.stream_k_fill);
     ``sm_count``: SMs the persistent GEMM may hold (0: all); ``transport``: ``'direct'``, ``'copy_engine'`` or
     ``'auto'`` (the tuning table's choice; None: FLUX_LAYERS_RS_TRANSPORT); ``chunk_cols``: columns per
     copy-engine chunk (None: FLUX_LAYERS_RS_CHUNK_COLS; 0: 1024). Every rank must pass the same transport."""
@@ -78,4 +79,4 @@ def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     kc = tuning.resolve_kernel("gemm_rs", dtype=x.dtype, tp=tp, mkn=(m, k, n), tile=tile, swizzle=swizzle,
                                stream_k=stream_k, sm_count=sm_count)
     return _gemm_rs(x, weight, bias, workspace.register(ws), weight_layout == "nn", kc.tile, kc.swizzle,
-                    kc.stream_k, kc.sm_count, transport == "copy_engine", chunk_cols)
+                    kc.stream_k_fill, kc.sm_count, transport == "copy_engine", chunk_cols)

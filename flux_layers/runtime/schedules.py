@@ -13,6 +13,7 @@ MAX_TP = 8
 TILE_CONFIGS = {0: (256, 128), 1: (128, 256)}  # id -> (tile_m, tile_n), matches flux::TileConfig
 SPLIT_TILE_CONFIGS = (1,)  # configurations built with the stream-K tail (GemmKernel::kSplitCapable)
 CLUSTER_M = 2
+DEFAULT_STREAM_K_FILL = 75  # percent; FLUX_LAYERS_STREAM_K_MAX_FILL's default
 
 
 def ag_group_order(rank: int, tp: int, order: str) -> list[int]:
@@ -125,13 +126,14 @@ class StreamK:
     clusters: int
     k_tiles: int
     enabled: bool = True
+    max_fill_pct: int = DEFAULT_STREAM_K_FILL  # flux::LaunchOptions::split_max_fill_pct
     min_iters: int = 8  # flux::StreamK::kMinIters
 
     @functools.cached_property
     def _plan(self) -> tuple[int, int, int, int]:
         """(dp_work, sk_clusters, iters_per_cluster, sk_iters)."""
         rem = self.total_work % self.clusters if self.clusters > 0 else 0
-        if not self.enabled or rem == 0 or 4 * rem > 3 * self.clusters or self.k_tiles < 2:
+        if not self.enabled or rem == 0 or 100 * rem > self.max_fill_pct * self.clusters or self.k_tiles < 2:
             return self.total_work, 0, 0, 0
         iters = rem * self.k_tiles
         sk_clusters = min(iters // self.min_iters, self.clusters)

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from flux_layers import _env
-from flux_layers.runtime.schedules import TILE_CONFIGS
+from flux_layers.runtime.schedules import DEFAULT_STREAM_K_FILL, TILE_CONFIGS
 
 _TUNING_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                            "configs", "tuning")
@@ -97,25 +97,49 @@ def rs_transport(*, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int], requ
 
 
 class KernelChoice(NamedTuple):
-    tile: int       # flux::TileConfig id
-    swizzle: int    # tiles along M visited together
-    stream_k: bool  # split a last, partial wave along K
-    sm_count: int   # SMs the persistent grid may hold (0: all)
+    tile: int           # flux::TileConfig id
+    swizzle: int        # tiles along M visited together
+    stream_k_fill: int  # split a last wave keeping at most this % of the grid busy along K (0: never split)
+    sm_count: int       # SMs the persistent grid may hold (0: all)
+
+    @property
+    def stream_k(self) -> bool:
+        return self.stream_k_fill > 0
+
+
+def stream_k_fill(op: str, stream_k: bool | int | None) -> int:
+    """The stream-K tail setting of a call as the kernel takes it (0: off). ``stream_k``: None follows
+    FLUX_LAYERS_STREAM_K; True/False switch the tail on (at FLUX_LAYERS_STREAM_K_MAX_FILL) or off; an int 0-100
+    is the fill limit itself (0: off)."""
+    if stream_k is None:
+        stream_k = _env.get("STREAM_K") == "1"
+    if isinstance(stream_k, bool):
+        if not stream_k:
+            return 0
+        stream_k = _env.get_int("STREAM_K_MAX_FILL")
+    if not 0 <= int(stream_k) <= 100:
+        raise ValueError(f"{op}: a stream-K fill limit must lie in [0, 100] (percent of the grid; 0: off), "
+                         f"got {stream_k}")
+    return int(stream_k)
 
 
 def resolve_kernel(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int], tile: int | None = None,
-                   swizzle: int | None = None, stream_k: bool | None = None, sm_count: int = 0) -> KernelChoice:
+                   swizzle: int | None = None, stream_k: bool | int | None = None, sm_count: int = 0
+                   ) -> KernelChoice:
     """The kernel configuration of one call: what the caller asked for, else :func:`kernel_config` and
-    ``FLUX_LAYERS_STREAM_K``."""
+    ``FLUX_LAYERS_STREAM_K`` (see :func:`stream_k_fill`)."""
     if sm_count < 0:
         raise ValueError(f"{op}: sm_count must be >= 0 (0: all SMs), got {sm_count}")
     default_tile, default_swizzle = kernel_config(op, dtype=dtype, tp=tp, mkn=mkn)
     return KernelChoice(default_tile if tile is None else tile, default_swizzle if swizzle is None else swizzle,
-                        _env.get("STREAM_K") == "1" if stream_k is None else bool(stream_k), sm_count)
+                        stream_k_fill(op, stream_k), sm_count)
 
 
 def kernel_name(choice: KernelChoice) -> str:
-    """e.g. '128x256_swz16_sk' (stream-K tail) or '256x128_swz8_dp' (whole tiles), as the benchmarks name them."""
+    """e.g. '128x256_swz16_sk' (stream-K tail at the default fill limit), '128x256_swz16_sk100' (another limit)
+    or '256x128_swz8_dp' (whole tiles), as the benchmarks name them."""
     tile_m, tile_n = TILE_CONFIGS[choice.tile]
-    return f"{tile_m}x{tile_n}_swz{choice.swizzle}_{'sk' if choice.stream_k else 'dp'}"
+    fill = choice.stream_k_fill
+    mode = "dp" if fill == 0 else "sk" if fill == DEFAULT_STREAM_K_FILL else f"sk{fill}"
+    return f"{tile_m}x{tile_n}_swz{choice.swizzle}_{mode}"
 

@@ -8,11 +8,11 @@
 
 #include "../../csrc/kernels/tile_schedule.cuh"
 
-// streamk total_work clusters k_tiles: per cluster "c work k_begin k_end last_contributor" lines.
+// streamk total_work clusters k_tiles max_fill_pct: per cluster "c work k_begin k_end last_contributor" lines.
 int dump_stream_k(int argc, char** argv) {
-  if (argc < 5) return 2;
+  if (argc < 6) return 2;
   int total = std::atoi(argv[2]), clusters = std::atoi(argv[3]), k_tiles = std::atoi(argv[4]);
-  flux::StreamK sk = flux::StreamK::make(total, clusters, k_tiles, true);
+  flux::StreamK sk = flux::StreamK::make(total, clusters, k_tiles, true, std::atoi(argv[5]));
   flux::Segment s;
   for (int c = 0; c < clusters; ++c)
     for (flux::SegmentCursor cur = sk.begin(c, clusters); sk.next(cur, s);) {

@@ -11,7 +11,7 @@ import torch
 import flux_layers
 from flux_layers import _env, ops
 from flux_layers.ops.backend import choose
-from flux_layers.runtime import topology, tuning
+from flux_layers.runtime import schedules, topology, tuning
 
 
 def test_import_without_op_library():
@@ -80,9 +80,17 @@ def test_kernel_choice_defaults_overrides_and_errors(monkeypatch):
         return tuning.resolve_kernel("gemm_rs", dtype=torch.bfloat16, tp=2, mkn=(8192, 28672, 8192), **kw)
     monkeypatch.delenv("FLUX_LAYERS_STREAM_K", raising=False)
     default = choose()
-    assert default == tuning.KernelChoice(1, 16, True, 0) and tuning.kernel_name(default) == "128x256_swz16_sk"
+    assert default == tuning.KernelChoice(1, 16, 75, 0) and tuning.kernel_name(default) == "128x256_swz16_sk"
+    assert _env._DEFAULTS["STREAM_K_MAX_FILL"] == str(schedules.DEFAULT_STREAM_K_FILL)
+    assert tuning.kernel_name(choose(stream_k=100)) == "128x256_swz16_sk100"
+    monkeypatch.setenv("FLUX_LAYERS_STREAM_K_MAX_FILL", "90")
+    assert choose().stream_k_fill == 90 and choose(stream_k=False).stream_k_fill == 0
     monkeypatch.setenv("FLUX_LAYERS_STREAM_K", "0")
-    assert choose().stream_k is False and choose(stream_k=True).stream_k is True
+    assert choose().stream_k is False and choose(stream_k=True).stream_k_fill == 90
+    assert choose(stream_k=0).stream_k is False
+    for bad in (101, -5):
+        with pytest.raises(ValueError, match="fill limit"):
+            choose(stream_k=bad)
     assert tuning.kernel_name(choose(tile=0, swizzle=8, sm_count=64)) == "256x128_swz8_dp"
     assert choose(sm_count=64).sm_count == 64
     with pytest.raises(ValueError, match="sm_count"):

@@ -80,13 +80,15 @@ def test_cpp_schedule_matches_python(schedule_dump, rows, n, tp, tile, swizzle):
     assert cpp == _sched(rows, n, tp, order, tile, swizzle).tiles()
 
 
-STREAM_K_CASES = [(1024, 66, 128), (256, 66, 128), (1792, 66, 128), (128, 66, 64), (34, 66, 128), (67, 66, 8),
-                  (1000, 18, 7), (5, 66, 1000), (2, 66, 16)]  # (work items, clusters, k tiles)
+# (work items, clusters, k tiles, fill limit %)
+STREAM_K_CASES = [(1024, 66, 128, 75), (256, 66, 128, 75), (256, 66, 128, 100), (1792, 66, 128, 75),
+                  (128, 66, 64, 75), (34, 66, 128, 75), (67, 66, 8, 75), (1000, 18, 7, 75), (5, 66, 1000, 75),
+                  (2, 66, 16, 75), (65, 66, 128, 100), (65, 66, 128, 98)]
 
 
-@pytest.mark.parametrize("total,clusters,k_tiles", STREAM_K_CASES)
-def test_stream_k_covers_every_iteration_once(total, clusters, k_tiles):
-    sk = schedules.StreamK(total, clusters, k_tiles)
+@pytest.mark.parametrize("total,clusters,k_tiles,fill", STREAM_K_CASES)
+def test_stream_k_covers_every_iteration_once(total, clusters, k_tiles, fill):
+    sk = schedules.StreamK(total, clusters, k_tiles, max_fill_pct=fill)
     covered = {}
     for c in range(clusters):
         segs = sk.segments(c)
@@ -112,7 +114,9 @@ def test_stream_k_covers_every_iteration_once(total, clusters, k_tiles):
 
 def test_stream_k_stays_off_where_it_cannot_help():
     assert not schedules.StreamK(132, 66, 128).active      # whole waves
-    assert not schedules.StreamK(256, 66, 128).active      # last wave 58/66 full: little to gain
+    assert not schedules.StreamK(256, 66, 128).active      # last wave 58/66 full: above the default fill limit
+    assert schedules.StreamK(256, 66, 128, max_fill_pct=90).active
+    assert not schedules.StreamK(256, 66, 128, max_fill_pct=87).active
     assert not schedules.StreamK(100, 66, 2).active        # too few iterations to split
     assert not schedules.StreamK(100, 66, 128, enabled=False).active
     assert schedules.StreamK(1024, 66, 128).active
@@ -120,18 +124,18 @@ def test_stream_k_stays_off_where_it_cannot_help():
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the C++ schedule")
 def test_cpp_stream_k_matches_python(schedule_dump):
-    for total, clusters, k_tiles in STREAM_K_CASES:
-        out = subprocess.run([schedule_dump, "streamk", str(total), str(clusters), str(k_tiles)], check=True,
-                             capture_output=True, text=True).stdout
+    for total, clusters, k_tiles, fill in STREAM_K_CASES:
+        out = subprocess.run([schedule_dump, "streamk", str(total), str(clusters), str(k_tiles), str(fill)],
+                             check=True, capture_output=True, text=True).stdout
         cpp = [tuple(int(v) for v in line.split()) for line in out.splitlines()]
-        sk = schedules.StreamK(total, clusters, k_tiles)
+        sk = schedules.StreamK(total, clusters, k_tiles, max_fill_pct=fill)
         py = []
         for c in range(clusters):
             for work, kb, ke in sk.segments(c):
                 contrib = sk.contributors(work)
                 last = (contrib[-1] if contrib else c) if kb == 0 and ke < k_tiles else -1
                 py.append((c, work, kb, ke, last))
-        assert cpp == py, (total, clusters, k_tiles)
+        assert cpp == py, (total, clusters, k_tiles, fill)
 
 
 # (rows per group, N, tile config, swizzle, chunk columns): the layer and benchmark shapes at TP=2, ragged ones.

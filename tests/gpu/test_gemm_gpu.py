@@ -70,25 +70,28 @@ def test_bad_inputs_raise_and_later_calls_work():
     assert_close_rel(out, x.float() @ w.float().t(), torch.bfloat16, "valid call after bad ones")
 
 
-# (M, N, K, tile, SMs): the persistent grid is limited so that the split of the last wave is known here.
-STREAM_K_CASES = [(4096, 4096, 4096, 1, 44), (1000, 1048, 4096, 1, 64), (2048, 3072, 8192, 1, 132),
-                  (4104, 4104, 1032, 1, 40), (4104, 4104, 1032, 1, 36), (384, 512, 16384, 1, 64)]
+# (M, N, K, tile, SMs, fill limit %): the persistent grid is limited so that the split of the last wave is known
+# here; the last case splits a last wave 58/66 full, above the default limit.
+STREAM_K_CASES = [(4096, 4096, 4096, 1, 44, 75), (1000, 1048, 4096, 1, 64, 75), (2048, 3072, 8192, 1, 132, 75),
+                  (4104, 4104, 1032, 1, 40, 75), (4104, 4104, 1032, 1, 36, 75), (384, 512, 16384, 1, 64, 75),
+                  (4096, 4096, 8192, 1, 132, 100)]
 
 
 @pytest.mark.parametrize("layout", ["nt", "nn"])
 @pytest.mark.parametrize("case", STREAM_K_CASES)
 def test_stream_k_tail_matches_reference_and_repeats_bitwise(case, layout):
     from flux_layers.ops import fused_gemm
-    m, n, k, tile, sms = case
-    assert stream_k_active(m, n, k, 1, tile, sms) or sms >= 132, f"{case}: the stream-K tail would not run"
+    m, n, k, tile, sms, fill = case
+    assert stream_k_active(m, n, k, 1, tile, sms, max_fill_pct=fill) or sms >= 132, \
+        f"{case}: the stream-K tail would not run"
     gen = torch.Generator(device="cuda").manual_seed(m + n + k)
     x = random_matrix(m, k, torch.bfloat16, gen)
     w = random_matrix(n, k, torch.bfloat16, gen) if layout == "nt" else random_matrix(k, n, torch.bfloat16, gen)
     b = random_matrix(1, n, torch.bfloat16, gen)[0]
     ref = x.float() @ (w.float().t() if layout == "nt" else w.float()) + b.float()
-    first = fused_gemm.gemm(x, w, b, weight_layout=layout, tile=tile, sm_count=sms, stream_k=True)
+    first = fused_gemm.gemm(x, w, b, weight_layout=layout, tile=tile, sm_count=sms, stream_k=fill)
     assert_close_rel(first, ref, torch.bfloat16, f"stream-K {case} {layout}")
-    again = fused_gemm.gemm(x, w, b, weight_layout=layout, tile=tile, sm_count=sms, stream_k=True)
+    again = fused_gemm.gemm(x, w, b, weight_layout=layout, tile=tile, sm_count=sms, stream_k=fill)
     assert torch.equal(first, again), f"stream-K {case} {layout}: two runs differ bitwise"
     whole = fused_gemm.gemm(x, w, b, weight_layout=layout, tile=tile, sm_count=sms, stream_k=False)
     assert_close_rel(whole, ref, torch.bfloat16, f"whole tiles {case} {layout}")

@@ -37,6 +37,8 @@ struct LaunchOptions {
   // stream-ordered (allocated for this launch); null or too small: whole tiles only.
   void* split_workspace = nullptr;
   int64_t split_workspace_bytes = 0;
+  // The last wave is split only while it keeps at most this percentage of the clusters busy (StreamK::make).
+  int split_max_fill_pct = 75;
 };
 
 struct GemmProblem {
