@@ -18,6 +18,7 @@ from benchmarks.harness import (check_kernel_variants, env_override, operator_ma
                                 report_operator_rows, time_kernel_variants, time_ms)
 
 DEFAULT_SHAPES = "4096x8192x8192,8192x8192x28672,8192x12288x12288,2048x4096x4096,16384x4096x4096"
+AG_CHUNK_COUNTS = (1, 2, 4)  # copy-engine chunks per shard timed beside the default
 
 
 def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
@@ -77,16 +78,21 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
             print(f"torch fused_all_gather_matmul failed on {m}x{k}x{n}: {exc}", flush=True)
     t["fused"] = time_ms(lambda i: fused_ag_gemm.ag_gemm(xs[i % sets], ws_[i % sets], group=group, ws=ag_ws),
                          reps=reps, group=group)
-    # The other copy direction (pull: the copy engine reads the peer's shard) and, for the transfers alone, one
-    # copy per shard instead of chunks: what the chunking and the direction cost.
+    # The other copy direction (pull: the copy engine reads the peer's shard): what the direction costs.
     with env_override(AG_MODE="pull"):
         t["ce_ag_pull"] = time_ms(lambda i: fused_ag_gemm.copy_engine_all_gather(xs[i % sets], group=group,
                                                                                 ws=ag_ws), reps=reps, group=group)
         t["fused_pull"] = time_ms(lambda i: fused_ag_gemm.ag_gemm(xs[i % sets], ws_[i % sets], group=group,
                                                                   ws=ag_ws), reps=reps, group=group)
-    with env_override(CHUNK_ROWS=str(-(-rows // 128) * 128)):
-        t["ce_ag_one_chunk"] = time_ms(lambda i: fused_ag_gemm.copy_engine_all_gather(xs[i % sets], group=group,
-                                                                                     ws=ag_ws), reps=reps, group=group)
+    # Chunk count per shard: fewer, larger copies move the shard faster (each copy is followed by a flag write
+    # the next copy on that stream waits for); more, smaller ones let the GEMM start on a peer's rows sooner.
+    for chunks in AG_CHUNK_COUNTS:
+        with env_override(CHUNK_ROWS=str(-(-rows // (128 * chunks)) * 128)):
+            t[f"ce_ag_{chunks}chunk"] = time_ms(lambda i: fused_ag_gemm.copy_engine_all_gather(
+                xs[i % sets], group=group, ws=ag_ws), reps=reps, group=group)
+            t[f"fused_{chunks}chunk"] = time_ms(lambda i: fused_ag_gemm.ag_gemm(xs[i % sets], ws_[i % sets],
+                                                                                group=group, ws=ag_ws),
+                                                reps=reps, group=group)
     t.update(time_kernel_variants(lambda i, **cfg: fused_ag_gemm.ag_gemm(xs[i % sets], ws_[i % sets], group=group,
                                                                         ws=ag_ws, **cfg), reps=reps, group=group))
     ag_ws.check()
@@ -120,7 +126,8 @@ def run(rank, tp, args):
                            ("ce_ag", "ce_ag", ".3f"), ("nccl_ag", "nccl_ag", ".3f"), ("nccl_then_gemm", "seq", ".3f"),
                            ("torch_symm_mem_fused", "torch", ".3f"), ("fused", "fused", ".3f"),
                            ("fused_pull", "pull", ".3f"), ("ce_ag_pull", "ce_pull", ".3f"),
-                           ("ce_ag_one_chunk", "ce_1chunk", ".3f"),
+                           ("ce_ag_1chunk", "ce_1ch", ".3f"), ("ce_ag_2chunk", "ce_2ch", ".3f"),
+                           ("fused_1chunk", "f_1ch", ".3f"), ("fused_2chunk", "f_2ch", ".3f"),
                            ("fused_over_bound", "fused/bound", ".3f"), ("seq_over_fused", "seq/fused", ".3f"),
                            ("overlap_efficiency", "E", ".2f"), ("ce_over_p2p", "ce/p2p", ".2f"),
                            ("dispatch_auto", "auto", "")], args.out)
