@@ -27,7 +27,7 @@ _ORDERS = {"mesh": 0, "ring": 1}
 
 def _rows_per_chunk(ws: workspace.AgWorkspace, rows_per_shard: int, k: int, elem: int) -> int:
     forced = _env.get_int("CHUNK_ROWS")
-    rows = forced if forced > 0 else schedules.default_rows_per_chunk(rows_per_shard, k * elem)
+    rows = forced if forced > 0 else schedules.default_rows_per_chunk(rows_per_shard, k * elem, ws.tp)
     # The workspace holds chunk_capacity flags per shard: coarsen the chunks if a forced size needs more.
     while schedules.chunk_count(rows_per_shard, rows) > ws.chunk_capacity:
         rows *= 2

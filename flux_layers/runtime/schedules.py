@@ -174,12 +174,19 @@ class StreamK:
         return list(range(first_iter // q + 1, last_iter // q + 1))
 
 
-def default_rows_per_chunk(rows_per_shard: int, row_bytes: int, target_bytes: int = 16 << 20,
+def default_rows_per_chunk(rows_per_shard: int, row_bytes: int, tp: int, target_bytes: int = 16 << 20,
                            max_chunks: int = 8, align: int = 128) -> int:
-    """Copy-engine chunk size: ~target_bytes per copy (each copy is a host-issued command, the copy engines
-    are few, and a flag write follows each), at most max_chunks per shard, aligned to the GEMM tile height."""
+    """Copy-engine chunk size, aligned to the GEMM tile height.
+
+    TP=2: one copy per shard. The GEMM's own shard (half the work) outlasts the peer's transfer on every
+    measured shape, so chunks only add a flag write and a stream wait per copy: one chunk made the fused op as
+    fast or faster on all five benchmark shapes and the all-gather alone 2-6% faster (benchmarks/results/
+    history/48e602f, fused_1chunk and ce_ag_1chunk). Larger TP: ~target_bytes per copy, at most max_chunks
+    per shard, so that a peer's first rows arrive while the own shard (1/tp of the work) is computed."""
     if rows_per_shard <= 0:
         return align
+    if tp <= 2:
+        return -(-rows_per_shard // align) * align
     chunks = min(max_chunks, max(1, -(-rows_per_shard * row_bytes // target_bytes)))
     rows = -(-rows_per_shard // chunks)
     return -(-rows // align) * align

@@ -62,9 +62,12 @@ def test_all_gather_orders_follow_arrival():
 
 
 def test_chunk_heuristic():
-    rows = schedules.default_rows_per_chunk(4096, 8192 * 2)
-    assert rows % 128 == 0 and schedules.chunk_count(4096, rows) <= 8
-    assert schedules.default_rows_per_chunk(8, 64) == 128
+    for tp in (4, 8):
+        rows = schedules.default_rows_per_chunk(4096, 8192 * 2, tp)
+        assert rows % 128 == 0 and 1 < schedules.chunk_count(4096, rows) <= 8
+    assert schedules.default_rows_per_chunk(8, 64, 4) == 128
+    # TP=2: one copy per shard, rounded up to whole tiles
+    assert [schedules.default_rows_per_chunk(r, 8192 * 2, 2) for r in (4096, 1000, 8)] == [4096, 1024, 128]
     assert schedules.chunk_count(1000, 128) == 8
 
 
