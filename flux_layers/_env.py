@@ -16,7 +16,7 @@ launchers can set them per process.
 | FLUX_LAYERS_TUNING | path of a tuning table (JSON) to use instead of configs/tuning | (packaged) |
 | FLUX_LAYERS_DISPATCH | ``table`` (per-shape fused/sequential choice) or ``always`` (fused whenever supported) | table |
 | FLUX_LAYERS_STREAM_K | ``1``: the persistent GEMMs split the items of a last, partial wave along K (stream-K tail); ``0``: whole tiles only | 1 |
-| FLUX_LAYERS_STREAM_K_MAX_FILL | the stream-K tail splits a last wave only while it keeps at most this percentage of the persistent grid busy (1-100) | 75 |
+| FLUX_LAYERS_STREAM_K_MAX_FILL | the stream-K tail splits a last wave only while it keeps at most this percentage of the persistent grid busy (0-100; 0: never) | 75 |
 | FLUX_LAYERS_POISON_OUTPUTS | ``1``: fused ops fill their outputs with NaN before launching (tests: proves every element is written) | 0 |
 """
 from __future__ import annotations
