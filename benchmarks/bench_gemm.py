@@ -52,31 +52,30 @@ def bench_shape(m, k, n, layout, dtype, reps, rounds, sets=2):
     flop = 2.0 * m * n * k
     # Every variant is timed in each of `rounds` rounds, the order rotated per round, so drift (clocks, power)
     # hits all of them alike; each figure is the median over all rounds' samples.
+    configs = {f"{name}_swz{swizzle}_{sk_name}": (tile, swizzle, fill)  # '128x256_c2_swz16_sk' -> its settings
+               for tile, name in TILE_NAMES.items() for swizzle in SWIZZLES
+               for sk_name, fill in _stream_k_modes(tile).items()}
     variants = {"cublas": cublas}
-    for tile, name in TILE_NAMES.items():
-        for swizzle in SWIZZLES:
-            for sk_name, sk in _stream_k_modes(tile).items():
-                variants[(tile, swizzle, sk)] = (lambda i, tile=tile, swizzle=swizzle, sk=sk: fused_gemm.gemm(
-                    xs[i % sets], ws[i % sets], weight_layout=layout, tile=tile, swizzle=swizzle, stream_k=sk))
+    for key, (tile, swizzle, fill) in configs.items():
+        variants[key] = (lambda i, tile=tile, swizzle=swizzle, fill=fill: fused_gemm.gemm(
+            xs[i % sets], ws[i % sets], weight_layout=layout, tile=tile, swizzle=swizzle, stream_k=fill))
     samples = time_interleaved(variants, reps=reps, rounds=rounds)
-    timed = {key: median(s) for key, s in samples.items() if key != "cublas"}
-    best = None
-    for (tile, swizzle, sk), tv in timed.items():
-        key = f"{TILE_NAMES[tile]}_swz{swizzle}_{next(k for k, v in STREAM_K.items() if v == sk)}"
+    timed = {key: median(samples[key]) for key in configs}
+    for key, tv in timed.items():
         row[f"flux_{key}_ms"] = tv
         row[f"flux_{key}_tflops"] = flop / tv / 1e9
-        if best is None or tv < best[1]:
-            best = (key, tv)
     t = median(samples["cublas"])
     row["cublas_ms"], row["cublas_tflops"] = t, flop / t / 1e9
     row["cublas_kernels"] = cuda_kernels_of(lambda: cublas(0))
-    row["flux_best"] = best[0]
-    row["flux_best_tflops"] = flop / best[1] / 1e9
-    row["flux_over_cublas"] = row["cublas_ms"] / best[1]
+    best = min(timed, key=timed.get)
+    row["flux_best"] = best
+    row["flux_best_tflops"] = flop / timed[best] / 1e9
+    row["flux_over_cublas"] = row["cublas_ms"] / timed[best]
     from flux_layers.runtime import tuning
     default = tuning.resolve_kernel("gemm", dtype=dtype, tp=1, mkn=(m, k, n))
-    d_key = (default.tile, default.swizzle, default.stream_k_fill)
-    if d_key in timed:
+    d_key = next((key for key, cfg in configs.items()
+                  if cfg == (default.tile, default.swizzle, default.stream_k_fill)), None)
+    if d_key is not None:
         row["flux_default"] = tuning.kernel_name(default)
         row["flux_default_over_cublas"] = row["cublas_ms"] / timed[d_key]
     row["implementation"] = "flux_layers._C gemm (persistent sm90, CUTLASS collective mainloop) vs torch.matmul"

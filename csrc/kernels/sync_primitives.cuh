@@ -100,8 +100,8 @@ __device__ __forceinline__ bool wait_flag(const uint32_t* flag, uint32_t epoch, 
 __device__ __forceinline__ void wait_grid_flag(const uint32_t* flag, const GemmProblem& p, int index) {
   uint64_t const limit_ns = p.timeout_ns > 0 ? p.timeout_ns : uint64_t(20) * 1000000000ull;
   bool ok = bounded_wait(
-      flag, [](const uint32_t* f) { return ld_acquire<Scope::kGpu>(f); }, [](uint32_t v) { return v != 0; }, limit_ns, p,
-      kSplitTimeout, index);
+      flag, [](const uint32_t* f) { return ld_acquire<Scope::kGpu>(f); }, [](uint32_t v) { return v != 0; },
+      limit_ns, p, kSplitTimeout, index);
   if (!ok && p.error_record == nullptr) __trap();
 }
 

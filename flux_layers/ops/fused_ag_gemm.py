@@ -58,8 +58,8 @@ def _launch(ws, x_shard_m, weight, bias, out, gathered, *, epoch, weight_nn, til
     torch.ops.flux_layers.ag_gemm(
         x_shard_m, weight, bias, out, gathered, ws.data_ptrs, ws.flag_ptrs, ws.chunk_capacity, rows_per_chunk,
         ws.rank, _MODES[mode], _ORDERS[order], epoch, ws.timeout_ns, ws.error_record.data_ptr(),
-        ws.error_claim.data_ptr(), [s.cuda_stream for s in ws.comm_streams], weight_nn, tile, sm_count, swizzle, stream_k_fill,
-        run_gemm)
+        ws.error_claim.data_ptr(), [s.cuda_stream for s in ws.comm_streams], weight_nn, tile, sm_count, swizzle,
+        stream_k_fill, run_gemm)
 
 
 @_ag_gemm.register_fake

@@ -181,8 +181,9 @@ def default_rows_per_chunk(rows_per_shard: int, row_bytes: int, tp: int, target_
     TP=2: one copy per shard. The GEMM's own shard (half the work) outlasts the peer's transfer on every
     measured shape, so chunks only add a flag write and a stream wait per copy: one chunk made the fused op as
     fast or faster on the four larger benchmark shapes (the fifth already moved one) and the all-gather alone
-    2-7% faster (benchmarks/results/history/48e602f, fused_1chunk and ce_ag_1chunk). Larger TP: ~target_bytes per copy, at most max_chunks
-    per shard, so that a peer's first rows arrive while the own shard (1/tp of the work) is computed."""
+    2-7% faster (benchmarks/results/history/48e602f, fused_1chunk and ce_ag_1chunk). Larger TP: ~target_bytes
+    per copy, at most max_chunks per shard, so that a peer's first rows arrive while the own shard (1/tp of the
+    work) is computed."""
     if rows_per_shard <= 0:
         return align
     if tp <= 2:
