@@ -17,6 +17,7 @@ launchers can set them per process.
 | FLUX_LAYERS_DISPATCH | ``table`` (per-shape fused/sequential choice) or ``always`` (fused whenever supported) | table |
 | FLUX_LAYERS_STREAM_K | ``1``: the persistent GEMMs split the items of a last, partial wave along K (stream-K tail); ``0``: whole tiles only | 1 |
 | FLUX_LAYERS_STREAM_K_MAX_FILL | the stream-K tail splits a last wave only while it keeps at most this percentage of the persistent grid busy (0-100; 0: never) | 75 |
+| FLUX_LAYERS_CUDA_GRAPHS | ``1``: every fused-op workspace is created with a CUDA-graph twin, so calls can be captured (flux_layers/runtime/workspace.py) | 0 |
 | FLUX_LAYERS_POISON_OUTPUTS | ``1``: fused ops fill their outputs with NaN before launching (tests: proves every element is written) | 0 |
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ _DEFAULTS = {
     "TUNING": "",
     "DISPATCH": "table",
     "POISON_OUTPUTS": "0",
+    "CUDA_GRAPHS": "0",
     "STREAM_K": "1",
     "STREAM_K_MAX_FILL": "75",
 }
@@ -48,6 +50,7 @@ _CHOICES = {
     "RS_TRANSPORT": ("auto", "direct", "copy_engine"),
     "DISPATCH": ("table", "always"),
     "POISON_OUTPUTS": ("0", "1"),
+    "CUDA_GRAPHS": ("0", "1"),
     "STREAM_K": ("0", "1"),
 }
 

@@ -3,7 +3,7 @@
 #
 #   scripts/gpu_check.sh OUTDIR [STEP ...]
 #
-# Steps (default: all, in this order): env gemm_test ag_test rs_test layers_test gemm_bench ag_bench rs_bench
+# Steps (default: all, in this order): env gemm_test ag_test rs_test graph_test layers_test gemm_bench ag_bench rs_bench
 # layer_bench layer_bench_conn1. Also: split_tests (only the stream-K tail's GPU tests), layer_profile
 # (benchmarks/profile_layer.py), stock_bench (benchmarks/bench_cutlass_stock.py). Each step runs under its own
 # time limit; a failing step does not stop the others. Logs and JSON go to a work folder, packed at the end into
@@ -14,7 +14,7 @@
 set -u
 OUTDIR=${1:?usage: scripts/gpu_check.sh OUTDIR [STEP ...]}
 shift
-STEPS=${*:-env gemm_test ag_test rs_test layers_test gemm_bench ag_bench rs_bench layer_bench layer_bench_conn1}
+STEPS=${*:-env gemm_test ag_test rs_test graph_test layers_test gemm_bench ag_bench rs_bench layer_bench layer_bench_conn1}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WORK=$(mktemp -d)
 mkdir -p "$OUTDIR" "$WORK/results"
@@ -73,6 +73,8 @@ flux_layers._library.path(), flux_layers._library.unavailable_reason())'" ;;
     gemm_test) step gemm_test 240 $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_gemm_gpu.py ;;
     ag_test) step ag_test 300 $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_ag_gemm_gpu.py ;;
     rs_test) step rs_test 300 $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_gemm_rs_gpu.py ;;
+    graph_test) step graph_test 300 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_graph_ops_gpu.py \
+      tests/gpu/test_layers_gpu.py -k graph ;;
     split_tests) step split_tests 300 $PY -m pytest -q -x -p no:cacheprovider tests/gpu -k stream_k ;;
     layers_test) step layers_test 300 $PY -m pytest -q -p no:cacheprovider tests/gpu -k "layer or spec or norm" ;;
     gemm_bench) step gemm_bench 300 $PY -m benchmarks.bench_gemm --out "$WORK/results/gemm_h200.json" ;;

@@ -150,7 +150,7 @@ void ag_gemm(const Tensor& x_shard_m, const Tensor& w, const std::optional<Tenso
              int64_t chunk_capacity, int64_t rows_per_chunk, int64_t rank, int64_t mode, int64_t order,
              int64_t epoch, int64_t timeout_ns, int64_t error_record_ptr, int64_t error_claim_ptr,
              std::vector<int64_t> comm_streams, bool weight_nn, int64_t tile, int64_t sm_count, int64_t swizzle,
-             int64_t stream_k_fill, bool run_gemm) {
+             int64_t stream_k_fill, bool run_gemm, bool graph_protocol) {
   auto s = check_operands(x_shard_m, w, bias, weight_nn);
   int64_t tp = int64_t(buffer_ptrs.size());
   TORCH_CHECK_VALUE(tp >= 2 && tp <= flux::kMaxGroups, "group size ", tp, " outside [2, ", flux::kMaxGroups, "]");
@@ -183,6 +183,7 @@ void ag_gemm(const Tensor& x_shard_m, const Tensor& w, const std::optional<Tenso
   a.rows_per_chunk = int(rows_per_chunk);
   a.mode = static_cast<flux::AgMode>(mode);
   a.order = static_cast<flux::AgOrder>(order);
+  a.protocol = graph_protocol ? flux::FlagProtocol::kCudaGraph : flux::FlagProtocol::kEpoch;
   a.epoch = uint32_t(epoch);
   a.timeout_ns = uint64_t(timeout_ns);
   a.error_record = reinterpret_cast<int*>(error_record_ptr);
@@ -200,7 +201,8 @@ void gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias
              std::vector<int64_t> recv_ptrs, int64_t slot_rows, std::vector<int64_t> flag_ptrs,
              int64_t flags_per_source, int64_t rank, int64_t epoch, int64_t timeout_ns, int64_t error_record_ptr,
              int64_t error_claim_ptr, bool weight_nn, int64_t tile, int64_t sm_count, int64_t swizzle,
-             int64_t stream_k_fill, int64_t stage_ptr, int64_t chunk_cols, std::vector<int64_t> comm_streams) {
+             int64_t stream_k_fill, int64_t stage_ptr, int64_t chunk_cols, std::vector<int64_t> comm_streams,
+             bool graph_protocol) {
   auto s = check_operands(x, w, bias, weight_nn);
   int64_t tp = int64_t(recv_ptrs.size());
   TORCH_CHECK_VALUE(tp >= 2 && tp <= flux::kMaxGroups, "group size ", tp, " outside [2, ", flux::kMaxGroups, "]");
@@ -226,6 +228,7 @@ void gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias
   a.slot_rows = slot_rows;
   copy_ptrs(flag_ptrs, a.flags, tp, "flag_ptrs");
   a.flags_per_source = int(flags_per_source);
+  a.protocol = graph_protocol ? flux::FlagProtocol::kCudaGraph : flux::FlagProtocol::kEpoch;
   a.epoch = uint32_t(epoch);
   a.timeout_ns = uint64_t(timeout_ns);
   a.error_record = reinterpret_cast<int*>(error_record_ptr);
@@ -254,12 +257,12 @@ TORCH_LIBRARY(flux_layers, m) {
       "ag_gemm(Tensor x_shard_m, Tensor weight, Tensor? bias, Tensor(a!) out, Tensor(b!)? gathered_out, "
       "int[] buffer_ptrs, int[] flag_ptrs, int chunk_capacity, int rows_per_chunk, int rank, int mode, int order, "
       "int epoch, int timeout_ns, int error_record_ptr, int error_claim_ptr, int[] comm_streams, bool weight_nn, "
-      "int tile, int sm_count, int swizzle, int stream_k_fill, bool run_gemm) -> ()");
+      "int tile, int sm_count, int swizzle, int stream_k_fill, bool run_gemm, bool graph_protocol) -> ()");
   m.def(
       "gemm_rs(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, int[] recv_ptrs, int slot_rows, "
       "int[] flag_ptrs, int flags_per_source, int rank, int epoch, int timeout_ns, int error_record_ptr, "
       "int error_claim_ptr, bool weight_nn, int tile, int sm_count, int swizzle, int stream_k_fill, int stage_ptr, "
-      "int chunk_cols, int[] comm_streams) -> ()");
+      "int chunk_cols, int[] comm_streams, bool graph_protocol) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flux_layers, CUDA, m) {

@@ -363,7 +363,7 @@ struct GemmKernel {
     bool const direct = p.rs_stage_counters == nullptr;  // else the copy engine waits for the slot's release
 
     if (mma_thread_idx == 0) {
-      if (to_peer && direct && !(consumed_seen & (1u << t.group))) {
+      if (to_peer && direct && p.rs_consumed != nullptr && !(consumed_seen & (1u << t.group))) {
         // The peer must have finished reading its receive slots of the previous call before we overwrite.
         wait_flag(p.rs_consumed + t.group, p.epoch - 1, p, kConsumedTimeout, t.group);
         consumed_seen |= 1u << t.group;

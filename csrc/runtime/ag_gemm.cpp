@@ -1,8 +1,8 @@
 // AllGather + GEMM: copy-engine transfers driven from the host, per-chunk epoch flags, and the persistent
 // GEMM that waits on exactly the chunk its A tile reads (csrc/kernels/gemm_sm90.cuh).
 //
-// One call, rank r, epoch e (flags: AgFlagLayout). Every wait here is on this rank's own memory; writes may
-// go to a peer (P2P-mapped symmetric memory).
+// One call, rank r, epoch e (flags: AgFlagLayout; under the CUDA-graph protocol e = 1, see FlagProtocol).
+// Every wait here is on this rank's own memory; writes may go to a peer (P2P-mapped symmetric memory).
 //   push (default): comm[0] waits done[p] >= e-1 for all p (every peer's previous GEMM stopped reading its
 //                   buffer); then per peer, per chunk: copy our shard into the peer's buffer (copy engine),
 //                   chunk[r][c] = e at the peer. Ring: send ours right, forward r-1, r-2, ... as they arrive.
@@ -11,6 +11,8 @@
 //                   streams wait avail[p][c], copy from p (mesh) or the left neighbour (ring), chunk[p][c] = e.
 //   compute       : the persistent GEMM (own shard at once; peers' tiles wait on chunk flags), then joins the
 //                   comm streams and writes done[r] = e at every peer.
+// CUDA-graph protocol: done[p] is waited for >= 1 and cleared at once; chunk and avail are cleared after the
+// join, before done is written (a peer sets them again only after it saw that write).
 #include <algorithm>
 
 #include "event_pool.h"
@@ -48,6 +50,29 @@ struct AgPlan {
       FLUX_CUDA_CHECK(cudaMemcpy2DAsync(dst, row_bytes, src, src_pitch, row_bytes, rows, cudaMemcpyDefault, s));
     }
   }
+  bool graph() const { return a.protocol == FlagProtocol::kCudaGraph; }
+
+  // Start of a call on stream s: every peer finished its previous call (stopped reading its buffer, which we
+  // are about to write, and writing ours).
+  void wait_peers_done(cudaStream_t s) const {
+    for (int q = 0; q < a.tp; ++q) {
+      if (q == a.rank) continue;
+      if (graph()) {
+        stream_wait_u32_geq(s, my(flags.done(q)), 1);
+        stream_write_u32(s, my(flags.done(q)), 0);
+      } else if (a.epoch > 1) {
+        stream_wait_u32_geq(s, my(flags.done(q)), a.epoch - 1);
+      }
+    }
+  }
+
+  // End of a call on stream s, after everything that reads our flags: release the peers' next call.
+  void signal_done(cudaStream_t s) const {
+    if (graph()) FLUX_CUDA_CHECK(cudaMemsetAsync(my(0), 0, size_t(flags.data_words()) * 4, s));
+    for (int q = 0; q < a.tp; ++q)
+      if (q != a.rank) stream_write_u32(s, flag(q, flags.done(a.rank)), a.epoch);
+  }
+
   const char* x_rows(int row) const {
     return static_cast<const char*>(a.x) + size_t(row) * a.ldx * (row_bytes / a.k);
   }
@@ -161,6 +186,8 @@ void ag_gemm(const AgGemmArgs& a) {
   FLUX_CHECK(a.num_comm >= 1, "at least one communication stream is needed");
   FLUX_CHECK(a.rows_per_chunk > 0, "rows_per_chunk must be positive, got ", a.rows_per_chunk);
   FLUX_CHECK(a.epoch > 0, "epochs start at 1");
+  FLUX_CHECK(a.protocol == FlagProtocol::kEpoch || a.epoch == 1, "the CUDA-graph flag protocol sets flags to 1, got ",
+             a.epoch);
   if (a.rows_per_group == 0) return;
   AgPlan p{a, AgFlagLayout{a.tp, a.chunk_capacity}, (a.rows_per_group + a.rows_per_chunk - 1) / a.rows_per_chunk,
            size_t(a.k) * 2};
@@ -175,10 +202,7 @@ void ag_gemm(const AgGemmArgs& a) {
     // Pull: our shard must sit in our symmetric buffer before anyone pulls it. The staging copy is
     // same-device, which the driver may run on SMs; it therefore goes on the compute stream before the
     // persistent GEMM (which holds every SM until its chunks arrive). Write x into input_buffer() to skip it.
-    if (a.epoch > 1) {
-      for (int q = 0; q < a.tp; ++q)
-        if (q != a.rank) stream_wait_u32_geq(a.compute, p.my(p.flags.done(q)), a.epoch - 1);
-    }
+    p.wait_peers_done(a.compute);
     stage_own(p, x_in_buffer, a.compute);
     FLUX_CUDA_CHECK(cudaEventRecord(ready, a.compute));
     for (int i = 0; i < a.num_comm; ++i) FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.comm[i], ready, 0));
@@ -186,10 +210,7 @@ void ag_gemm(const AgGemmArgs& a) {
     // Push: peer-to-peer copies only (copy engines); the GEMM does not wait for the previous call's peers.
     FLUX_CUDA_CHECK(cudaEventRecord(ev[0], a.compute));
     FLUX_CUDA_CHECK(cudaStreamWaitEvent(s0, ev[0], 0));
-    if (a.epoch > 1) {
-      for (int q = 0; q < a.tp; ++q)
-        if (q != a.rank) stream_wait_u32_geq(s0, p.my(p.flags.done(q)), a.epoch - 1);
-    }
+    p.wait_peers_done(s0);
     FLUX_CUDA_CHECK(cudaEventRecord(ready, s0));
     for (int i = 1; i < a.num_comm; ++i) FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.comm[i], ready, 0));
   }
@@ -236,8 +257,7 @@ void ag_gemm(const AgGemmArgs& a) {
   if (a.gathered_out != nullptr) copy_out_gathered(p, a.mode == AgMode::kPull);
   FLUX_CUDA_CHECK(cudaEventRecord(ev[2], s0));
   FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.compute, ev[2], 0));
-  for (int q = 0; q < a.tp; ++q)
-    if (q != a.rank) stream_write_u32(a.compute, p.flag(q, p.flags.done(a.rank)), a.epoch);
+  p.signal_done(a.compute);
 }
 
 }  // namespace flux

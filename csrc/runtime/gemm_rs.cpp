@@ -11,6 +11,9 @@
 //                     it. The SMs never wait on NVLink.
 //
 // After the kernel, consumed[r] = e is written at every peer: our receive slots are free again.
+// CUDA-graph protocol (FlagProtocol, e = 1): consumed[d] is waited for on a stream and cleared at once (for
+// direct stores on the compute stream before the kernel, which then skips its own wait); our tile flags are
+// cleared after the kernel, before consumed is written (a peer sets them again only after it saw that write).
 // Flag words of one rank: flag[src][flags_per_source] (set for us by src), consumed[tp] (set by each peer),
 // count[dst][flags_per_source] (our tiles of dst's rows per chunk; copy-engine transport, cleared per call).
 #include <cuda_runtime.h>  // before tile_schedule.cuh: defines __host__ / __device__ for the host compiler
@@ -34,6 +37,8 @@ void gemm_rs(const GemmRsArgs& a) {
   FLUX_CHECK(a.rows_per_group <= a.slot_rows, "M / tp = ", a.rows_per_group, " exceeds the workspace slot of ",
              a.slot_rows, " rows");
   FLUX_CHECK(a.epoch > 0, "epochs start at 1");
+  bool const graph = a.protocol == FlagProtocol::kCudaGraph;
+  FLUX_CHECK(!graph || a.epoch == 1, "the CUDA-graph flag protocol sets flags to 1, got ", a.epoch);
   bool const copy_engine = a.stage != nullptr;
   FLUX_CHECK(!copy_engine || a.num_comm >= 1, "the copy-engine transport needs a communication stream");
   if (a.rows_per_group == 0) return;
@@ -43,6 +48,15 @@ void gemm_rs(const GemmRsArgs& a) {
   const int64_t fps = a.flags_per_source;
   auto consumed = [&](int q) { return a.flags[q] + int64_t(a.tp) * fps; };
   uint32_t* const counts = a.flags[r] + int64_t(a.tp) * fps + a.tp;
+  // Stream-side wait for peer d to have finished reading its receive slots (its previous call).
+  auto wait_consumed = [&](cudaStream_t s, int d) {
+    if (graph) {
+      stream_wait_u32_geq(s, consumed(r) + d, 1);
+      stream_write_u32(s, consumed(r) + d, 0);
+    } else if (a.epoch > 1) {
+      stream_wait_u32_geq(s, consumed(r) + d, a.epoch - 1);
+    }
+  };
 
   GemmProblem g;
   g.rows_per_group = a.rows_per_group;
@@ -74,7 +88,7 @@ void gemm_rs(const GemmRsArgs& a) {
   }
   g.rs_num_partials = i;
   for (int d = 0; d < a.tp; ++d) g.rs_signal[d] = a.flags[d] + int64_t(r) * fps;
-  g.rs_consumed = consumed(r);
+  g.rs_consumed = graph ? nullptr : consumed(r);
   g.rs_flags_per_source = a.flags_per_source;
   g.epoch = a.epoch;
   g.timeout_ns = a.timeout_ns;
@@ -96,6 +110,9 @@ void gemm_rs(const GemmRsArgs& a) {
     // The previous call's copies of the staging area finished before its end (joined below).
     FLUX_CUDA_CHECK(cudaMemsetAsync(counts, 0, size_t(a.tp) * fps * 4, a.compute));
     FLUX_CUDA_CHECK(cudaEventRecord(ev[0], a.compute));
+  } else if (graph) {
+    for (int d = 0; d < a.tp; ++d)
+      if (d != r) wait_consumed(a.compute, d);
   }
   // The kernel goes first: its counts are what the copy streams wait on, and with a single hardware queue
   // (CUDA_DEVICE_MAX_CONNECTIONS=1) a wait queued ahead of it would never be released.
@@ -107,7 +124,7 @@ void gemm_rs(const GemmRsArgs& a) {
       int const d = g.group_order[step];
       cudaStream_t s = a.comm[step % a.num_comm];
       FLUX_CUDA_CHECK(cudaStreamWaitEvent(s, ev[0], 0));
-      if (a.epoch > 1) stream_wait_u32_geq(s, consumed(r) + d, a.epoch - 1);  // d finished reading its slots
+      wait_consumed(s, d);
       for (int cm = 0; cm < grid.chunks_m; ++cm) {
         int const row0 = cm * grid.chunk_tiles_m * grid.tile_m;
         int const rows = std::min(a.rows_per_group, row0 + grid.chunk_tiles_m * grid.tile_m) - row0;
@@ -131,6 +148,7 @@ void gemm_rs(const GemmRsArgs& a) {
     }
   }
 
+  if (graph) FLUX_CUDA_CHECK(cudaMemsetAsync(a.flags[r], 0, size_t(a.tp) * fps * 4, a.compute));
   for (int q = 0; q < a.tp; ++q)
     if (q != r) stream_write_u32(a.compute, consumed(q) + r, a.epoch);
 }

@@ -80,6 +80,11 @@ def _check_config(layer: str, config) -> None:
         raise ValueError(f"{layer}: config.cpu_offloading=True is not supported")
 
 
+def cuda_graphs_requested(config) -> bool:
+    """Whether megatron's config asks for CUDA graphs (``cuda_graph_impl``, or the older ``enable_cuda_graph``)."""
+    return bool(getattr(config, "enable_cuda_graph", False)) or getattr(config, "cuda_graph_impl", "none") != "none"
+
+
 def _device(config) -> torch.device:
     return torch.device("cpu") if config.use_cpu_initialization else torch.device("cuda",
                                                                                  torch.cuda.current_device())
@@ -124,6 +129,10 @@ class _ParallelLinear(torch.nn.Module):
             raise TypeError(f"overlap must be a flux_layers.OverlapConfig or None, got {type(overlap).__name__}")
         self.overlap = overlap if overlap is not None else OverlapConfig.from_megatron(config, tp_comm_buffer_name)
         self.last_paths: dict[str, Choice] = {}
+        if cuda_graphs_requested(config):
+            # The fused ops' workspaces need their CUDA-graph twins, created with them before any capture.
+            from flux_layers.runtime import workspace
+            workspace.enable_cuda_graphs()
         # Megatron: a default empty _extra_state so that checkpoints from TE layers load.
         self._register_load_state_dict_pre_hook(
             lambda state_dict, prefix, *args, **kwargs: state_dict.setdefault(f"{prefix}_extra_state"))

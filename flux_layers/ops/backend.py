@@ -53,10 +53,13 @@ def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int,
     if group is not None and _group_backend(group) not in ("nccl", "none"):
         blockers.append(f"process group backend is {_group_backend(group)!r}, the fused path needs NCCL")
     if op != "gemm" and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        # The epoch that orders back-to-back calls is counted on the host, so a captured call would replay
-        # with a stale epoch; graphs take the NCCL path (which captures).
-        blockers.append("the stream is being captured into a CUDA graph, which the fused operators' host-side "
-                        "epoch flags do not support")
+        from flux_layers.runtime import workspace
+        if not workspace.cuda_graphs_enabled():
+            # Captured calls need the workspaces' CUDA-graph twins, which are created (collectively) with the
+            # workspaces, before the capture.
+            blockers.append("the stream is being captured into a CUDA graph and CUDA graphs were not enabled "
+                            "before the warm-up (FLUX_LAYERS_CUDA_GRAPHS=1 or "
+                            "flux_layers.runtime.workspace.enable_cuda_graphs())")
 
     if requested == "fused":
         if blockers:

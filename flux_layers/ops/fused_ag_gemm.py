@@ -7,8 +7,8 @@
 | out | [M, N] | all_gather(x) @ op(weight) + bias |
 | gathered (optional) | [M, K] | the gathered input, copied out under the GEMM's tail |
 
-The copy engines move the peers' shards in chunks (csrc/runtime/ag_gemm.cpp), each chunk followed by an epoch
-flag; the persistent GEMM starts on its own shard at once and, per tile, waits on the flag of the chunk its A
+The copy engines move the peers' shards in chunks (csrc/runtime/ag_gemm.cpp), each chunk followed by a flag
+(epoch-valued; under CUDA-graph capture the workspace's twin with the graph protocol, runtime/workspace.py); the persistent GEMM starts on its own shard at once and, per tile, waits on the flag of the chunk its A
 tile reads. Direction (pull/push) from FLUX_LAYERS_AG_MODE, order (mesh/ring) from the topology or
 FLUX_LAYERS_AG_ORDER, chunk rows from FLUX_LAYERS_CHUNK_ROWS or schedules.default_rows_per_chunk.
 """
@@ -59,7 +59,7 @@ def _launch(ws, x_shard_m, weight, bias, out, gathered, *, epoch, weight_nn, til
         x_shard_m, weight, bias, out, gathered, ws.data_ptrs, ws.flag_ptrs, ws.chunk_capacity, rows_per_chunk,
         ws.rank, _MODES[mode], _ORDERS[order], epoch, ws.timeout_ns, ws.error_record.data_ptr(),
         ws.error_claim.data_ptr(), [s.cuda_stream for s in ws.comm_streams], weight_nn, tile, sm_count, swizzle,
-        stream_k_fill, run_gemm)
+        stream_k_fill, run_gemm, ws.graph_protocol)
 
 
 @_ag_gemm.register_fake
@@ -91,6 +91,7 @@ def ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     elif m > ws.max_m or ws.k != k or ws.dtype != x_shard_m.dtype:
         raise ValueError(f"ag_gemm: call needs M={m}, K={k}, {x_shard_m.dtype}; the workspace holds "
                          f"max_m={ws.max_m}, K={ws.k}, {ws.dtype}")
+    ws = workspace.for_current_stream(ws)
     kc = tuning.resolve_kernel("ag_gemm", dtype=x_shard_m.dtype, tp=tp, mkn=(m, k, n), tile=tile, swizzle=swizzle,
                                stream_k=stream_k, sm_count=sm_count)
     rows_per_chunk = _rows_per_chunk(ws, rows, k, x_shard_m.element_size())
@@ -111,6 +112,7 @@ def copy_engine_all_gather(x_shard_m: torch.Tensor, *, group, ws: workspace.AgWo
     m = rows * tp
     if ws is None:
         ws = workspace.get_ag_workspace(group, x_shard_m.dtype, m, k)
+    ws = workspace.for_current_stream(ws)
     epoch = ws.next_epoch()
     dummy_w = x_shard_m.new_empty((8, k))
     dummy_out = x_shard_m.new_empty((m, 8))

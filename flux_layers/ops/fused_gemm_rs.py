@@ -37,7 +37,7 @@ def _gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, h
         x, weight, bias, out, ws.data_ptrs, ws.slot_rows, ws.flag_ptrs, ws.flags_per_source, ws.rank, epoch,
         ws.timeout_ns, ws.error_record.data_ptr(), ws.error_claim.data_ptr(), weight_nn, tile, sm_count, swizzle,
         stream_k_fill, ws.stage_buffer().data_ptr() if copy_engine else 0, chunk_cols,
-        [s.cuda_stream for s in ws.comm_streams])
+        [s.cuda_stream for s in ws.comm_streams], ws.graph_protocol)
     return out
 
 
@@ -75,6 +75,7 @@ def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     elif m > ws.max_m or ws.n != n or ws.dtype != x.dtype:
         raise ValueError(f"gemm_rs: call needs M={m}, N={n}, {x.dtype}; the workspace holds "
                          f"max_m={ws.max_m}, N={ws.n}, {ws.dtype}")
+    ws = workspace.for_current_stream(ws)
     transport = tuning.rs_transport(dtype=x.dtype, tp=tp, mkn=(m, k, n), requested=transport)
     kc = tuning.resolve_kernel("gemm_rs", dtype=x.dtype, tp=tp, mkn=(m, k, n), tile=tile, swizzle=swizzle,
                                stream_k=stream_k, sm_count=sm_count)

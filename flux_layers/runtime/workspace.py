@@ -12,6 +12,15 @@ Flags are epoch-valued (a flag is set for call ``e`` when it holds a value >= e)
 which removes the reset race between back-to-back calls. Every cross-rank wait is bounded: a waiter that
 times out writes {code, rank, index, epoch} into a host-mapped record, and the next call (or
 :meth:`Workspace.check`) raises a RuntimeError that says who waited for what.
+
+CUDA graphs. A captured call replays with the values it was captured with, so a host-side epoch cannot order
+replays. Calls made while the current stream is being captured therefore use the workspace's *graph twin*:
+a second workspace of the same size whose flags follow the CUDA-graph protocol (a set flag holds 1 and is
+cleared by the rank that waits on it before that rank releases the producer; csrc/include/flux/fused_ops.h
+FlagProtocol). Eager calls and replays never share memory, so neither can overwrite what the other still
+reads. Twins are created with their workspaces (a collective, which cannot run under capture) once CUDA graphs
+are enabled: ``FLUX_LAYERS_CUDA_GRAPHS=1``, :func:`enable_cuda_graphs` (the layers call it when megatron's
+config asks for CUDA graphs) or :func:`prepare_cuda_graphs` after the warm-up step.
 """
 from __future__ import annotations
 
@@ -50,7 +59,8 @@ class _Key:
 class Workspace:
     """Common part: one symmetric allocation (data + flags), streams, epoch counter, error record."""
 
-    def __init__(self, group, *, data_bytes: int, flag_words: int, num_comm_streams: int, what: str):
+    def __init__(self, group, *, data_bytes: int, flag_words: int, handshake_words: slice, num_comm_streams: int,
+                 what: str, graph_protocol: bool):
         if not dist.is_initialized():
             raise RuntimeError(f"{what}: torch.distributed is not initialised")
         self.group = group
@@ -66,6 +76,9 @@ class Workspace:
         total = self._flag_offset + _align(flag_words * 4)
         self._storage = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
         self._storage[self._flag_offset:].zero_()
+        self.graph_protocol = graph_protocol
+        if graph_protocol:  # the handshake words start set: "the previous call finished"
+            self._storage[self._flag_offset:].view(torch.int32)[handshake_words] = 1
         torch.cuda.current_stream().synchronize()
         handle = symm_mem.rendezvous(self._storage, self.group)
         my_base = handle.buffer_ptrs[self.rank]
@@ -85,14 +98,19 @@ class Workspace:
         self.error_claim = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.epoch = 0
         self.timeout_s = _env.get_float("TIMEOUT_S")
-        self.what = what
+        self.what = what + (" (CUDA-graph twin)" if graph_protocol else "")
+        self.graph_twin: Workspace | None = None
         self._failed: str | None = None
         self._lock = threading.Lock()
         dist.barrier(group=self.group)  # every rank's flags are zero before anyone signals
 
     # ---- per call
     def next_epoch(self) -> int:
+        """The value this call sets its flags to: the call count under the epoch protocol, 1 under the CUDA-graph
+        protocol (whose calls may be captured and replayed)."""
         self.raise_if_failed()
+        if self.graph_protocol:
+            return 1
         with self._lock:
             self.epoch += 1
             if self.epoch >= 2**31 - 1:
@@ -153,14 +171,17 @@ class Workspace:
 class AgWorkspace(Workspace):
     """AllGather+GEMM: a gathered-input buffer [max_m, k] per rank + chunk/avail/done flags (AgFlagLayout)."""
 
-    def __init__(self, group, dtype: torch.dtype, max_m: int, k: int, *, chunk_capacity: int = 16):
+    def __init__(self, group, dtype: torch.dtype, max_m: int, k: int, *, chunk_capacity: int = 16,
+                 graph_protocol: bool = False):
         tp = dist.get_world_size(group)
         if max_m <= 0 or max_m % tp != 0:
             raise ValueError(f"AgWorkspace: max_m={max_m} must be a positive multiple of the group size {tp}")
         self.dtype, self.max_m, self.k, self.chunk_capacity = dtype, max_m, k, chunk_capacity
         elem = torch.tensor([], dtype=dtype).element_size()
-        super().__init__(group, data_bytes=max_m * k * elem, flag_words=2 * tp * chunk_capacity + tp,
-                         num_comm_streams=tp, what="ag_gemm")
+        done = 2 * tp * chunk_capacity  # AgFlagLayout: chunk[tp][cap], avail[tp][cap], done[tp]
+        super().__init__(group, data_bytes=max_m * k * elem, flag_words=done + tp,
+                         handshake_words=slice(done, done + tp), num_comm_streams=tp, what="ag_gemm",
+                         graph_protocol=graph_protocol)
         self.buffer = self._storage[:max_m * k * elem].view(dtype).view(max_m, k)
         devices = [None] * self.tp
         dist.all_gather_object(devices, torch.cuda.current_device(), group=self.group)
@@ -184,7 +205,8 @@ class RsWorkspace(Workspace):
     copy-engine transport's chunk counts (csrc/runtime/gemm_rs.cpp); one comm stream per peer and, once the
     copy-engine transport is used, a local staging area of one slot per peer."""
 
-    def __init__(self, group, dtype: torch.dtype, max_m: int, n: int, *, min_tile: int = 128):
+    def __init__(self, group, dtype: torch.dtype, max_m: int, n: int, *, min_tile: int = 128,
+                 graph_protocol: bool = False):
         tp = dist.get_world_size(group)
         if max_m <= 0 or max_m % tp != 0:
             raise ValueError(f"RsWorkspace: max_m={max_m} must be a positive multiple of the group size {tp}")
@@ -194,8 +216,10 @@ class RsWorkspace(Workspace):
         tiles_m = -(-(-(-self.slot_rows // min_tile)) // 2) * 2
         self.flags_per_source = tiles_m * -(-n // min_tile)
         elem = torch.tensor([], dtype=dtype).element_size()
+        consumed = tp * self.flags_per_source  # flag[tp][per_source], consumed[tp], count[tp][per_source]
         super().__init__(group, data_bytes=tp * self.slot_rows * n * elem,
-                         flag_words=2 * tp * self.flags_per_source + tp, num_comm_streams=tp - 1, what="gemm_rs")
+                         flag_words=2 * tp * self.flags_per_source + tp, handshake_words=slice(consumed, consumed + tp),
+                         num_comm_streams=tp - 1, what="gemm_rs", graph_protocol=graph_protocol)
         self._stage: torch.Tensor | None = None
 
     def stage_buffer(self) -> torch.Tensor:
@@ -209,6 +233,56 @@ class RsWorkspace(Workspace):
 _cache: dict[_Key, Workspace] = {}
 _retired: list[Workspace] = []  # outgrown workspaces, never freed while the process runs
 _cache_lock = threading.Lock()
+_cuda_graphs = False  # enable_cuda_graphs() was called
+
+
+def cuda_graphs_enabled() -> bool:
+    """Whether workspaces are created with a CUDA-graph twin (FLUX_LAYERS_CUDA_GRAPHS=1 or enable_cuda_graphs())."""
+    return _cuda_graphs or _env.get("CUDA_GRAPHS") == "1"
+
+
+def enable_cuda_graphs() -> None:
+    """Create every workspace from now on with its CUDA-graph twin (see the module docstring). Call it on every
+    rank, before the warm-up step that creates the workspaces."""
+    global _cuda_graphs
+    _cuda_graphs = True
+
+
+def _make_twin(ws: Workspace) -> None:
+    if isinstance(ws, AgWorkspace):
+        ws.graph_twin = AgWorkspace(ws.group, ws.dtype, ws.max_m, ws.k, chunk_capacity=ws.chunk_capacity,
+                                    graph_protocol=True)
+    else:
+        ws.graph_twin = RsWorkspace(ws.group, ws.dtype, ws.max_m, ws.n, graph_protocol=True)
+        ws.graph_twin.stage_buffer()  # now, not from a graph's memory pool during capture
+
+
+def prepare_cuda_graphs() -> None:
+    """Enable CUDA graphs and give every cached workspace its twin now (a collective: call it on every rank,
+    outside capture, e.g. between the warm-up step and the capture)."""
+    enable_cuda_graphs()
+    _refuse_under_capture("prepare_cuda_graphs")
+    with _cache_lock:
+        for ws in _cache.values():  # insertion order: the same on every rank
+            if ws.graph_twin is None:
+                _make_twin(ws)
+
+
+def _refuse_under_capture(what: str) -> None:
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{what}: a fused operator's workspace (symmetric memory, a collective) cannot be "
+                           "created while a CUDA graph is being captured; run the captured step once eagerly "
+                           "first (warm-up) with CUDA graphs enabled (FLUX_LAYERS_CUDA_GRAPHS=1 or "
+                           "flux_layers.runtime.workspace.enable_cuda_graphs())")
+
+
+def for_current_stream(ws: Workspace) -> Workspace:
+    """The workspace a call on the current stream uses: ``ws``, or its CUDA-graph twin while capturing."""
+    if ws.graph_protocol or not torch.cuda.is_current_stream_capturing():
+        return ws
+    if ws.graph_twin is None:
+        _refuse_under_capture(f"{ws.what} (max_m={ws.max_m}) has no CUDA-graph twin:")
+    return ws.graph_twin
 
 
 def _group_name(group) -> str:
@@ -222,10 +296,13 @@ def _cached(op: str, group, dtype: torch.dtype, inner: int, m: int, make) -> Wor
     with _cache_lock:
         ws = _cache.get(key)
         if ws is None or ws.max_m < m:
+            _refuse_under_capture(f"{op} workspace for M={m}")
             if ws is not None:
                 # Copies and kernels of its last call may still be in flight, and peers still map it: keep it.
                 _retired.append(ws)
             ws = make(max(m, ws.max_m if ws is not None else 0))
+            if cuda_graphs_enabled():
+                _make_twin(ws)
             _cache[key] = ws
         return ws
 

@@ -95,3 +95,29 @@ def test_kernel_choice_defaults_overrides_and_errors(monkeypatch):
     assert choose(sm_count=64).sm_count == 64
     with pytest.raises(ValueError, match="sm_count"):
         choose(sm_count=-2)
+
+
+def test_cuda_graph_switches(monkeypatch):
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from flux_layers.layers.linear import cuda_graphs_requested
+    from flux_layers.runtime import workspace
+    monkeypatch.setattr(workspace, "_cuda_graphs", False)
+    monkeypatch.delenv("FLUX_LAYERS_CUDA_GRAPHS", raising=False)
+    assert not workspace.cuda_graphs_enabled()
+    monkeypatch.setenv("FLUX_LAYERS_CUDA_GRAPHS", "yes")
+    with pytest.raises(ValueError, match="FLUX_LAYERS_CUDA_GRAPHS"):
+        workspace.cuda_graphs_enabled()
+    monkeypatch.setenv("FLUX_LAYERS_CUDA_GRAPHS", "1")
+    assert workspace.cuda_graphs_enabled()
+    monkeypatch.delenv("FLUX_LAYERS_CUDA_GRAPHS")
+    workspace.enable_cuda_graphs()
+    assert workspace.cuda_graphs_enabled()
+    # The layers enable them when megatron's config asks for CUDA graphs.
+    base = dict(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True)
+    assert cuda_graphs_requested(TransformerConfig(**base, cuda_graph_impl="local"))
+    assert not cuda_graphs_requested(TransformerConfig(**base))
+    assert cuda_graphs_requested(SimpleNamespace(enable_cuda_graph=True))
+    assert not cuda_graphs_requested(SimpleNamespace())

@@ -22,10 +22,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
 TP = 2
 REL_TOL = 1e-2  # bf16
 
-# A known gap of the fused ops (not of the layers), kept as a strict xfail so that a fix shows up as a failure here.
-FUSED_NOT_CAPTURABLE = pytest.param("fused", marks=pytest.mark.xfail(strict=True, reason=(
-    "ops refuse CUDA-graph capture: host-side epoch flags (FusedOpsUnavailable during capture)")))
-
 
 def _rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
@@ -179,8 +175,12 @@ def _pair(group, backend, wgrad_input="keep"):
 
 
 def _cuda_graph(rank, tp, backend, seed):
-    """Forward + backward of a column/row pair captured in one CUDA graph replays to the eager values."""
+    """Forward + backward of a column/row pair captured in one CUDA graph replays to the eager values, also when
+    replays follow each other with no host synchronisation (the fused ops' flag handshakes order them)."""
     group = _setup(backend, seed)
+    if backend == "fused":
+        from flux_layers.runtime import workspace
+        workspace.enable_cuda_graphs()
     for wgrad_input in ("keep", "regather"):
         block, params = _pair(group, backend, wgrad_input)
         static_x = torch.randn(256, 2, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -190,6 +190,9 @@ def _cuda_graph(rank, tp, backend, seed):
             for _ in range(3):  # warm-up (workspaces, cuBLAS handles) outside the capture
                 block(static_x).sum().backward()
         torch.cuda.current_stream().wait_stream(side)
+        if backend == "fused":
+            from flux_layers.runtime import workspace
+            assert workspace._cache and all(ws.graph_twin is not None for ws in workspace._cache.values())
         for p in params + [static_x]:
             p.grad = None
         graph = torch.cuda.CUDAGraph()
@@ -198,25 +201,27 @@ def _cuda_graph(rank, tp, backend, seed):
             static_y.sum().backward()
         # Replays write into the gradient buffers allocated during capture; keep them.
         static_grads = [static_x.grad] + [p.grad for p in params]
-        for trial in range(2):
-            x = torch.randn(static_x.shape, generator=torch.Generator(device="cuda").manual_seed(seed + trial),
-                            device="cuda").to(torch.bfloat16)
+        xs = [torch.randn(static_x.shape, generator=torch.Generator(device="cuda").manual_seed(seed + trial),
+                          device="cuda").to(torch.bfloat16) for trial in range(4)]
+        replayed = []
+        for x in xs:  # back to back; every copy below is stream-ordered
             with torch.no_grad():
                 static_x.copy_(x)
             graph.replay()
-            torch.cuda.synchronize()
-            replayed = [static_y.detach().clone()] + [gr.clone() for gr in static_grads]
+            replayed.append([static_y.detach().clone()] + [gr.clone() for gr in static_grads])
+        torch.cuda.synchronize()
+        for trial, x in enumerate(xs):
             for p in params:
                 p.grad = None
             xe = x.clone().requires_grad_()
             ye = block(xe)
             ye.sum().backward()
             eager = [ye.detach(), xe.grad] + [p.grad for p in params]
-            for j, (a, b) in enumerate(zip(replayed, eager)):
+            for j, (a, b) in enumerate(zip(replayed[trial], eager)):
                 _close(a, b, f"rank {rank} {backend} {wgrad_input} graph replay {trial}, tensor {j}")
 
 
-@pytest.mark.parametrize("backend", ["reference", FUSED_NOT_CAPTURABLE])
+@pytest.mark.parametrize("backend", ["reference", "fused"])
 def test_cuda_graph_capture(backend):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     run_distributed(_cuda_graph, TP, backend, seed, backend="nccl")

@@ -15,16 +15,28 @@ namespace flux {
 enum class AgMode : int { kPull = 0, kPush = 1 };
 enum class AgOrder : int { kMesh = 0, kRing = 1 };
 
-// Flag words of one rank in the all-gather workspace (uint32, epoch-valued; never cleared):
+// Flag protocols (the workspace picks one for its lifetime; flux_layers/runtime/workspace.py):
+//   epoch      : eager calls. A flag is set for call e when it holds a value >= e (counted on the host per
+//                workspace); nothing is cleared, so back-to-back calls cannot race on a reset.
+//   cuda graph : capturable calls, whose values must not depend on a host counter. A set flag holds 1
+//                (epoch = 1 on every call). Each flag is cleared by the rank that waits on it before that rank
+//                lets its producer go on: the start-of-call handshake words (done / consumed) are cleared
+//                right after the wait, the data flags (chunk / avail / reduce-scatter tile flags) at the end of
+//                the call, before the handshake write that allows the next call's producer to set them. The
+//                handshake words start set (1), standing for "the previous call finished".
+enum class FlagProtocol : int { kEpoch = 0, kCudaGraph = 1 };
+
+// Flag words of one rank in the all-gather workspace (uint32):
 //   chunk[g][c] : rows chunk c of shard g are in this rank's gathered buffer     (the GEMM waits on these)
 //   avail[g][c] : chunk (g, c) can be pulled from this rank's source rank          (pull modes)
-//   done[p]     : rank p finished call <= value (its reads of our buffer and its writes into it)
+//   done[p]     : rank p finished its previous call (its reads of our buffer and its writes into it)
 struct AgFlagLayout {
   int tp;
   int chunk_capacity;  // chunks per shard the workspace was sized for
   int64_t chunk(int g, int c) const { return int64_t(g) * chunk_capacity + c; }
   int64_t avail(int g, int c) const { return int64_t(tp) * chunk_capacity + int64_t(g) * chunk_capacity + c; }
   int64_t done(int p) const { return 2 * int64_t(tp) * chunk_capacity + p; }
+  int64_t data_words() const { return 2 * int64_t(tp) * chunk_capacity; }  // chunk and avail: cleared per call
   int64_t words() const { return 2 * int64_t(tp) * chunk_capacity + tp; }
 };
 
@@ -52,7 +64,8 @@ struct AgGemmArgs {
   int rows_per_chunk = 0;
   AgMode mode = AgMode::kPull;
   AgOrder order = AgOrder::kMesh;
-  uint32_t epoch = 0;
+  FlagProtocol protocol = FlagProtocol::kEpoch;
+  uint32_t epoch = 0;  // 1 under FlagProtocol::kCudaGraph
   uint64_t timeout_ns = 0;
   int* error_record = nullptr;
   int* error_claim = nullptr;
@@ -95,7 +108,8 @@ struct GemmRsArgs {
   int chunk_cols = 0;  // columns per copy-engine chunk (0: default)
   cudaStream_t comm[kMaxGroups] = {nullptr};
   int num_comm = 0;
-  uint32_t epoch = 0;
+  FlagProtocol protocol = FlagProtocol::kEpoch;
+  uint32_t epoch = 0;  // 1 under FlagProtocol::kCudaGraph
   uint64_t timeout_ns = 0;
   int* error_record = nullptr;
   int* error_claim = nullptr;

@@ -63,6 +63,7 @@ struct GemmProblem {
   int64_t ldd = 0;
 
   // ---- AllGather: per-chunk readiness flags, chunk_flags[g * chunks_per_group + c] >= epoch
+  // (flags: csrc/include/flux/fused_ops.h FlagProtocol; the kernel only compares them with `epoch`)
   const uint32_t* chunk_flags = nullptr;
   int rows_per_chunk = 0;
   int chunks_per_group = 0;
@@ -73,7 +74,9 @@ struct GemmProblem {
   int rs_num_partials = 0;             // summed in index order: deterministic
   const uint32_t* rs_partial_flags[kMaxGroups] = {nullptr};  // local: [tiles] flags of each partial's source
   uint32_t* rs_signal[kMaxGroups] = {nullptr};  // per destination group: dest's flag array for our partial
-  const uint32_t* rs_consumed = nullptr;  // local: rs_consumed[g] >= epoch-1 before writing into g's slot
+  // local: rs_consumed[g] >= epoch-1 before writing into g's slot (direct stores, epoch flags; null when the
+  // host-side stream already waited for it)
+  const uint32_t* rs_consumed = nullptr;
   int rs_flags_per_source = 0;          // capacity of each source's flag array (one flag per chunk must fit)
   // Chunks: the unit a flag covers. Tile (m, n) of a group lies in chunk rs_chunk_index(m, n, ...)
   // (tile_schedule.cuh), set by the host from its RsChunkGrid; direct stores: one tile per chunk.
