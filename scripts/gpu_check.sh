@@ -5,7 +5,8 @@
 #
 # Steps (default: all, in this order): env gemm_test ag_test rs_test graph_test layers_test gemm_bench ag_bench rs_bench
 # layer_bench layer_bench_conn1. Also: split_tests (only the stream-K tail's GPU tests), layer_profile
-# (benchmarks/profile_layer.py), stock_bench (benchmarks/bench_cutlass_stock.py). Each step runs under its own
+# (benchmarks/profile_layer.py), stock_bench (benchmarks/bench_cutlass_stock.py). GRAPH_TEST_K / LAYERS_TEST_K
+# narrow graph_test / layers_test to a pytest -k expression. Each step runs under its own
 # time limit; a failing step does not stop the others. Logs and JSON go to a work folder, packed at the end into
 # OUTDIR/gpu_check.tgz (plus OUTDIR/summary.txt).
 #
@@ -74,9 +75,9 @@ flux_layers._library.path(), flux_layers._library.unavailable_reason())'" ;;
     ag_test) step ag_test 300 $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_ag_gemm_gpu.py ;;
     rs_test) step rs_test 300 $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_gemm_rs_gpu.py ;;
     graph_test) step graph_test 300 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_graph_ops_gpu.py \
-      tests/gpu/test_layers_gpu.py -k graph ;;
+      tests/gpu/test_layers_gpu.py -k "${GRAPH_TEST_K:-graph}" ;;
     split_tests) step split_tests 300 $PY -m pytest -q -x -p no:cacheprovider tests/gpu -k stream_k ;;
-    layers_test) step layers_test 300 $PY -m pytest -q -p no:cacheprovider tests/gpu -k "layer or spec or norm" ;;
+    layers_test) step layers_test 300 $PY -m pytest -q -p no:cacheprovider tests/gpu -k "${LAYERS_TEST_K:-layer or spec or norm}" ;;
     gemm_bench) step gemm_bench 300 $PY -m benchmarks.bench_gemm --out "$WORK/results/gemm_h200.json" ;;
     ag_bench) step ag_bench 400 $PY -m benchmarks.bench_ag_gemm --out "$WORK/results/ag_gemm_$GPU_TAG.json" ;;
     rs_bench) step rs_bench 400 $PY -m benchmarks.bench_gemm_rs --out "$WORK/results/gemm_rs_$GPU_TAG.json" ;;

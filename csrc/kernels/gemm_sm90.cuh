@@ -7,12 +7,13 @@
 //              CUTLASS's sm90 TMA/GMMA collective mainloop, then this file's epilogue)
 //   epilogue : accumulators -> bf16/fp16 sub-tile in shared memory (stmatrix, one per 16 x 16 block of a warp's
 //              fragment; TMA's 128-byte swizzle, conflict-free; 128 x 256 tiles have a buffer per sub-tile) ->
-//              GEMM and AllGather: one TMA store per sub-tile, draining under the next tile's mainloop;
-//              ReduceScatter: 16-byte coalesced stores to the group's destination, which may be a peer GPU's
-//              receive slot (NVLink P2P): a tile for a peer is followed by a release flag in the peer's memory
-//              (direct transport), or goes to a local staging area and is counted into its chunk, which the
-//              host-side copy engine moves and flags (copy-engine transport); a tile of own rows first waits
-//              for the peers' flags of its chunk and sums their partials in a fixed order.
+//              one TMA store per sub-tile, draining under the next tile's mainloop (GEMM, AllGather, and the
+//              ReduceScatter tiles of a peer's rows). A ReduceScatter tile for a peer goes to the peer's receive
+//              slot (NVLink P2P) and is followed by a release flag in the peer's memory (direct transport), or
+//              goes to a local staging area and is counted into its chunk, which the host-side copy engine moves
+//              and flags (copy-engine transport); flag and count wait for the stores to complete and are
+//              deferred by a tile. A tile of own rows first waits for the peers' flags of its chunk, then reads
+//              the staged sub-tile with 16-byte SIMT loads, sums the peers' partials in a fixed order and stores.
 //   tail     : stream-K (tile_schedule.cuh StreamK; 128 x 256 tiles): the items of a last, partial wave are
 //              split along K over every cluster; a segment without k = 0 stores its fp32 accumulators to the
 //              split workspace and flags them, the segment with k = 0 adds them in cluster order (same bits
@@ -99,7 +100,7 @@ struct KernelParams {
   typename Cfg::Mainloop::Params mainloop_own;  // A: own rows [Mg, K, 1]; B: W (used for every tile)
   GemmProblem prob;
   TileSchedule sched;
-  typename Cfg::StoreD store_d[kMaxGroups];  // TMA store of group g's destination (not for ReduceScatter)
+  typename Cfg::StoreD store_d[kMaxGroups];  // TMA store of group g's destination (not ReduceScatter's own rows)
   StreamK split;
   uint32_t* split_flags;  // [CTAs] (valid when split.active())
   float4* split_partials; // [CTAs][kTileM * kTileN / 4]
@@ -322,6 +323,10 @@ struct GemmKernel {
   CUTLASS_DEVICE static void flush_signal(GemmProblem const& p, PendingSignal& pending, int mma_thread_idx) {
     if (pending.group < 0) return;
     if (mma_thread_idx == 0) {
+      // The tile went out as TMA stores issued by this thread: wait until they are complete (not only read
+      // out of shared memory), order them before this thread's generic-proxy release, then publish.
+      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+      asm volatile("fence.proxy.async.global;" ::: "memory");
       __threadfence_system();
       if (p.rs_stage_counters != nullptr) {
         red_add_release_sys(p.rs_stage_counters + int64_t(pending.group) * p.rs_flags_per_source + pending.index, 1u);
@@ -418,7 +423,7 @@ struct GemmKernel {
       // must be done, which they are once every thread passed the tile's first barrier. That barrier also
       // orders thread 0's flag waits above and the pending tile's stores (flush_signal) before what follows.
       if constexpr (kEpiBuffers == 1 || kSub == 0) {
-        if (!is_rs && mma_thread_idx == 0) cute::tma_store_wait<0>();
+        if (mma_thread_idx == 0) cute::tma_store_wait<0>();
         epi_barrier();
       }
       if constexpr (kSub == 0) flush_signal(p, pending, mma_thread_idx);
@@ -451,9 +456,10 @@ struct GemmKernel {
                       pack2(v[0], v[1]), pack2(v[2], v[3]), pack2(v[4], v[5]), pack2(v[6], v[7]));
         }
       });
-      if (!is_rs) {
+      if (!reduce) {
         // The whole sub-tile in one TMA store, which drains while the consumers move on; rows and columns past
-        // the group's edge are clipped.
+        // the group's edge are clipped. A ReduceScatter tile for a peer is flagged (or counted) only once its
+        // stores completed (flush_signal, deferred by a tile).
         cute::tma_store_fence();  // this thread's stmatrix writes, visible to the TMA unit
         epi_barrier();
         if (mma_thread_idx == 0) {
@@ -468,8 +474,8 @@ struct GemmKernel {
         }
         return;
       }
-      // ReduceScatter: 16-byte SIMT loads and stores (own rows add the peers' partials; peer tiles are followed
-      // by a flag or a chunk count, which TMA's asynchronous completion would delay).
+      // Own rows of a ReduceScatter: 16-byte SIMT loads of the staged sub-tile and of the peers' partials, summed
+      // and stored to the output.
       epi_barrier();
 
       // Own rows: the first peer's partial is loaded kPartialBatch chunks at a time (one memory latency per
@@ -739,13 +745,12 @@ struct Launcher {
     params.mainloop_own = Mainloop::to_underlying_arguments(
         make_shape(prob.rows_per_group, prob.n, prob.k, 1), args_own, nullptr);
 
-    if (prob.rs_own_group < 0) {
-      for (int g = 0; g < prob.num_groups; ++g) {
-        FLUX_CHECK(prob.d[g] != nullptr, "group ", g, " has no destination");
-        Tensor mD = make_tensor(make_gmem_ptr(static_cast<Element*>(prob.d[g])),
-                                make_shape(prob.rows_per_group, prob.n), make_stride(prob.ldd, Int<1>{}));
-        params.store_d[g] = make_tma_copy(SM90_TMA_STORE{}, mD, typename Cfg::EpiSmemLayout{});
-      }
+    for (int g = 0; g < prob.num_groups; ++g) {  // ReduceScatter: own rows are stored by SIMT, not TMA
+      FLUX_CHECK(prob.d[g] != nullptr, "group ", g, " has no destination");
+      if (g == prob.rs_own_group) continue;
+      Tensor mD = make_tensor(make_gmem_ptr(static_cast<Element*>(prob.d[g])),
+                              make_shape(prob.rows_per_group, prob.n), make_stride(prob.ldd, Int<1>{}));
+      params.store_d[g] = make_tma_copy(SM90_TMA_STORE{}, mD, typename Cfg::EpiSmemLayout{});
     }
 
     int clusters = max_resident_clusters(device);
