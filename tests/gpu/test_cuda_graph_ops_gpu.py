@@ -3,7 +3,9 @@
 A graph holds two calls of one operator (two sizes of M, so that the workspace serves both); it is replayed
 back to back with fresh inputs copied into its static tensors in stream order, one rank starting some replays
 ~10 ms late, and with eager calls of the same operator (on the eager workspace) in between. Outputs are
-poisoned with NaN inside the captured op, so every replay must write every element.
+poisoned with NaN inside the captured op, so every replay must write every element. The AllGather cases enable
+CUDA graphs before the warm-up (the twins come with the workspaces); the ReduceScatter cases add the twins after
+it (prepare_cuda_graphs).
 """
 from __future__ import annotations
 
@@ -25,14 +27,18 @@ REPLAYS = 6
 ROWS = (512, 264)  # per-rank rows of the two captured calls (the second not a multiple of the tile)
 
 
-def _replay_and_check(rank, tp, seed, make_inputs, call, reference, what):
-    """Capture call() on static inputs, replay it REPLAYS times back to back and compare each replay's outputs."""
+def _replay_and_check(rank, tp, seed, make_inputs, call, reference, what, *, prepare_after_warmup=False):
+    """Capture call() on static inputs, replay it REPLAYS times back to back and compare each replay's outputs.
+    prepare_after_warmup: the warm-up runs without CUDA graphs enabled, prepare_cuda_graphs() adds the twins."""
     from flux_layers.runtime import workspace
     gen = torch.Generator(device="cuda").manual_seed(seed)
     static = make_inputs(gen)
     for _ in range(2):  # warm-up: creates the workspaces (and their twins) outside the capture
         call(static)
     torch.cuda.synchronize()
+    if prepare_after_warmup:
+        assert all(ws.graph_twin is None for ws in workspace._cache.values())
+        workspace.prepare_cuda_graphs()
     assert all(ws.graph_twin is not None for ws in workspace._cache.values()), "a workspace has no CUDA-graph twin"
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -88,9 +94,7 @@ def test_ag_gemm_cuda_graph_replays(mode, order):
 
 def _rs(rank, tp, seed, transport):
     from flux_layers.ops import fused_gemm_rs
-    from flux_layers.runtime import workspace
     poison_outputs()
-    workspace.enable_cuda_graphs()
     k, n = 512 * tp, 1024
     group = dist.group.WORLD
 
@@ -107,7 +111,7 @@ def _rs(rank, tp, seed, transport):
         *xs, w = inputs
         return [(x.float() @ w.float().t()).chunk(tp)[rank] for x in xs]
 
-    _replay_and_check(rank, tp, seed, make_inputs, call, reference, f"gemm_rs {transport}")
+    _replay_and_check(rank, tp, seed, make_inputs, call, reference, f"gemm_rs {transport}", prepare_after_warmup=True)
 
 
 @pytest.mark.parametrize("transport", RS_TRANSPORTS)
