@@ -260,8 +260,8 @@ def _make_twin(ws: Workspace) -> None:
 def prepare_cuda_graphs() -> None:
     """Enable CUDA graphs and give every cached workspace its twin now (a collective: call it on every rank,
     outside capture, e.g. between the warm-up step and the capture)."""
-    enable_cuda_graphs()
     _refuse_under_capture("prepare_cuda_graphs")
+    enable_cuda_graphs()
     with _cache_lock:
         for ws in _cache.values():  # insertion order: the same on every rank
             if ws.graph_twin is None:

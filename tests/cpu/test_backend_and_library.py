@@ -121,3 +121,46 @@ def test_cuda_graph_switches(monkeypatch):
     assert not cuda_graphs_requested(TransformerConfig(**base))
     assert cuda_graphs_requested(SimpleNamespace(enable_cuda_graph=True))
     assert not cuda_graphs_requested(SimpleNamespace())
+
+
+def test_graph_twins_are_made_with_workspaces_and_used_under_capture(monkeypatch):
+    """The bookkeeping of runtime/workspace.py's CUDA-graph twins, with stand-in workspaces (no GPU here)."""
+    from types import SimpleNamespace
+
+    from flux_layers.runtime import workspace as W
+    monkeypatch.setattr(W, "_cache", {})
+    monkeypatch.setattr(W, "_retired", [])
+    monkeypatch.setattr(W, "_cuda_graphs", False)
+    monkeypatch.delenv("FLUX_LAYERS_CUDA_GRAPHS", raising=False)
+    made = []
+
+    def make_twin(ws):
+        ws.graph_twin = SimpleNamespace(graph_protocol=True)
+        made.append(ws)
+    monkeypatch.setattr(W, "_make_twin", make_twin)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    group = SimpleNamespace(group_name="tp")
+
+    def make(max_m):
+        return SimpleNamespace(max_m=max_m, graph_twin=None, graph_protocol=False, what="ag_gemm")
+
+    ws = W._cached("ag", group, torch.bfloat16, 64, 128, make)
+    assert ws.graph_twin is None and W.for_current_stream(ws) is ws
+    capturing[0] = True
+    with pytest.raises(RuntimeError, match="has no CUDA-graph twin"):
+        W.for_current_stream(ws)
+    with pytest.raises(RuntimeError, match="cannot be created while a CUDA graph is being captured"):
+        W._cached("ag", group, torch.bfloat16, 64, 256, make)  # growing needs a collective
+    with pytest.raises(RuntimeError, match="cannot be created while a CUDA graph is being captured"):
+        W.prepare_cuda_graphs()
+    capturing[0] = False
+    W.prepare_cuda_graphs()
+    assert made == [ws] and W.cuda_graphs_enabled()
+    capturing[0] = True
+    assert W.for_current_stream(ws) is ws.graph_twin
+    assert W.for_current_stream(ws.graph_twin) is ws.graph_twin
+    capturing[0] = False
+    grown = W._cached("ag", group, torch.bfloat16, 64, 256, make)  # enabled now: comes with its twin
+    assert grown is not ws and grown.max_m == 256 and made[-1] is grown and grown.graph_twin is not None
