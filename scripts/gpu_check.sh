@@ -4,7 +4,8 @@
 #   scripts/gpu_check.sh OUTDIR [STEP ...]
 #
 # Steps (default: all, in this order): env gemm_test ag_test rs_test graph_test layers_test gemm_bench ag_bench rs_bench
-# layer_bench layer_bench_conn1. Also: split_tests (only the stream-K tail's GPU tests), layer_profile
+# layer_bench layer_bench_conn1. Also: split_tests (only the stream-K tail's GPU tests), layer_ops_bench
+# (benchmarks/bench_layer_ops.py), layer_profile
 # (benchmarks/profile_layer.py), stock_bench (benchmarks/bench_cutlass_stock.py). GRAPH_TEST_K / LAYERS_TEST_K
 # narrow graph_test / layers_test to a pytest -k expression. Each step runs under its own
 # time limit; a failing step does not stop the others. Logs and JSON go to a work folder, packed at the end into
@@ -85,6 +86,8 @@ flux_layers._library.path(), flux_layers._library.unavailable_reason())'" ;;
     layer_bench_conn1)  # megatron-core's recommended setting for its SP overlap, one hardware queue per GPU
       step layer_bench_conn1 400 env CUDA_DEVICE_MAX_CONNECTIONS=1 $PY -m benchmarks.bench_layer \
         --out "$WORK/results/layer_${GPU_TAG}_conn1.json" ;;
+    layer_ops_bench)  # the layer's fused calls at its shapes, each beside cuBLAS alone (not in the default steps)
+      step layer_ops_bench 200 $PY -m benchmarks.bench_layer_ops --out "$WORK/results/layer_ops_$GPU_TAG.json" ;;
     layer_profile)  # kernel time per category, flux vs baseline (not in the default steps)
       step layer_profile 300 env CUDA_DEVICE_MAX_CONNECTIONS=1 $PY -m benchmarks.profile_layer \
         --out "$WORK/results/layer_profile_${GPU_TAG}.json" ;;
