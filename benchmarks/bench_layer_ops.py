@@ -19,12 +19,10 @@ gathered dY for the row wgrad, column dgrad takes megatron's GEMM-then-NCCL path
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.distributed as dist
 
-from benchmarks.harness import (OPERATOR_METHOD, environment, print_table, spawn_ranks, time_ms, write_json)
+from benchmarks.harness import operator_main, report_operator_rows, time_ms
 
 
 def layer_calls(hidden: int, ffn: int, seq: int, tp: int) -> list[dict]:
@@ -44,8 +42,13 @@ def _weight(k: int, n: int, layout: str, gen, dtype):
     return torch.randn(shape, generator=gen, device="cuda").to(dtype)
 
 
+def _op(w, layout):
+    """op(weight) of x @ op(weight): W^T for 'nt', W for 'nn'."""
+    return w.t() if layout == "nt" else w
+
+
 def _matmul(x, w, layout):
-    return x @ (w.t() if layout == "nt" else w)
+    return x @ _op(w, layout)
 
 
 def bench_call(rank, tp, c, dtype, reps, sets=2):
@@ -88,7 +91,7 @@ def bench_call(rank, tp, c, dtype, reps, sets=2):
         ref = ref_t.float()
 
         def seq(i):
-            torch.matmul(xs[i % sets], ws_[i % sets].t() if layout == "nt" else ws_[i % sets], out=partial[i % sets])
+            torch.matmul(xs[i % sets], _op(ws_[i % sets], layout), out=partial[i % sets])
             dist.reduce_scatter_tensor(rs_out[i % sets], partial[i % sets], group=group)
         t["gemm_cublas"] = time_ms(lambda i: _matmul(xs[i % sets], ws_[i % sets], layout), reps=reps, group=group)
         t["sequential"] = time_ms(seq, reps=reps, group=group)
@@ -105,32 +108,26 @@ def bench_call(rank, tp, c, dtype, reps, sets=2):
 def run(rank, tp, args):
     dtype = getattr(torch, args.dtype)
     rows = [bench_call(rank, tp, c, dtype, args.reps) for c in layer_calls(args.hidden, args.ffn, args.seq, tp)]
-    if rank != 0:
-        return
-    flat = [{**{k: v for k, v in r.items() if k != "times_ms"}, **r["times_ms"]} for r in rows]
-    print_table(flat, [("name", "call", ""), ("m", "M", ""), ("k", "K", ""), ("n", "N", ""), ("layout", "layout", ""),
-                       ("gemm_cublas", "cuBLAS", ".3f"), ("sequential", "seq", ".3f"), ("fused", "fused", ".3f"),
-                       ("fused_over_gemm", "fused/cuBLAS", ".3f"), ("sequential_over_fused", "seq/fused", ".3f")])
     total = {k: sum(r["times_ms"][k] for r in rows) for k in ("gemm_cublas", "sequential", "fused")}
-    print(f"  sum over the calls: cuBLAS {total['gemm_cublas']:.3f} ms, sequential {total['sequential']:.3f} ms, "
-          f"fused {total['fused']:.3f} ms (fused/cuBLAS {total['fused'] / total['gemm_cublas']:.3f})", flush=True)
-    if args.out:
-        write_json(args.out, {**environment(tp), "method": OPERATOR_METHOD,
-                              "shape": {"hidden": args.hidden, "ffn": args.ffn, "seq": args.seq},
-                              "sum_ms": total, "results": rows})
+    if rank == 0:
+        print(f"  sum over the calls: cuBLAS {total['gemm_cublas']:.3f} ms, sequential {total['sequential']:.3f} ms, "
+              f"fused {total['fused']:.3f} ms (fused/cuBLAS {total['fused'] / total['gemm_cublas']:.3f})", flush=True)
+    report_operator_rows(rank, tp, rows, [("name", "call", ""), ("m", "M", ""), ("k", "K", ""), ("n", "N", ""),
+                                          ("layout", "layout", ""), ("gemm_cublas", "cuBLAS", ".3f"),
+                                          ("sequential", "seq", ".3f"), ("fused", "fused", ".3f"),
+                                          ("fused_over_gemm", "fused/cuBLAS", ".3f"),
+                                          ("sequential_over_fused", "seq/fused", ".3f")], args.out,
+                         extra={"shape": {"hidden": args.hidden, "ffn": args.ffn, "seq": args.seq}, "sum_ms": total})
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _layer_shape_args(ap) -> None:
     ap.add_argument("--hidden", type=int, default=8192)
     ap.add_argument("--ffn", type=int, default=28672)
     ap.add_argument("--seq", type=int, default=8192)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--nprocs", type=int, default=0, help="ranks (default: all visible GPUs)")
-    ap.add_argument("--out", default="")
-    args = ap.parse_args()
-    spawn_ranks(run, args.nprocs or torch.cuda.device_count(), args)
+
+
+def main():
+    operator_main(__doc__, None, run, add_arguments=_layer_shape_args)
 
 
 if __name__ == "__main__":

@@ -206,9 +206,8 @@ OPERATOR_METHOD = ("CUDA events around one call, GPU sleep + NCCL all-reduce bef
                    "after warm-up, max over ranks, 2 rotated random input sets")
 
 
-# Kernel configurations the operator benchmarks time side by side with the default one:
-# (tile configuration id, swizzle panel, stream-K tail).
-# name -> (tile, swizzle, stream_k): stream_k as the ops take it (tuning.stream_k_fill)
+# Kernel configurations the operator benchmarks time side by side with the default one: name -> (tile
+# configuration id, swizzle panel, stream-K tail as the ops take it, see tuning.stream_k_fill).
 KERNEL_VARIANTS = {"256x128_swz8_dp": (0, 8, False), "256x128_swz8_sk": (0, 8, True),
                    "128x256_swz16_dp": (1, 16, False), "128x256_swz16_sk": (1, 16, True)}
 
@@ -241,21 +240,27 @@ def time_kernel_variants(call, *, reps: int, group) -> dict[str, float]:
             for name, cfg in KERNEL_VARIANTS.items()}
 
 
-def report_operator_rows(rank: int, tp: int, rows: list[dict], columns: list[tuple[str, str, str]], out: str) -> None:
-    """Rank 0: print the per-shape table (times flattened next to the derived figures) and write the JSON."""
+def report_operator_rows(rank: int, tp: int, rows: list[dict], columns: list[tuple[str, str, str]], out: str,
+                         extra: dict | None = None) -> None:
+    """Rank 0: print the per-shape table (times flattened next to the derived figures) and write the JSON
+    (``extra``: more top-level fields, before the results)."""
     if rank != 0:
         return
     flat = [{**{k: v for k, v in r.items() if k != "times_ms"}, **r["times_ms"]} for r in rows]
     print_table(flat, columns)
     if out:
-        write_json(out, {**environment(tp), "method": OPERATOR_METHOD, "results": rows})
+        write_json(out, {**environment(tp), "method": OPERATOR_METHOD, **(extra or {}), "results": rows})
 
 
-def operator_main(doc: str, default_shapes: str, run) -> None:
-    """Command line shared by the operator benchmarks; ``run(rank, world, args)`` runs in every rank."""
+def operator_main(doc: str, default_shapes: str | None, run, add_arguments=None) -> None:
+    """Command line shared by the operator benchmarks; ``run(rank, world, args)`` runs in every rank.
+    ``default_shapes`` None: no --shapes option; ``add_arguments(parser)`` adds a benchmark's own options."""
     import argparse
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default=default_shapes, help="comma-separated MxKxN")
+    if default_shapes is not None:
+        ap.add_argument("--shapes", default=default_shapes, help="comma-separated MxKxN")
+    if add_arguments is not None:
+        add_arguments(ap)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--nprocs", type=int, default=0, help="ranks (default: all visible GPUs)")

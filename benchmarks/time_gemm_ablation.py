@@ -8,14 +8,13 @@ compare flux/cuBLAS ratios (cuBLAS anchors the machine's drift). Shapes are MxKx
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from statistics import median
 
 import torch
 
-from benchmarks.harness import commit, parse_shapes, time_interleaved
+from benchmarks.harness import environment, parse_shapes, time_interleaved, write_json
 
 
 def main():
@@ -33,11 +32,8 @@ def main():
                      "flux_over_cublas_time": t["flux"] / t["cublas"]})
         print(f"{m}x{k}x{n}: cublas {t['cublas']:.4f} flux {t['flux']:.4f} ratio {t['flux'] / t['cublas']:.3f}",
               flush=True)
-    with open(out, "w") as f:
-        json.dump({"commit": commit(), "ops_lib": os.environ.get("FLUX_LAYERS_OPS_LIB", "packaged"),
-                   "gpu": torch.cuda.get_device_name(), "command": " ".join(["python -m benchmarks.time_gemm_ablation"]
-                                                                         + sys.argv[1:]),
-                   "results": rows}, f, indent=2)
+    write_json(out, {**environment(1), "ops_lib": os.environ.get("FLUX_LAYERS_OPS_LIB", "packaged"),
+                     "results": rows})
 
 
 if __name__ == "__main__":

@@ -19,9 +19,10 @@ Megatron's ``finalize_model_grads`` all-reduces because the bias carries ``seque
 
 Nothing here reads tensor values on the host (no ``.item()``, no syncs, no data-dependent branches): forward and
 backward capture into one CUDA graph and trace into one torch.compile graph (tests/gpu/test_layers_gpu.py). The
-fused ops trace as opaque nodes (flux_layers/ops/_traceable.py) but do not capture: under CUDA-graph capture the
-dispatcher takes the NCCL path. Under torch.compile the backward collectives that
-otherwise run asynchronously under a GEMM are issued synchronously (Dynamo does not trace ``async_op=True``).
+fused ops trace as opaque nodes (flux_layers/ops/_traceable.py) and capture on their workspaces' CUDA-graph twins
+once CUDA graphs are enabled (flux_layers/runtime/workspace.py); otherwise a capture takes the NCCL path. Under
+torch.compile the backward collectives that otherwise run asynchronously under a GEMM are issued synchronously
+(Dynamo does not trace ``async_op=True``).
 """
 from __future__ import annotations
 

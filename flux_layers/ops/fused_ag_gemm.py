@@ -8,8 +8,8 @@
 | gathered (optional) | [M, K] | the gathered input, copied out under the GEMM's tail |
 
 The copy engines move the peers' shards in chunks (csrc/runtime/ag_gemm.cpp), each chunk followed by a flag
-(epoch-valued; under CUDA-graph capture the workspace's twin with the graph protocol, runtime/workspace.py); the persistent GEMM starts on its own shard at once and, per tile, waits on the flag of the chunk its A
-tile reads. Direction (pull/push) from FLUX_LAYERS_AG_MODE, order (mesh/ring) from the topology or
+(epoch-valued; under CUDA-graph capture, the workspace's twin with the reset protocol, runtime/workspace.py); the
+persistent GEMM starts on its own shard at once and, per tile, waits on the flag of the chunk its A tile reads. Direction (pull/push) from FLUX_LAYERS_AG_MODE, order (mesh/ring) from the topology or
 FLUX_LAYERS_AG_ORDER, chunk rows from FLUX_LAYERS_CHUNK_ROWS or schedules.default_rows_per_chunk.
 """
 from __future__ import annotations
