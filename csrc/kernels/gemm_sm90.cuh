@@ -7,13 +7,14 @@
 //              CUTLASS's sm90 TMA/GMMA collective mainloop, then this file's epilogue)
 //   epilogue : accumulators -> bf16/fp16 sub-tile in shared memory (stmatrix, one per 16 x 16 block of a warp's
 //              fragment; TMA's 128-byte swizzle, conflict-free; 128 x 256 tiles have a buffer per sub-tile) ->
-//              one TMA store per sub-tile, draining under the next tile's mainloop (GEMM, AllGather, and the
-//              ReduceScatter tiles of a peer's rows). A ReduceScatter tile for a peer goes to the peer's receive
-//              slot (NVLink P2P) and is followed by a release flag in the peer's memory (direct transport), or
-//              goes to a local staging area and is counted into its chunk, which the host-side copy engine moves
-//              and flags (copy-engine transport); flag and count wait for the stores to complete and are
-//              deferred by a tile. A tile of own rows first waits for the peers' flags of its chunk, then reads
-//              the staged sub-tile with 16-byte SIMT loads, sums the peers' partials in a fixed order and stores.
+//              one TMA store per sub-tile, draining under the next tile's mainloop. A ReduceScatter tile for a
+//              peer goes to the peer's receive slot (NVLink P2P) and is followed by a release flag in the peer's
+//              memory (direct transport), or goes to a local staging area and is counted into its chunk, which
+//              the host-side copy engine moves and flags (copy-engine transport); flag and count wait for the
+//              stores to complete and are deferred by a tile. A tile of own rows first waits for the peers'
+//              flags of its chunk, TMA-loads each peer's partial sub-tile into the sub-tile's buffer, adds it
+//              to the fp32 accumulators (ldmatrix, the inverse of the staging stmatrix) in rank order, then
+//              stages and stores like any tile.
 //   tail     : stream-K (tile_schedule.cuh StreamK; 128 x 256 tiles): the items of a last, partial wave are
 //              split along K over every cluster; a segment without k = 0 stores its fp32 accumulators to the
 //              split workspace and flags them, the segment with k = 0 adds them in cluster order (same bits
@@ -82,6 +83,11 @@ struct GemmConfig {
                                         make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)),
                                                     make_shape(int(0), int(0)), Stride<int64_t, _1>{}),
                                         EpiSmemLayout{}));
+  // A peer's partial of a ReduceScatter's own rows, loaded a sub-tile at a time into an epilogue buffer.
+  using LoadPartial = decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                             make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                                         make_shape(int(0), int(0)), Stride<int64_t, _1>{}),
+                                             EpiSmemLayout{}));
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
@@ -100,7 +106,8 @@ struct KernelParams {
   typename Cfg::Mainloop::Params mainloop_own;  // A: own rows [Mg, K, 1]; B: W (used for every tile)
   GemmProblem prob;
   TileSchedule sched;
-  typename Cfg::StoreD store_d[kMaxGroups];  // TMA store of group g's destination (not ReduceScatter's own rows)
+  typename Cfg::StoreD store_d[kMaxGroups];  // TMA store of group g's destination
+  typename Cfg::LoadPartial load_partial[kMaxGroups];  // ReduceScatter: TMA load of prob.rs_partials[s]
   StreamK split;
   uint32_t* split_flags;  // [CTAs] (valid when split.active())
   float4* split_partials; // [CTAs][kTileM * kTileN / 4]
@@ -140,8 +147,6 @@ struct GemmKernel {
   static constexpr uint32_t kMmaRegs = kRegisterSlack ? 224 : 232;
   static_assert(kLoadRegs * 128 + kMmaRegs * kMmaThreads <= 168 * kThreads, "register pool exceeded");
   static constexpr bool kSplitCapable = kRegisterSlack;
-  static constexpr int kPartialBatch = kRegisterSlack ? 2 : 1;  // see epilogue()
-  static_assert(kTileM * (kEpiCols / 8) / kMmaThreads % kPartialBatch == 0, "batches must divide a thread's chunks");
   static constexpr int kEpiBuffers = Cfg::kEpiBuffers;
   static constexpr int kEpiTileElems = kTileM * kEpiCols;
   static_assert(kEpiBuffers == 1 || kEpiBuffers == kTileN / kEpiCols, "one buffer, or one per sub-tile");
@@ -151,8 +156,12 @@ struct GemmKernel {
     typename Mainloop::TensorStorage mainloop;                   // aligned to 128 bytes by its type
     alignas(1024) Element epi[kEpiBuffers * kEpiTileElems];      // epilogue sub-tile buffers (TMA swizzle period)
     alignas(16) typename Mainloop::PipelineStorage pipeline;
+    // ReduceScatter own rows: buffer b holds a peer's partial sub-tile once partial_full[b] completes a phase
+    // (one arrival with the TMA load's byte count).
+    alignas(8) uint64_t partial_full[kEpiBuffers];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one sm90 CTA exceeded");
 
   // Row r, column c (< kEpiCols) of the epilogue sub-tile. 16-byte chunks are XOR-swizzled by row so that
   // both the stmatrix writes (eight consecutive rows, one 16-byte chunk each) and the 16-byte row reads are
@@ -178,6 +187,21 @@ struct GemmKernel {
     asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(smem_addr), "r"(r0),
                  "r"(r1), "r"(r2), "r"(r3)
                  : "memory");
+  }
+
+  // The inverse of stmatrix_x4 with the same lane addresses: register q receives the lane's two columns of
+  // matrix q, i.e. the values stmatrix_x4 would have taken from it.
+  CUTLASS_DEVICE static void ldmatrix_x4(uint32_t smem_addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(smem_addr)
+                 : "memory");
+  }
+
+  CUTLASS_DEVICE static float2 unpack2(uint32_t packed) {
+    Element e[2];
+    memcpy(e, &packed, sizeof(packed));
+    return make_float2(float(e[0]), float(e[1]));
   }
 
   // ---------------------------------------------------------------- producer: TMA loads of one tile
@@ -324,10 +348,11 @@ struct GemmKernel {
     if (pending.group < 0) return;
     if (mma_thread_idx == 0) {
       // The tile went out as TMA stores issued by this thread: wait until they are complete (not only read
-      // out of shared memory), order them before this thread's generic-proxy release, then publish.
+      // out of shared memory), order them before this thread's generic-proxy release, then publish. The
+      // system-scope release orders them before the flag by itself; a separate fence before it measured 1-3%
+      // slower on the large shapes.
       asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
       asm volatile("fence.proxy.async.global;" ::: "memory");
-      __threadfence_system();
       if (p.rs_stage_counters != nullptr) {
         red_add_release_sys(p.rs_stage_counters + int64_t(pending.group) * p.rs_flags_per_source + pending.index, 1u);
       } else {
@@ -351,9 +376,30 @@ struct GemmKernel {
     }
   }
 
+  // Own rows of a ReduceScatter: TMA-load sub-tiles [sub_begin, sub_end) of partial s into their epilogue buffers
+  // (one consumer thread; the buffers' previous TMA stores have been read out and its readers are past a barrier).
+  CUTLASS_DEVICE static void load_partial_subtiles(Params const& params, TileCoord t, int s, int sub_begin,
+                                                   int sub_end, SharedStorage& ss) {
+    GemmProblem const& p = params.prob;
+    auto const& load = params.load_partial[s];
+    Tensor mP = load.get_tma_tensor(make_shape(p.rows_per_group, p.n));
+    auto cta_load = load.get_slice(Int<0>{});
+    for (int sub = sub_begin; sub < sub_end; ++sub) {
+      int const buf = sub % kEpiBuffers;
+      uint64_t* full = &ss.partial_full[buf];
+      // Rows and columns past the group's edge arrive as zeros and still count towards the bytes.
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, kEpiTileElems * int(sizeof(Element)));
+      Tensor gP = local_tile(mP, Shape<Int<kTileM>, Int<kEpiCols>>{},
+                             make_coord(t.m, t.n * (kTileN / kEpiCols) + sub));
+      Tensor sP = make_tensor(make_smem_ptr(ss.epi + buf * kEpiTileElems), typename Cfg::EpiSmemLayout{});
+      copy(load.with(*full), cta_load.partition_S(gP), cta_load.partition_D(sP));
+    }
+  }
+
   template <class Accum>
-  CUTLASS_DEVICE static void epilogue(Params const& params, TileCoord t, Accum const& accum, int mma_thread_idx,
-                                      SharedStorage& ss, uint32_t& consumed_seen, PendingSignal& pending) {
+  CUTLASS_DEVICE static void epilogue(Params const& params, TileCoord t, Accum& accum, int mma_thread_idx,
+                                      SharedStorage& ss, uint32_t& consumed_seen, PendingSignal& pending,
+                                      uint32_t& partial_phase) {
     GemmProblem const& p = params.prob;
     int const row0 = t.m * kTileM;
     int const col0 = t.n * kTileN;
@@ -363,9 +409,9 @@ struct GemmKernel {
     bool const reduce = is_rs && t.group == p.rs_own_group;   // own rows: sum peers' partials
     bool const to_peer = is_rs && !reduce;                   // partial for a peer: signal afterwards
     bool const add_bias = p.bias != nullptr && (!is_rs || reduce);
-    Element* dst = static_cast<Element*>(p.d[t.group]);
     int const flag_index = is_rs ? rs_chunk_index(t.m, t.n, p.rs_chunk_tiles_m, p.rs_chunk_tiles_n, p.rs_chunks_n) : 0;
     bool const direct = p.rs_stage_counters == nullptr;  // else the copy engine waits for the slot's release
+    constexpr int kSubTiles = kTileN / kEpiCols;
 
     if (mma_thread_idx == 0) {
       if (to_peer && direct && p.rs_consumed != nullptr && !(consumed_seen & (1u << t.group))) {
@@ -376,6 +422,8 @@ struct GemmKernel {
       if (reduce) {
         for (int i = 0; i < p.rs_num_partials; ++i)
           wait_flag(p.rs_partial_flags[i] + flag_index, p.epoch, p, kTileTimeout, i * (1 << 24) + flag_index);
+        // The partials were written by a peer or a copy engine; the TMA loads below read through the async proxy.
+        asm volatile("fence.proxy.async.global;" ::: "memory");
       }
     }
 
@@ -389,44 +437,67 @@ struct GemmKernel {
     int const c_base = get<1>(tCcD(0));
     Element const* bias = static_cast<Element const*>(p.bias);
 
-    // 16-byte row chunks of a sub-tile: 8 per sub-tile row, kTileM rows, kIters per consumer thread.
-    constexpr int kChunks = kTileM * (kEpiCols / 8);
-    constexpr int kIters = kChunks / kMmaThreads;
-    auto chunk_row = [&](int it) { return (it * kMmaThreads + mma_thread_idx) / (kEpiCols / 8); };
-    auto chunk_col = [&](int it) { return (it * kMmaThreads + mma_thread_idx) % (kEpiCols / 8); };
-    // Output row and column of this thread's chunk `it` of sub-tile `sub`, and whether it holds data.
-    auto chunk_at = [&](int it, int sub, int& grow, int& gcol) {
-      grow = row0 + chunk_row(it);
-      gcol = col0 + sub * kEpiCols + chunk_col(it) * 8;
-      return grow < p.rows_per_group && gcol < p.n;
-    };
-    auto partial_at = [&](int s, int grow, int gcol) {
-      return reinterpret_cast<uint4 const*>(static_cast<Element const*>(p.rs_partials[s]) + int64_t(grow) * p.ldd +
-                                            gcol);
-    };
-
     // The wgmma accumulator fragment comes in runs of 8 that make one warp-wide 16 x 16 block: values
     // (i, i+1) are columns (c, c+1) of row r, (i+2, i+3) the same columns of row r+8, (i+4 .. i+7) the same
-    // again 8 columns right. Checked at compile time below; it is what lets stmatrix stage a block at once.
+    // again 8 columns right. Checked at compile time below; it is what lets stmatrix stage a block at once (and
+    // ldmatrix read one back into the same registers).
     int const lane = mma_thread_idx % 32;
     int const warp_row0 = r_base - lane / 4;  // the warp's block origin before the compile-time offsets
     int const warp_col0 = c_base - 2 * (lane % 4);
     int const lane_row = (lane % 8) + 8 * ((lane / 8) % 2);  // the row (in a block) whose address lane gives
     int const lane_col = 8 * (lane / 16);
 
-    cute::for_each(make_int_sequence<kTileN / kEpiCols>{}, [&](auto j) {
+    cute::for_each(make_int_sequence<kSubTiles>{}, [&](auto j) {
       constexpr int kSub = decltype(j)::value;
-      Element* epi = ss.epi + (kSub % kEpiBuffers) * kEpiTileElems;
+      constexpr int kBuf = kSub % kEpiBuffers;
+      Element* epi = ss.epi + kBuf * kEpiTileElems;
       uint32_t const epi_smem = uint32_t(__cvta_generic_to_shared(epi));
+      // Shared-memory address of this lane's row of the warp's block at compile-time offset (r_off, c_off).
+      auto block_addr = [&](int r_off, int c_off) {
+        int const row = warp_row0 + r_off + lane_row;
+        int const col = warp_col0 + c_off - kSub * kEpiCols + lane_col;
+        return epi_smem + uint32_t(epi_offset(row, col) * int(sizeof(Element)));
+      };
       // Before a buffer is written again: its TMA store must have read it (thread 0 issued them all; with a
-      // buffer per sub-tile the last one went out a whole mainloop ago), and its SIMT readers (ReduceScatter)
-      // must be done, which they are once every thread passed the tile's first barrier. That barrier also
-      // orders thread 0's flag waits above and the pending tile's stores (flush_signal) before what follows.
+      // buffer per sub-tile the last one went out a whole mainloop ago). Own rows then load the first peer's
+      // partial into it (into all buffers at once when there is one per sub-tile). The barrier also orders
+      // thread 0's flag waits above and the pending tile's stores (flush_signal) before what follows.
       if constexpr (kEpiBuffers == 1 || kSub == 0) {
-        if (mma_thread_idx == 0) cute::tma_store_wait<0>();
+        if (mma_thread_idx == 0) {
+          cute::tma_store_wait<0>();
+          if (reduce) load_partial_subtiles(params, t, 0, kSub, kEpiBuffers == 1 ? kSub + 1 : kSubTiles, ss);
+        }
         epi_barrier();
       }
       if constexpr (kSub == 0) flush_signal(p, pending, mma_thread_idx);
+      if (reduce) {
+        // Own rows: add the peers' partials of this sub-tile to the accumulators in rank order (the same bits on
+        // every run); each lane reads back exactly the elements it stages below.
+        for (int s = 0; s < p.rs_num_partials; ++s) {
+          if (s > 0) {  // the next partial replaces this one in the buffer once every thread has read it
+            epi_barrier();
+            if (mma_thread_idx == 0) load_partial_subtiles(params, t, s, kSub, kSub + 1, ss);
+          }
+          cutlass::arch::ClusterTransactionBarrier::wait(&ss.partial_full[kBuf], (partial_phase >> kBuf) & 1u);
+          partial_phase ^= 1u << kBuf;
+          cute::for_each(make_int_sequence<decltype(size(accum))::value / 8>{}, [&](auto b) {
+            constexpr int i = decltype(b)::value * 8;
+            auto o = tCcD.layout()(Int<i>{});
+            constexpr int r_off = decltype(get<0>(o))::value;
+            constexpr int c_off = decltype(get<1>(o))::value;
+            if constexpr (c_off / kEpiCols == kSub) {
+              uint32_t q[4];
+              ldmatrix_x4(block_addr(r_off, c_off), q[0], q[1], q[2], q[3]);
+              CUTLASS_PRAGMA_UNROLL
+              for (int u = 0; u < 4; ++u) {
+                float2 const f = unpack2(q[u]);
+                accum(i + 2 * u) += f.x;
+                accum(i + 2 * u + 1) += f.y;
+              }
+            }
+          });
+        }
+      }
       cute::for_each(make_int_sequence<decltype(size(accum))::value / 8>{}, [&](auto b) {
         constexpr int i = decltype(b)::value * 8;
         auto o = tCcD.layout()(Int<i>{});
@@ -450,82 +521,29 @@ struct GemmKernel {
             float b8 = gc + 8 < p.n ? float(bias[gc + 8]) : 0.f, b9 = gc + 9 < p.n ? float(bias[gc + 9]) : 0.f;
             v[0] += b0, v[1] += b1, v[2] += b0, v[3] += b1, v[4] += b8, v[5] += b9, v[6] += b8, v[7] += b9;
           }
-          int const row = warp_row0 + r_off + lane_row;
-          int const col = warp_col0 + c_off - kSub * kEpiCols + lane_col;
-          stmatrix_x4(epi_smem + uint32_t(epi_offset(row, col) * int(sizeof(Element))),
-                      pack2(v[0], v[1]), pack2(v[2], v[3]), pack2(v[4], v[5]), pack2(v[6], v[7]));
+          stmatrix_x4(block_addr(r_off, c_off), pack2(v[0], v[1]), pack2(v[2], v[3]), pack2(v[4], v[5]),
+                      pack2(v[6], v[7]));
         }
       });
-      if (!reduce) {
-        // The whole sub-tile in one TMA store, which drains while the consumers move on; rows and columns past
-        // the group's edge are clipped. A ReduceScatter tile for a peer is flagged (or counted) only once its
-        // stores completed (flush_signal, deferred by a tile).
-        cute::tma_store_fence();  // this thread's stmatrix writes, visible to the TMA unit
-        epi_barrier();
-        if (mma_thread_idx == 0) {
-          auto const& store = params.store_d[t.group];
-          Tensor mD = store.get_tma_tensor(make_shape(p.rows_per_group, p.n));
-          Tensor gD = local_tile(mD, Shape<Int<kTileM>, Int<kEpiCols>>{},
-                                 make_coord(t.m, t.n * (kTileN / kEpiCols) + kSub));
-          Tensor sD = make_tensor(make_smem_ptr(epi), typename Cfg::EpiSmemLayout{});
-          auto cta_store = store.get_slice(Int<0>{});
-          copy(store, cta_store.partition_S(sD), cta_store.partition_D(gD));
-          cute::tma_store_arrive();
-        }
-        return;
-      }
-      // Own rows of a ReduceScatter: 16-byte SIMT loads of the staged sub-tile and of the peers' partials, summed
-      // and stored to the output.
+      // The whole sub-tile in one TMA store, which drains while the consumers move on; rows and columns past
+      // the group's edge are clipped. A ReduceScatter tile for a peer is flagged (or counted) only once its
+      // stores completed (flush_signal, deferred by a tile).
+      cute::tma_store_fence();  // this thread's stmatrix writes, visible to the TMA unit
       epi_barrier();
-
-      // Own rows: the first peer's partial is loaded kPartialBatch chunks at a time (one memory latency per
-      // batch instead of one per chunk: the stores in between would otherwise keep the loads apart). After the
-      // staging, where this sub-tile's accumulators are dead, so the registers are free; a larger batch spills.
-      [[maybe_unused]] uint4 first_partial[kPartialBatch];
-      CUTLASS_PRAGMA_UNROLL
-      for (int it = 0; it < kIters; ++it) {
-        int const r = chunk_row(it);
-        int const ch = chunk_col(it);
-        int grow, gcol;
-        bool const in_range = chunk_at(it, kSub, grow, gcol);
-        if constexpr (kPartialBatch > 1) {
-          if (reduce && it % kPartialBatch == 0) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int b = 0; b < kPartialBatch; ++b) {
-              int brow, bcol;
-              if (chunk_at(it + b, kSub, brow, bcol)) first_partial[b] = __ldcg(partial_at(0, brow, bcol));
-            }
-          }
-        }
-        if (in_range) {
-          uint4 v = *reinterpret_cast<uint4 const*>(epi + r * kEpiCols + ((ch ^ (r & 7)) << 3));
-          if (reduce) {
-            Element* ve = reinterpret_cast<Element*>(&v);
-            float acc[8];
-            CUTLASS_PRAGMA_UNROLL
-            for (int e = 0; e < 8; ++e) acc[e] = float(ve[e]);
-            for (int s = 0; s < p.rs_num_partials; ++s) {  // fixed order: deterministic sum
-              uint4 pv;
-              if constexpr (kPartialBatch > 1) {
-                pv = s == 0 ? first_partial[it % kPartialBatch] : __ldcg(partial_at(s, grow, gcol));
-              } else {
-                pv = __ldcg(partial_at(s, grow, gcol));
-              }
-              Element const* pe = reinterpret_cast<Element const*>(&pv);
-              CUTLASS_PRAGMA_UNROLL
-              for (int e = 0; e < 8; ++e) acc[e] += float(pe[e]);
-            }
-            CUTLASS_PRAGMA_UNROLL
-            for (int e = 0; e < 8; ++e) ve[e] = Element(acc[e]);
-          }
-          *reinterpret_cast<uint4*>(dst + int64_t(grow) * p.ldd + gcol) = v;
-        }
+      if (mma_thread_idx == 0) {
+        auto const& store = params.store_d[t.group];
+        Tensor mD = store.get_tma_tensor(make_shape(p.rows_per_group, p.n));
+        Tensor gD = local_tile(mD, Shape<Int<kTileM>, Int<kEpiCols>>{},
+                               make_coord(t.m, t.n * (kTileN / kEpiCols) + kSub));
+        Tensor sD = make_tensor(make_smem_ptr(epi), typename Cfg::EpiSmemLayout{});
+        auto cta_store = store.get_slice(Int<0>{});
+        copy(store, cta_store.partition_S(sD), cta_store.partition_D(gD));
+        cute::tma_store_arrive();
       }
     });
 
     if (to_peer) {
-      // Release (deferred): every consumer thread's stores to the peer are ordered before the flag by the next
-      // consumer barrier and thread 0's system-scope fence in flush_signal.
+      // Release (deferred): flush_signal waits for the tile's TMA stores to complete before the flag.
       pending.group = t.group;
       pending.index = flag_index;
     }
@@ -560,6 +578,10 @@ struct GemmKernel {
     pipeline_params.num_producers = Mainloop::NumProducerThreadEvents;
     pipeline_params.transaction_bytes = params.mainloop_own.tma_transaction_bytes;
     MainloopPipeline pipeline(ss.pipeline, pipeline_params, ClusterShape{});
+    if (warp_idx == 0 && lane_predicate) {
+      for (int b = 0; b < kEpiBuffers; ++b) cutlass::arch::ClusterTransactionBarrier::init(&ss.partial_full[b], 1);
+      cutlass::arch::fence_barrier_init();
+    }
 
     // Barrier initialisation must be visible to the whole cluster before anyone arrives on a barrier.
     if constexpr (size(ClusterShape{}) > 1) {
@@ -595,6 +617,7 @@ struct GemmKernel {
       Mainloop collective;
       TiledMma tiled_mma;
       uint32_t consumed_seen = 0;
+      uint32_t partial_phase = 0;  // bit b: parity of partial_full[b]'s next phase
       PendingSignal pending;
       Segment seg;
       for (SegmentCursor cur = params.split.begin(cluster_id, num_clusters); params.split.next(cur, seg);) {
@@ -605,8 +628,8 @@ struct GemmKernel {
         }
         if constexpr (kRegisterSlack) {
           // Own rows of a ReduceScatter: pull the peers' partials of this tile into L2 under its mainloop, so the
-          // epilogue's loads hit L2. Safe before their flags are seen: every write to this GPU's memory, local,
-          // copy engine or NVLink peer, lands in its L2, and the epilogue's loads bypass L1.
+          // epilogue's TMA loads hit L2. Safe before their flags are seen: every write to this GPU's memory,
+          // local, copy engine or NVLink peer, lands in its L2, and TMA loads read through L2.
           if (t.group == p.rs_own_group && seg.k_begin == 0 && t.m * kTileM < p.rows_per_group)
             prefetch_partials(p, t.m * kTileM, t.n * kTileN, mma_thread_idx);
         }
@@ -625,7 +648,7 @@ struct GemmKernel {
                          mma_thread_idx);
           }
         }
-        epilogue(params, t, accum, mma_thread_idx, ss, consumed_seen, pending);
+        epilogue(params, t, accum, mma_thread_idx, ss, consumed_seen, pending, partial_phase);
       }
       if (pending.group >= 0) {
         epi_barrier();
@@ -745,12 +768,20 @@ struct Launcher {
     params.mainloop_own = Mainloop::to_underlying_arguments(
         make_shape(prob.rows_per_group, prob.n, prob.k, 1), args_own, nullptr);
 
-    for (int g = 0; g < prob.num_groups; ++g) {  // ReduceScatter: own rows are stored by SIMT, not TMA
+    for (int g = 0; g < prob.num_groups; ++g) {
       FLUX_CHECK(prob.d[g] != nullptr, "group ", g, " has no destination");
-      if (g == prob.rs_own_group) continue;
       Tensor mD = make_tensor(make_gmem_ptr(static_cast<Element*>(prob.d[g])),
                               make_shape(prob.rows_per_group, prob.n), make_stride(prob.ldd, Int<1>{}));
       params.store_d[g] = make_tma_copy(SM90_TMA_STORE{}, mD, typename Cfg::EpiSmemLayout{});
+    }
+    if (prob.rs_own_group >= 0) {
+      FLUX_CHECK(prob.rs_num_partials >= 1 && prob.rs_num_partials < kMaxGroups, "reduce-scatter with ",
+                 prob.rs_num_partials, " partials");
+      for (int s = 0; s < prob.rs_num_partials; ++s) {  // laid out like the destinations: [Mg, N], ldd
+        Tensor mP = make_tensor(make_gmem_ptr(static_cast<Element const*>(prob.rs_partials[s])),
+                                make_shape(prob.rows_per_group, prob.n), make_stride(prob.ldd, Int<1>{}));
+        params.load_partial[s] = make_tma_copy(SM90_TMA_LOAD{}, mP, typename Cfg::EpiSmemLayout{});
+      }
     }
 
     int clusters = max_resident_clusters(device);
