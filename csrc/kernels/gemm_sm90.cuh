@@ -11,9 +11,10 @@
 //              peer goes to the peer's receive slot (NVLink P2P) and is followed by a release flag in the peer's
 //              memory (direct transport), or goes to a local staging area and is counted into its chunk, which
 //              the host-side copy engine moves and flags (copy-engine transport); flag and count wait for the
-//              stores to complete and are deferred by a tile. A tile of own rows first waits for the peers'
-//              flags of its chunk, TMA-loads each peer's partial sub-tile into the sub-tile's buffer, adds it
-//              to the fp32 accumulators (ldmatrix, the inverse of the staging stmatrix) in rank order, then
+//              stores to complete and are deferred by a tile. A tile of own rows waits for the peers' flags of
+//              its chunk and TMA-loads the first peer's partial into the sub-tile buffers (128 x 256 tiles:
+//              before its mainloop, so the loads run under it; else in the epilogue), adds each peer's partial
+//              to the fp32 accumulators in rank order (ldmatrix, the inverse of the staging stmatrix), then
 //              stages and stores like any tile.
 //   tail     : stream-K (tile_schedule.cuh StreamK; 128 x 256 tiles): the items of a last, partial wave are
 //              split along K over every cluster; a segment without k = 0 stores its fp32 accumulators to the
@@ -137,8 +138,7 @@ struct GemmKernel {
   static_assert(kTileN % kEpiCols == 0, "epilogue sub-tiles must divide the tile");
   static_assert(kTileM * kTileN <= kSplitTileFloats, "split workspace sized for 32768 accumulators per CTA");
   // Only 128 x 256 tiles leave the consumers registers to spare: with 256 x 128 tiles the stream-K partial
-  // adds or the partials' prefetch make ptxas spill, and the whole kernel ran ~8% slower. Both are built for
-  // 128 x 256 tiles only.
+  // adds made ptxas spill, and the whole kernel ran ~8% slower. The tail is built for 128 x 256 tiles only.
   static constexpr bool kRegisterSlack = kTileM == 128;
   // Registers per thread after setmaxnreg (the CTA's pool is 168 x 384). 128 x 256 tiles: the producer warp group
   // gets 56, the consumers 224, which they fit without spilling. Against 40 / 232 it measured within one run's
@@ -362,18 +362,13 @@ struct GemmKernel {
     pending.group = -1;
   }
 
-  // Own rows of a ReduceScatter: pull the whole tile of every partial into L2 at once (see the consumer loop).
-  CUTLASS_DEVICE static void prefetch_partials(GemmProblem const& p, int row0, int col0, int mma_thread_idx) {
-    constexpr int kLinesPerRow = kTileN * int(sizeof(Element)) / 128;
-    for (int s = 0; s < p.rs_num_partials; ++s) {
-      Element const* base = static_cast<Element const*>(p.rs_partials[s]);
-      for (int l = mma_thread_idx; l < kTileM * kLinesPerRow; l += kMmaThreads) {
-        int grow = row0 + l / kLinesPerRow;
-        int gcol = col0 + (l % kLinesPerRow) * (128 / int(sizeof(Element)));
-        if (grow < p.rows_per_group && gcol < p.n)
-          asm volatile("prefetch.global.L2 [%0];" ::"l"(base + int64_t(grow) * p.ldd + gcol));
-      }
-    }
+  // Own rows of a ReduceScatter: wait until every peer's partial of tile t has landed here (one consumer thread).
+  CUTLASS_DEVICE static void wait_partial_flags(GemmProblem const& p, TileCoord t) {
+    int const flag_index = rs_chunk_index(t.m, t.n, p.rs_chunk_tiles_m, p.rs_chunk_tiles_n, p.rs_chunks_n);
+    for (int i = 0; i < p.rs_num_partials; ++i)
+      wait_flag(p.rs_partial_flags[i] + flag_index, p.epoch, p, kTileTimeout, i * (1 << 24) + flag_index);
+    // The partials were written by a peer or a copy engine; the TMA loads that follow read through the async proxy.
+    asm volatile("fence.proxy.async.global;" ::: "memory");
   }
 
   // Own rows of a ReduceScatter: TMA-load sub-tiles [sub_begin, sub_end) of partial s into their epilogue buffers
@@ -399,7 +394,7 @@ struct GemmKernel {
   template <class Accum>
   CUTLASS_DEVICE static void epilogue(Params const& params, TileCoord t, Accum& accum, int mma_thread_idx,
                                       SharedStorage& ss, uint32_t& consumed_seen, PendingSignal& pending,
-                                      uint32_t& partial_phase) {
+                                      uint32_t& partial_phase, bool partials_loading) {
     GemmProblem const& p = params.prob;
     int const row0 = t.m * kTileM;
     int const col0 = t.n * kTileN;
@@ -419,12 +414,7 @@ struct GemmKernel {
         wait_flag(p.rs_consumed + t.group, p.epoch - 1, p, kConsumedTimeout, t.group);
         consumed_seen |= 1u << t.group;
       }
-      if (reduce) {
-        for (int i = 0; i < p.rs_num_partials; ++i)
-          wait_flag(p.rs_partial_flags[i] + flag_index, p.epoch, p, kTileTimeout, i * (1 << 24) + flag_index);
-        // The partials were written by a peer or a copy engine; the TMA loads below read through the async proxy.
-        asm volatile("fence.proxy.async.global;" ::: "memory");
-      }
+      if (reduce && !partials_loading) wait_partial_flags(p, t);
     }
 
     TiledMma tiled_mma;
@@ -465,7 +455,8 @@ struct GemmKernel {
       if constexpr (kEpiBuffers == 1 || kSub == 0) {
         if (mma_thread_idx == 0) {
           cute::tma_store_wait<0>();
-          if (reduce) load_partial_subtiles(params, t, 0, kSub, kEpiBuffers == 1 ? kSub + 1 : kSubTiles, ss);
+          if (reduce && !partials_loading)
+            load_partial_subtiles(params, t, 0, kSub, kEpiBuffers == 1 ? kSub + 1 : kSubTiles, ss);
         }
         epi_barrier();
       }
@@ -626,12 +617,19 @@ struct GemmKernel {
           epi_barrier();
           flush_signal(p, pending, mma_thread_idx);
         }
-        if constexpr (kRegisterSlack) {
-          // Own rows of a ReduceScatter: pull the peers' partials of this tile into L2 under its mainloop, so the
-          // epilogue's TMA loads hit L2. Safe before their flags are seen: every write to this GPU's memory,
-          // local, copy engine or NVLink peer, lands in its L2, and TMA loads read through L2.
-          if (t.group == p.rs_own_group && seg.k_begin == 0 && t.m * kTileM < p.rows_per_group)
-            prefetch_partials(p, t.m * kTileM, t.n * kTileN, mma_thread_idx);
+        // Own rows of a ReduceScatter with a buffer per sub-tile: thread 0 loads the first peer's partial into the
+        // epilogue buffers now, so the loads run under the mainloop. Its warp group waits meanwhile (for the
+        // previous tile's stores to leave the buffers, and for the flags), while the other one goes ahead.
+        bool partials_loading = false;
+        if constexpr (kEpiBuffers == kTileN / kEpiCols) {
+          if (t.group == p.rs_own_group && seg.k_begin == 0 && t.m * kTileM < p.rows_per_group) {
+            if (mma_thread_idx == 0) {
+              cute::tma_store_wait<0>();
+              wait_partial_flags(p, t);
+              load_partial_subtiles(params, t, 0, 0, kTileN / kEpiCols, ss);
+            }
+            partials_loading = true;
+          }
         }
         int const k_count = seg.k_end - seg.k_begin;
         Tensor accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
@@ -648,7 +646,7 @@ struct GemmKernel {
                          mma_thread_idx);
           }
         }
-        epilogue(params, t, accum, mma_thread_idx, ss, consumed_seen, pending, partial_phase);
+        epilogue(params, t, accum, mma_thread_idx, ss, consumed_seen, pending, partial_phase, partials_loading);
       }
       if (pending.group >= 0) {
         epi_barrier();
