@@ -332,18 +332,20 @@ struct GemmKernel {
   }
 
   // ---------------------------------------------------------------- consumer epilogue
-  // ReduceScatter signals are deferred by one tile: the flag of a tile sent to a peer is raised after the next
-  // tile's mainloop, when its stores have long drained, so the system-scope fence costs nothing. Raising it
-  // at once would stall the consumer warps for an NVLink round trip per tile. Own-row tiles (which wait on
-  // the peers' flags) flush first, so no rank waits on a flag another rank still holds back.
+  // ReduceScatter signals are deferred by one tile: the flag of a tile sent to a peer is raised at the end of the
+  // next tile's epilogue, when its stores have long drained. Raising it at once would stall the consumer warps
+  // for an NVLink round trip per tile. Own-row tiles (which wait on the peers' flags) flush first, so no rank
+  // waits on a flag another rank still holds back.
   struct PendingSignal {
     int group = -1;
     int index = 0;
   };
 
-  // Called by all consumer threads after a consumer barrier that follows the pending tile's stores. Direct
-  // stores: raise the tile's flag at the peer. Copy-engine transport: count the tile into its chunk, which the
-  // copy engine moves once complete.
+  // Called by all consumer threads; thread 0, which issued the pending tile's stores, acts. Direct stores: raise
+  // the tile's flag at the peer. Copy-engine transport: count the tile into its chunk, which the copy engine
+  // moves once complete.
+  // kNewerGroups: TMA-store groups thread 0 committed after the pending tile's (they may stay in flight).
+  template <int kNewerGroups = 0>
   CUTLASS_DEVICE static void flush_signal(GemmProblem const& p, PendingSignal& pending, int mma_thread_idx) {
     if (pending.group < 0) return;
     if (mma_thread_idx == 0) {
@@ -351,7 +353,7 @@ struct GemmKernel {
       // out of shared memory), order them before this thread's generic-proxy release, then publish. The
       // system-scope release orders them before the flag by itself; a separate fence before it measured 1-3%
       // slower on the large shapes.
-      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+      asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kNewerGroups) : "memory");
       asm volatile("fence.proxy.async.global;" ::: "memory");
       if (p.rs_stage_counters != nullptr) {
         red_add_release_sys(p.rs_stage_counters + int64_t(pending.group) * p.rs_flags_per_source + pending.index, 1u);
@@ -451,7 +453,7 @@ struct GemmKernel {
       // Before a buffer is written again: its TMA store must have read it (thread 0 issued them all; with a
       // buffer per sub-tile the last one went out a whole mainloop ago). Own rows then load the first peer's
       // partial into it (into all buffers at once when there is one per sub-tile). The barrier also orders
-      // thread 0's flag waits above and the pending tile's stores (flush_signal) before what follows.
+      // thread 0's flag waits above before what follows.
       if constexpr (kEpiBuffers == 1 || kSub == 0) {
         if (mma_thread_idx == 0) {
           cute::tma_store_wait<0>();
@@ -460,7 +462,6 @@ struct GemmKernel {
         }
         epi_barrier();
       }
-      if constexpr (kSub == 0) flush_signal(p, pending, mma_thread_idx);
       if (reduce) {
         // Own rows: add the peers' partials of this sub-tile to the accumulators in rank order (the same bits on
         // every run); each lane reads back exactly the elements it stages below.
@@ -532,6 +533,9 @@ struct GemmKernel {
         cute::tma_store_arrive();
       }
     });
+    // The previous tile's signal: raised by thread 0 behind this tile's stores, so that its fence delays only
+    // thread 0's warp group at the next mainloop's start (the other one goes ahead) and not every consumer.
+    flush_signal<kSubTiles>(p, pending, mma_thread_idx);
 
     if (to_peer) {
       // Release (deferred): flush_signal waits for the tile's TMA stores to complete before the flag.

@@ -116,3 +116,32 @@ def _timeout(rank, tp, transport):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_gemm_rs_timeout_raises_instead_of_hanging(transport):
     run_distributed(_timeout, TP, transport, backend="nccl", timeout_s=120)
+
+
+def _repeatable_at_layer_shapes(rank, tp, seed):
+    # A race between a tile's data and its flag (or a partial's load and its use) shows as sporadic differences
+    # between calls on the same inputs; the layer-sized shapes give many tiles per CTA and long copy-engine queues,
+    # and an AllGather call between the calls keeps other fused traffic in flight.
+    from flux_layers.ops import fused_ag_gemm, fused_gemm_rs
+    poison_outputs()
+    gen = torch.Generator(device="cuda").manual_seed(seed + 7)
+    x_other_shard_m = torch.randn(4096, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+    w_other = torch.randn(4096, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+    for i, (m, k, n) in enumerate(((8192, 4096 * tp, 8192), (16384, 2048 * tp, 4096))):
+        for transport in TRANSPORTS:
+            x, w, b = global_inputs(seed + i, m, k, n, torch.bfloat16, "nt")
+            x_shard_k = x.chunk(tp, dim=1)[rank].contiguous()
+            w_shard_k = w.chunk(tp, dim=1)[rank].contiguous()
+            outs = []
+            for _ in range(12):
+                outs.append(fused_gemm_rs.gemm_rs(x_shard_k, w_shard_k, b, group=dist.group.WORLD, transport=transport))
+                fused_ag_gemm.ag_gemm(x_other_shard_m, w_other, group=dist.group.WORLD)
+            full = x.float() @ w.float().t() + b.float()
+            assert_close_rel(outs[0], full.chunk(tp)[rank], torch.bfloat16, f"rank {rank} gemm_rs M={m} K={k} N={n}")
+            differing = [j for j, out in enumerate(outs) if not torch.equal(out, outs[0])]
+            assert not differing, f"rank {rank} {transport} M={m} K={k} N={n}: calls {differing} differ from the first"
+    torch.cuda.synchronize()
+
+
+def test_gemm_rs_repeatable_at_layer_shapes():
+    run_distributed(_repeatable_at_layer_shapes, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl")
