@@ -393,6 +393,19 @@ struct GemmKernel {
     }
   }
 
+  // Calls f(Int<i>, Int<r_off>, Int<c_off>) for every warp-wide 16 x 16 block of the accumulator fragment that
+  // lies in sub-tile kSub: values i .. i+7, at tile offset (r_off, c_off) from the thread's base coordinate.
+  template <int kSub, class Accum, class Coords, class F>
+  CUTLASS_DEVICE static void for_each_block(Accum const& accum, Coords const& tCcD, F&& f) {
+    cute::for_each(make_int_sequence<decltype(size(accum))::value / 8>{}, [&](auto b) {
+      constexpr int i = decltype(b)::value * 8;
+      auto o = tCcD.layout()(Int<i>{});
+      constexpr int r_off = decltype(get<0>(o))::value;
+      constexpr int c_off = decltype(get<1>(o))::value;
+      if constexpr (c_off / kEpiCols == kSub) f(Int<i>{}, Int<r_off>{}, Int<c_off>{});
+    });
+  }
+
   template <class Accum>
   CUTLASS_DEVICE static void epilogue(Params const& params, TileCoord t, Accum& accum, int mma_thread_idx,
                                       SharedStorage& ss, uint32_t& consumed_seen, PendingSignal& pending,
@@ -472,50 +485,42 @@ struct GemmKernel {
           }
           cutlass::arch::ClusterTransactionBarrier::wait(&ss.partial_full[kBuf], (partial_phase >> kBuf) & 1u);
           partial_phase ^= 1u << kBuf;
-          cute::for_each(make_int_sequence<decltype(size(accum))::value / 8>{}, [&](auto b) {
-            constexpr int i = decltype(b)::value * 8;
-            auto o = tCcD.layout()(Int<i>{});
-            constexpr int r_off = decltype(get<0>(o))::value;
-            constexpr int c_off = decltype(get<1>(o))::value;
-            if constexpr (c_off / kEpiCols == kSub) {
-              uint32_t q[4];
-              ldmatrix_x4(block_addr(r_off, c_off), q[0], q[1], q[2], q[3]);
-              CUTLASS_PRAGMA_UNROLL
-              for (int u = 0; u < 4; ++u) {
-                float2 const f = unpack2(q[u]);
-                accum(i + 2 * u) += f.x;
-                accum(i + 2 * u + 1) += f.y;
-              }
+          for_each_block<kSub>(accum, tCcD, [&](auto i_, auto r_off, auto c_off) {
+            constexpr int i = decltype(i_)::value;
+            uint32_t q[4];
+            ldmatrix_x4(block_addr(r_off, c_off), q[0], q[1], q[2], q[3]);
+            CUTLASS_PRAGMA_UNROLL
+            for (int u = 0; u < 4; ++u) {
+              float2 const f = unpack2(q[u]);
+              accum(i + 2 * u) += f.x;
+              accum(i + 2 * u + 1) += f.y;
             }
           });
         }
       }
-      cute::for_each(make_int_sequence<decltype(size(accum))::value / 8>{}, [&](auto b) {
-        constexpr int i = decltype(b)::value * 8;
-        auto o = tCcD.layout()(Int<i>{});
-        constexpr int r_off = decltype(get<0>(o))::value;
-        constexpr int c_off = decltype(get<1>(o))::value;
-        if constexpr (c_off / kEpiCols == kSub) {
-          static_assert(c_off % 16 == 0, "a block starts on a 16-column boundary");
-          cute::for_each(make_int_sequence<8>{}, [&](auto u) {
-            auto ou = tCcD.layout()(Int<i + decltype(u)::value>{});
-            constexpr int ur = decltype(get<0>(ou))::value - r_off;
-            constexpr int uc = decltype(get<1>(ou))::value - c_off;
-            constexpr int uv = decltype(u)::value;
-            static_assert(ur == 8 * ((uv / 2) % 2) && uc == uv % 2 + 8 * (uv / 4), "unexpected wgmma fragment");
-          });
-          float v[8];
-          CUTLASS_PRAGMA_UNROLL
-          for (int u = 0; u < 8; ++u) v[u] = accum(i + u);
-          if (add_bias) {
-            int gc = col0 + c_base + c_off;  // this thread's columns gc, gc+1, gc+8, gc+9
-            float b0 = gc < p.n ? float(bias[gc]) : 0.f, b1 = gc + 1 < p.n ? float(bias[gc + 1]) : 0.f;
-            float b8 = gc + 8 < p.n ? float(bias[gc + 8]) : 0.f, b9 = gc + 9 < p.n ? float(bias[gc + 9]) : 0.f;
-            v[0] += b0, v[1] += b1, v[2] += b0, v[3] += b1, v[4] += b8, v[5] += b9, v[6] += b8, v[7] += b9;
-          }
-          stmatrix_x4(block_addr(r_off, c_off), pack2(v[0], v[1]), pack2(v[2], v[3]), pack2(v[4], v[5]),
-                      pack2(v[6], v[7]));
+      for_each_block<kSub>(accum, tCcD, [&](auto i_, auto r_, auto c_) {
+        constexpr int i = decltype(i_)::value;
+        constexpr int r_off = decltype(r_)::value;
+        constexpr int c_off = decltype(c_)::value;
+        static_assert(c_off % 16 == 0, "a block starts on a 16-column boundary");
+        cute::for_each(make_int_sequence<8>{}, [&](auto u) {
+          auto ou = tCcD.layout()(Int<i + decltype(u)::value>{});
+          constexpr int ur = decltype(get<0>(ou))::value - r_off;
+          constexpr int uc = decltype(get<1>(ou))::value - c_off;
+          constexpr int uv = decltype(u)::value;
+          static_assert(ur == 8 * ((uv / 2) % 2) && uc == uv % 2 + 8 * (uv / 4), "unexpected wgmma fragment");
+        });
+        float v[8];
+        CUTLASS_PRAGMA_UNROLL
+        for (int u = 0; u < 8; ++u) v[u] = accum(i + u);
+        if (add_bias) {
+          int gc = col0 + c_base + c_off;  // this thread's columns gc, gc+1, gc+8, gc+9
+          float b0 = gc < p.n ? float(bias[gc]) : 0.f, b1 = gc + 1 < p.n ? float(bias[gc + 1]) : 0.f;
+          float b8 = gc + 8 < p.n ? float(bias[gc + 8]) : 0.f, b9 = gc + 9 < p.n ? float(bias[gc + 9]) : 0.f;
+          v[0] += b0, v[1] += b1, v[2] += b0, v[3] += b1, v[4] += b8, v[5] += b9, v[6] += b8, v[7] += b9;
         }
+        stmatrix_x4(block_addr(r_off, c_off), pack2(v[0], v[1]), pack2(v[2], v[3]), pack2(v[4], v[5]),
+                    pack2(v[6], v[7]));
       });
       // The whole sub-tile in one TMA store, which drains while the consumers move on; rows and columns past
       // the group's edge are clipped. A ReduceScatter tile for a peer is flagged (or counted) only once its

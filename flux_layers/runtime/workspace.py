@@ -104,6 +104,11 @@ class Workspace:
         self._lock = threading.Lock()
         dist.barrier(group=self.group)  # every rank's flags are zero before anyone signals
 
+    def new_graph_twin(self) -> Workspace:
+        """A workspace of the same size under the CUDA-graph flag protocol (a collective; see the module
+        docstring)."""
+        raise NotImplementedError
+
     # ---- per call
     def next_epoch(self) -> int:
         """The value this call sets its flags to: the call count under the epoch protocol, 1 under the CUDA-graph
@@ -199,6 +204,10 @@ class AgWorkspace(Workspace):
         rows = m // self.tp
         return self.buffer[self.rank * rows:(self.rank + 1) * rows]
 
+    def new_graph_twin(self) -> AgWorkspace:
+        return AgWorkspace(self.group, self.dtype, self.max_m, self.k, chunk_capacity=self.chunk_capacity,
+                           graph_protocol=True)
+
 
 class RsWorkspace(Workspace):
     """GEMM+ReduceScatter: receive slots [tp][max_m/tp][n] per rank + per-chunk flags, consumed flags and the
@@ -210,7 +219,7 @@ class RsWorkspace(Workspace):
         tp = dist.get_world_size(group)
         if max_m <= 0 or max_m % tp != 0:
             raise ValueError(f"RsWorkspace: max_m={max_m} must be a positive multiple of the group size {tp}")
-        self.dtype, self.max_m, self.n = dtype, max_m, n
+        self.dtype, self.max_m, self.n, self.min_tile = dtype, max_m, n, min_tile
         self.slot_rows = max_m // tp
         # Enough tile flags for the smallest tile in either dimension, padded for the 2-CTA cluster.
         tiles_m = -(-(-(-self.slot_rows // min_tile)) // 2) * 2
@@ -228,6 +237,11 @@ class RsWorkspace(Workspace):
         if self._stage is None:
             self._stage = torch.empty((self.tp - 1) * self.slot_rows * self.n, dtype=self.dtype, device=self.device)
         return self._stage
+
+    def new_graph_twin(self) -> RsWorkspace:
+        twin = RsWorkspace(self.group, self.dtype, self.max_m, self.n, min_tile=self.min_tile, graph_protocol=True)
+        twin.stage_buffer()  # now, not from a graph's memory pool during capture
+        return twin
 
 
 _cache: dict[_Key, Workspace] = {}
@@ -249,12 +263,7 @@ def enable_cuda_graphs() -> None:
 
 
 def _make_twin(ws: Workspace) -> None:
-    if isinstance(ws, AgWorkspace):
-        ws.graph_twin = AgWorkspace(ws.group, ws.dtype, ws.max_m, ws.k, chunk_capacity=ws.chunk_capacity,
-                                    graph_protocol=True)
-    else:
-        ws.graph_twin = RsWorkspace(ws.group, ws.dtype, ws.max_m, ws.n, graph_protocol=True)
-        ws.graph_twin.stage_buffer()  # now, not from a graph's memory pool during capture
+    ws.graph_twin = ws.new_graph_twin()
 
 
 def prepare_cuda_graphs() -> None:

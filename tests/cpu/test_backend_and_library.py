@@ -164,3 +164,27 @@ def test_graph_twins_are_made_with_workspaces_and_used_under_capture(monkeypatch
     capturing[0] = False
     grown = W._cached("ag", group, torch.bfloat16, 64, 256, make)  # enabled now: comes with its twin
     assert grown is not ws and grown.max_m == 256 and made[-1] is grown and grown.graph_twin is not None
+
+
+def test_graph_twin_has_its_workspace_shape(monkeypatch):
+    """new_graph_twin builds a workspace of the same shape under the CUDA-graph protocol (constructors stubbed:
+    symmetric memory needs GPUs)."""
+    from flux_layers.runtime import workspace as W
+    built = []
+
+    def fake_init(self, group, dtype, max_m, inner, **kwargs):
+        built.append((type(self).__name__, group, dtype, max_m, inner, kwargs))
+        self._stage = None
+    monkeypatch.setattr(W.AgWorkspace, "__init__", fake_init)
+    monkeypatch.setattr(W.RsWorkspace, "__init__", fake_init)
+    monkeypatch.setattr(W.RsWorkspace, "stage_buffer", lambda self: built.append("stage"))
+
+    ag = object.__new__(W.AgWorkspace)
+    ag.group, ag.dtype, ag.max_m, ag.k, ag.chunk_capacity = "tp", torch.bfloat16, 256, 64, 4
+    assert isinstance(ag.new_graph_twin(), W.AgWorkspace)
+    assert built[-1] == ("AgWorkspace", "tp", torch.bfloat16, 256, 64, {"chunk_capacity": 4, "graph_protocol": True})
+    rs = object.__new__(W.RsWorkspace)
+    rs.group, rs.dtype, rs.max_m, rs.n, rs.min_tile = "tp", torch.float16, 512, 96, 64
+    assert isinstance(rs.new_graph_twin(), W.RsWorkspace)
+    assert built[-2:] == [("RsWorkspace", "tp", torch.float16, 512, 96, {"min_tile": 64, "graph_protocol": True}),
+                          "stage"]
