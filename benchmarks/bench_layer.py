@@ -8,10 +8,15 @@ they differ only in the linear layers. TP over all visible GPUs with sequence pa
 biases. One step = forward of the block on a random [seq/tp, batch, hidden] input + backward of a random
 gradient; every variant is built at once and timed in interleaved rounds; the figure is the median step time
 over all repetitions (each the max over ranks).
+
+`baseline_no_comm` is the baseline stack with megatron-core's all-gathers and reduce-scatters replaced by local
+copies (benchmarks/no_comm.py): wrong numbers, no communication, the same computation. baseline / baseline_no_comm
+is the most that hiding the linears' communication can gain with GEMMs at cuBLAS speed (`ceiling_speedup`).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from statistics import median
 
@@ -20,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks.harness import env_override, environment, spawn_ranks, time_interleaved, write_json
+from benchmarks.no_comm import megatron_collectives_as_local_copies
 
 
 def build_block(args, baseline: bool, rs_dgrad: bool = False):
@@ -95,6 +101,8 @@ def run(rank, tp, args):
     variants = {"baseline": (True, False, None), "flux": (False, False, None),
                 "flux_rs_dgrad": (False, True, None), "flux_ce": (False, False, "copy_engine"),
                 "flux_rs_dgrad_ce": (False, True, "copy_engine")}
+    if args.ceiling:
+        variants["baseline_no_comm"] = (True, False, None)
 
     # Every variant is built once and timed in interleaved rounds (the order rotating each round), so that the
     # machine's drift over the run falls on all variants alike.
@@ -104,9 +112,10 @@ def run(rank, tp, args):
 
     def step_of(name):
         block, transport = blocks[name], variants[name][2]
+        no_comm = megatron_collectives_as_local_copies if name == "baseline_no_comm" else contextlib.nullcontext
 
         def step(i):
-            with env_override(RS_TRANSPORT=transport):
+            with env_override(RS_TRANSPORT=transport), no_comm():
                 inp.grad = None
                 out = block(inp, attention_mask=None)
                 out.backward(dy)
@@ -125,16 +134,22 @@ def run(rank, tp, args):
         ms = median(samples[name])
         results[name] = {"step_ms": ms, "tokens_per_s": tokens / ms * 1e3, "samples_ms": samples[name],
                          "paths": linear_paths(blocks[name]) if not baseline else
-                         "megatron-core linears (NCCL + cuBLAS)",
+                         "megatron-core linears (cuBLAS, collectives as local copies)" if name == "baseline_no_comm"
+                         else "megatron-core linears (NCCL + cuBLAS)",
                          "rs_transport": None if baseline else (transport or _env.get("RS_TRANSPORT"))}
         if rank == 0:
             print(f"  {name}: {ms:.2f} ms/step, {tokens / ms * 1e3:,.0f} tokens/s", flush=True)
     base = results["baseline"]["step_ms"]
-    summary = {f"speedup_{name}": base / results[name]["step_ms"] for name in names if name != "baseline"}
+    summary = {f"speedup_{name}": base / results[name]["step_ms"] for name in names
+               if name not in ("baseline", "baseline_no_comm")}
+    if "baseline_no_comm" in results:
+        summary["ceiling_speedup"] = base / results["baseline_no_comm"]["step_ms"]
     summary["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     if rank == 0:
         print("speedup over the baseline: " + ", ".join(f"{n[8:]} {v:.3f}x" for n, v in summary.items()
                                                         if n.startswith("speedup_")), flush=True)
+        if "ceiling_speedup" in summary:
+            print(f"ceiling (baseline without communication): {summary['ceiling_speedup']:.3f}x", flush=True)
         if args.out:
             write_json(args.out, {**environment(tp), "shape": vars(args), "method":
                                   "CUDA events around fwd+bwd of the block, GPU sleep + NCCL all-reduce before each "
@@ -150,6 +165,8 @@ def main():
     add_shape_args(ap)
     ap.add_argument("--reps", type=int, default=20, help="repetitions per variant, over all rounds")
     ap.add_argument("--rounds", type=int, default=4, help="interleaved timing rounds")
+    ap.add_argument("--no-ceiling", dest="ceiling", action="store_false",
+                    help="leave out baseline_no_comm (the baseline with its collectives as local copies)")
     args = ap.parse_args()
     os.environ.setdefault("FLUX_LAYERS_BACKEND", "auto")
     spawn_ranks(run, args.nprocs or torch.cuda.device_count(), args)
