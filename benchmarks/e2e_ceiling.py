@@ -29,7 +29,7 @@ def _rank_body(local_rank: int, args, cfg, out: str) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank))
     sys.path.insert(0, EXAMPLES)
     from _gpt_model import build_model, init_distributed, seed_everything
-    from _gpt_report import git_commit, summarize
+    from _gpt_report import summarize
     from _gpt_train import RunOptions, train
 
     os.environ["FLUX_LAYERS_BACKEND"] = args.backend
@@ -55,7 +55,7 @@ def _rank_body(local_rank: int, args, cfg, out: str) -> None:
             print(f"megatron {base:.1f} ms/it, without communication {free:.1f} ms/it: ceiling {base / free:.3f}x",
                   flush=True)
             if out:
-                write_json(out, {**environment(args.tp), "git_commit": git_commit(),
+                write_json(out, {**environment(args.tp),
                                  "command": "python -m benchmarks.e2e_ceiling " + " ".join(sys.argv[1:]),
                                  "model": args.model, "config": dataclasses.asdict(cfg),
                                  "timing_warmup_iters": args.timing_warmup,
