@@ -1,11 +1,11 @@
-"""The example's GPT training with megatron-core's linears, then the same with their collectives as local copies
-(benchmarks/no_comm.py), in one launch: how much faster a step can get when the linears' communication costs
-nothing and their GEMMs run at cuBLAS speed.
+"""The example's GPT training with megatron-core's linears, with flux's, and with megatron-core's again but their
+collectives as local copies (benchmarks/no_comm.py), back to back in one launch: how much faster a step can get
+when the linears' communication costs nothing and their GEMMs run at cuBLAS speed, and how much of that flux gets.
 
     python -m benchmarks.e2e_ceiling --model h8192 --train-iters 30 --out benchmarks/results/e2e_ceiling_h200x2.json
 
 Takes the example's options (examples/pretrain_gpt.py); --linear-impl, --compare, --save and --load are not
-allowed. The no-communication run's losses are meaningless (each rank trains on its own shard only). Without
+allowed (each run takes its own). The no-communication run's losses are meaningless (each rank trains on its own shard only). Without
 GPUs it runs the tiny model on CPU, which checks the plumbing and measures nothing.
 """
 from __future__ import annotations
@@ -22,6 +22,9 @@ import torch.distributed as dist
 from benchmarks.harness import environment, write_json
 from benchmarks.no_comm import megatron_collectives_as_local_copies
 
+# (name, --linear-impl, context): in this order, each from the same seed.
+RUNS = (("megatron", "megatron", contextlib.nullcontext), ("flux", "flux", contextlib.nullcontext),
+        ("megatron_no_comm", "megatron", megatron_collectives_as_local_copies))
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
@@ -36,15 +39,13 @@ def _rank_body(local_rank: int, args, cfg, out: str) -> None:
     device = init_distributed(args.device, local_rank)
     results = {}
     try:
-        for name, context in (("megatron", contextlib.nullcontext), ("megatron_no_comm",
-                                                                     megatron_collectives_as_local_copies)):
+        for name, impl, context in RUNS:
             if dist.get_rank() == 0:
                 print(f"--- {name} ---", flush=True)
             seed_everything(cfg.seed)
-            model = build_model(cfg, "megatron", device, args.tp_comm_overlap)
+            model = build_model(cfg, impl, device, args.tp_comm_overlap)
             with context():
-                history = train(model, cfg, RunOptions(linear_impl="megatron", log_interval=args.log_interval),
-                                device)
+                history = train(model, cfg, RunOptions(linear_impl=impl, log_interval=args.log_interval), device)
             results[name] = summarize(history, cfg, args.timing_warmup, args.tp, None, {})
             del model
             gc.collect()
@@ -52,8 +53,11 @@ def _rank_body(local_rank: int, args, cfg, out: str) -> None:
                 torch.cuda.empty_cache()
         if dist.get_rank() == 0:
             base, free = results["megatron"]["median_step_ms"], results["megatron_no_comm"]["median_step_ms"]
-            print(f"megatron {base:.1f} ms/it, without communication {free:.1f} ms/it: ceiling {base / free:.3f}x",
-                  flush=True)
+            flux = results["flux"]["median_step_ms"]
+            share = (base - flux) / (base - free) if base > free else None
+            print(f"megatron {base:.1f} ms/it, flux {flux:.1f} ms/it ({base / flux:.3f}x), megatron without "
+                  f"communication {free:.1f} ms/it: ceiling {base / free:.3f}x"
+                  + (f", flux takes {100 * share:.0f}% of it" if share is not None else ""), flush=True)
             if out:
                 write_json(out, {**environment(args.tp),
                                  "command": "python -m benchmarks.e2e_ceiling " + " ".join(sys.argv[1:]),
@@ -61,7 +65,8 @@ def _rank_body(local_rank: int, args, cfg, out: str) -> None:
                                  "timing_warmup_iters": args.timing_warmup,
                                  "method": "median wall-clock step time after the timing warm-up, each run from the "
                                            "same seed, back to back in one launch",
-                                 "results": results, "ceiling_speedup": base / free})
+                                 "results": results, "ceiling_speedup": base / free, "flux_speedup": base / flux,
+                                 "flux_share_of_ceiling": share})
     finally:
         dist.destroy_process_group()
 
@@ -77,7 +82,7 @@ def main(argv=None) -> int:
         del argv[i:i + 2]
     for banned in ("--linear-impl", "--compare", "--save", "--load"):
         if banned in argv:
-            raise SystemExit(f"e2e_ceiling: {banned} is not an option here (both runs use megatron-core's linears)")
+            raise SystemExit(f"e2e_ceiling: {banned} is not an option here (the runs choose their linears)")
     pretrain_gpt.set_process_env()
     args, cfg = pretrain_gpt.resolve_args(pretrain_gpt.build_parser(), argv)
     if args.device != "cuda":
