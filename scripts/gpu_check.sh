@@ -91,8 +91,8 @@ flux_layers._library.path(), flux_layers._library.unavailable_reason())'" ;;
     layer_profile)  # kernel time per category, flux vs baseline (not in the default steps)
       step layer_profile 300 env CUDA_DEVICE_MAX_CONNECTIONS=1 $PY -m benchmarks.profile_layer \
         --out "$WORK/results/layer_profile_${GPU_TAG}.json" ;;
-    e2e_ceiling)  # the example's training with megatron-core's linears, with and without communication (not default)
-      step e2e_ceiling 400 $PY -m benchmarks.e2e_ceiling --model h8192 --train-iters ${E2E_CEILING_ITERS:-30} \
+    e2e_ceiling)  # the example's training: megatron-core's linears, flux's, megatron-core's without communication (not default)
+      step e2e_ceiling 400 $PY -m benchmarks.e2e_ceiling --model h8192 --train-iters ${E2E_CEILING_ITERS:-40} \
         --out "$WORK/results/e2e_ceiling_$GPU_TAG.json" ;;
     stock_bench)  # stock CUTLASS kernel schedules beside cuBLAS and ours (not in the default steps)
       [ -f build/cutlass_stock/libstock_gemm.so ] || step stock_build 300 env PYTHON=$PY bash benchmarks/cutlass_stock/build.sh
