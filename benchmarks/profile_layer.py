@@ -6,13 +6,18 @@ Builds the same blocks as benchmarks/bench_layer.py, runs a few fwd+bwd steps of
 sums the CUDA kernel time per category (GEMM by cuBLAS, flux's persistent GEMM, NCCL, attention, the rest) per
 step, next to the step's wall time (CUDA events). Kernels on different streams overlap (NCCL beside a GEMM,
 copy-engine transfers beside the fused kernels), so the categories may add up to more than the step. Rank 0
-prints and writes the result.
+prints and writes the result. `baseline_no_comm` is the baseline with megatron-core's collectives as local copies
+(benchmarks/no_comm.py), the same kernels without NCCL beside them. `--trace-dir DIR` also writes each rank's
+Chrome trace of the profiled steps per variant (DIR/<variant>_rank<r>.json.gz).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gzip
 import os
 import re
+import shutil
 from collections import defaultdict
 
 import torch
@@ -20,6 +25,7 @@ import torch.distributed as dist
 
 from benchmarks.bench_layer import add_shape_args, build_block, setup_ranks, step_tensors
 from benchmarks.harness import environment, spawn_ranks, write_json
+from benchmarks.no_comm import megatron_collectives_as_local_copies
 
 CATEGORIES = (  # first match wins
     ("flux_gemm", re.compile(r"flux.*gemm_kernel|gemm_kernel.*flux")),
@@ -37,7 +43,7 @@ def category(name: str) -> str:
     return "other"
 
 
-def profile_variant(block, inp, dy, steps: int) -> dict:
+def profile_variant(block, inp, dy, steps: int, trace: str | None = None) -> dict:
     def step():
         out = block(inp, attention_mask=None)
         out.backward(dy)
@@ -53,6 +59,11 @@ def profile_variant(block, inp, dy, steps: int) -> dict:
             step()
         end.record()
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
+        with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(trace)
     per_cat = defaultdict(float)
     top = defaultdict(float)
     for ev in prof.events():
@@ -72,10 +83,13 @@ def run(rank, tp, args):
     setup_ranks(tp)
     x, dy = step_tensors(rank, tp, args)
     results = {}
-    for name, baseline in (("baseline", True), ("flux", False)):
+    for name, baseline in (("baseline", True), ("baseline_no_comm", True), ("flux", False)):
         block = build_block(args, baseline)
         inp = x.clone().requires_grad_(True)
-        results[name] = profile_variant(block, inp, dy, args.steps)
+        trace = os.path.join(args.trace_dir, f"{name}_rank{rank}.json") if args.trace_dir else None
+        no_comm = megatron_collectives_as_local_copies if name == "baseline_no_comm" else contextlib.nullcontext
+        with no_comm():
+            results[name] = profile_variant(block, inp, dy, args.steps, trace)
         block = None
         torch.cuda.empty_cache()
         if rank == 0:
@@ -96,7 +110,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_args(ap)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--trace-dir", default="", help="write each rank's Chrome trace per variant here")
     args = ap.parse_args()
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
     os.environ.setdefault("FLUX_LAYERS_BACKEND", "auto")
     spawn_ranks(run, args.nprocs or torch.cuda.device_count(), args)
 

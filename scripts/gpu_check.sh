@@ -88,9 +88,9 @@ flux_layers._library.path(), flux_layers._library.unavailable_reason())'" ;;
         --out "$WORK/results/layer_${GPU_TAG}_conn1.json" ;;
     layer_ops_bench)  # the layer's fused calls at its shapes, each beside cuBLAS alone (not in the default steps)
       step layer_ops_bench 200 $PY -m benchmarks.bench_layer_ops --out "$WORK/results/layer_ops_$GPU_TAG.json" ;;
-    layer_profile)  # kernel time per category, flux vs baseline (not in the default steps)
+    layer_profile)  # kernel time per category and traces, flux vs baseline (not in the default steps)
       step layer_profile 300 env CUDA_DEVICE_MAX_CONNECTIONS=1 $PY -m benchmarks.profile_layer \
-        --out "$WORK/results/layer_profile_${GPU_TAG}.json" ;;
+        --out "$WORK/results/layer_profile_${GPU_TAG}.json" --trace-dir "$WORK/traces" ;;
     e2e_ceiling)  # the example's training: megatron-core's linears, flux's, megatron-core's without communication (not default)
       step e2e_ceiling 400 $PY -m benchmarks.e2e_ceiling --model h8192 --train-iters ${E2E_CEILING_ITERS:-40} \
         --out "$WORK/results/e2e_ceiling_$GPU_TAG.json" ;;
