@@ -12,6 +12,8 @@ over all repetitions (each the max over ranks).
 `baseline_no_comm` is the baseline stack with megatron-core's all-gathers and reduce-scatters replaced by local
 copies (benchmarks/no_comm.py): wrong numbers, no communication, the same computation. baseline / baseline_no_comm
 is the most that hiding the linears' communication can gain with GEMMs at cuBLAS speed (`ceiling_speedup`).
+Where nvidia-smi is present, rank 0 samples every GPU's SM clock and power during the run and each variant gets
+their means over its repetitions (`gpus`).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from benchmarks.gpu_monitor import GpuSampler
 from benchmarks.harness import env_override, environment, spawn_ranks, time_interleaved, write_json
 from benchmarks.no_comm import megatron_collectives_as_local_copies
 
@@ -126,8 +129,13 @@ def run(rank, tp, args):
             print(f"  round {rnd + 1}/{args.rounds}: " + ", ".join(f"{n} {median(samples[n]):.2f}" for n in names),
                   flush=True)
 
-    samples = time_interleaved({name: step_of(name) for name in names}, reps=max(1, args.reps // args.rounds),
-                               rounds=args.rounds, warmup=1, group=dist.group.WORLD, on_round=report)
+    windows = []
+    sampling = rank == 0 and GpuSampler.available()
+    with GpuSampler() if sampling else contextlib.nullcontext() as sampler:
+        samples = time_interleaved({name: step_of(name) for name in names}, reps=max(1, args.reps // args.rounds),
+                                   rounds=args.rounds, warmup=1, group=dist.group.WORLD, on_round=report,
+                                   windows=windows)
+    gpus = {g: sampler.summary(windows, g) for g in range(torch.cuda.device_count())} if sampling else None
     tokens = args.seq * args.batch
     results = {}
     for name, (baseline, _, transport) in variants.items():
@@ -136,9 +144,12 @@ def run(rank, tp, args):
                          "paths": linear_paths(blocks[name]) if not baseline else
                          "megatron-core linears (cuBLAS, collectives as local copies)" if name == "baseline_no_comm"
                          else "megatron-core linears (NCCL + cuBLAS)",
-                         "rs_transport": None if baseline else (transport or _env.get("RS_TRANSPORT"))}
+                         "rs_transport": None if baseline else (transport or _env.get("RS_TRANSPORT")),
+                         "gpus": {g: per[name] for g, per in gpus.items()} if gpus else None}
         if rank == 0:
-            print(f"  {name}: {ms:.2f} ms/step, {tokens / ms * 1e3:,.0f} tokens/s", flush=True)
+            clocks = "".join(f", GPU {g} {v['sm_clock_mhz']:.0f} MHz {v['power_w']:.0f} W"
+                             for g, v in (results[name]["gpus"] or {}).items() if v["samples"])
+            print(f"  {name}: {ms:.2f} ms/step, {tokens / ms * 1e3:,.0f} tokens/s{clocks}", flush=True)
     base = results["baseline"]["step_ms"]
     summary = {f"speedup_{name}": base / results[name]["step_ms"] for name in names
                if name not in ("baseline", "baseline_no_comm")}

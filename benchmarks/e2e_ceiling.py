@@ -6,7 +6,8 @@ when the linears' communication costs nothing and their GEMMs run at cuBLAS spee
 
 Takes the example's options (examples/pretrain_gpt.py); --linear-impl, --compare, --save and --load are not
 allowed (each run takes its own). The no-communication run's losses are meaningless (each rank trains on its own shard only). Without
-GPUs it runs the tiny model on CPU, which checks the plumbing and measures nothing.
+GPUs it runs the tiny model on CPU, which checks the plumbing and measures nothing. Where nvidia-smi is present,
+rank 0 samples every GPU's SM clock and power, and each run gets their means over its iterations (`gpus`).
 """
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ import dataclasses
 import gc
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.gpu_monitor import GpuSampler
 from benchmarks.harness import environment, write_json
 from benchmarks.no_comm import megatron_collectives_as_local_copies
 
@@ -38,20 +41,34 @@ def _rank_body(local_rank: int, args, cfg, out: str) -> None:
     os.environ["FLUX_LAYERS_BACKEND"] = args.backend
     device = init_distributed(args.device, local_rank)
     results = {}
+    windows = []
+    sampling = dist.get_rank() == 0 and device.type == "cuda" and GpuSampler.available()
+    stack = contextlib.ExitStack()
+    sampler = stack.enter_context(GpuSampler(interval_ms=200)) if sampling else None
     try:
         for name, impl, context in RUNS:
             if dist.get_rank() == 0:
                 print(f"--- {name} ---", flush=True)
             seed_everything(cfg.seed)
             model = build_model(cfg, impl, device, args.tp_comm_overlap)
+            began = time.time()
             with context():
                 history = train(model, cfg, RunOptions(linear_impl=impl, log_interval=args.log_interval), device)
+            windows.append((name, began, time.time()))
             results[name] = summarize(history, cfg, args.timing_warmup, args.tp, None, {})
             del model
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        stack.close()  # the sampler stops
+        if sampler is not None:
+            for g in range(torch.cuda.device_count()):
+                for name, clocks in sampler.summary(windows, g).items():
+                    results[name].setdefault("gpus", {})[g] = clocks
         if dist.get_rank() == 0:
+            for name, r in results.items():
+                print(f"  {name}: " + ", ".join(f"GPU {g} {v['sm_clock_mhz']:.0f} MHz {v['power_w']:.0f} W"
+                                                for g, v in r.get("gpus", {}).items() if v["samples"]), flush=True)
             base, free = results["megatron"]["median_step_ms"], results["megatron_no_comm"]["median_step_ms"]
             flux = results["flux"]["median_step_ms"]
             share = (base - flux) / (base - free) if base > free else None
@@ -68,6 +85,7 @@ def _rank_body(local_rank: int, args, cfg, out: str) -> None:
                                  "results": results, "ceiling_speedup": base / free, "flux_speedup": base / flux,
                                  "flux_share_of_ceiling": share})
     finally:
+        stack.close()
         dist.destroy_process_group()
 
 

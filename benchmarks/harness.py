@@ -18,6 +18,7 @@ import platform
 import socket
 import subprocess
 import sys
+import time
 from statistics import median
 
 import torch
@@ -96,17 +97,21 @@ def time_samples_ms(fn, *, reps: int, warmup: int = 5, group=None, sleep_cycles:
 
 
 def time_interleaved(variants: dict, *, reps: int, rounds: int, warmup: int = 5, group=None,
-                     on_round=None) -> dict:
+                     on_round=None, windows: list | None = None) -> dict:
     """Samples (ms) of every ``variants[key](i)``: ``rounds`` rounds, each timing every variant for ``reps``
     repetitions (:func:`time_samples_ms`), the order rotated so that the rounds start at evenly spread
     variants; the machine's drift over the run then falls on all variants alike. ``on_round(r, samples)`` is
-    called after each round."""
+    called after each round; ``windows`` receives (key, start, end) wall-clock times of each variant's repetitions,
+    warm-up included (for benchmarks.gpu_monitor)."""
     samples = {key: [] for key in variants}
     keys = list(variants)
     for r in range(rounds):
         shift = r * len(keys) // rounds
         for key in keys[shift:] + keys[:shift]:
+            began = time.time()
             samples[key] += time_samples_ms(variants[key], reps=reps, warmup=warmup, group=group)
+            if windows is not None:
+                windows.append((key, began, time.time()))
         if on_round is not None:
             on_round(r, samples)
     return samples

@@ -17,3 +17,37 @@ def test_time_interleaved_rotates_evenly_and_keeps_every_sample(monkeypatch):
     assert calls == list("abcdef") + list("cdefab") + list("efabcd")  # starts spread over the variants
     assert all(len(s) == 3 * 4 for s in samples.values())
     assert samples["c"][:4] == [3.0] * 4 and samples["c"][4:8] == [7.0] * 4  # each round's samples, in order
+
+
+def test_time_interleaved_notes_each_variants_window(monkeypatch):
+    monkeypatch.setattr(harness, "time_samples_ms", lambda fn, *, reps, warmup, group: [1.0] * reps)
+    windows = []
+    harness.time_interleaved({"a": None, "b": None}, reps=2, rounds=2, windows=windows)
+    assert [w[0] for w in windows] == ["a", "b", "b", "a"]
+    assert all(start <= end for _, start, end in windows)
+    assert all(windows[i][2] <= windows[i + 1][1] for i in range(len(windows) - 1))
+
+
+def test_gpu_sampler_averages_inside_the_windows():
+    """GpuSampler on a stand-in for nvidia-smi: lines parsed, unreadable ones skipped, means per window and GPU."""
+    import sys
+    import time
+
+    from benchmarks.gpu_monitor import GpuSampler
+    script = ("import sys, time\n"
+              "for line in ['0, 1980, 650.5', '1, 1755, 700.0', '0, [N/A], 3', 'garbage']:\n"
+              "    print(line, flush=True)\n"
+              "time.sleep(0.5)\n"
+              "print('0, 1000, 100', flush=True)\n"
+              "time.sleep(30)\n")
+    began = time.time()
+    with GpuSampler(command=[sys.executable, "-c", script]) as sampler:
+        deadline = time.time() + 20
+        while len(sampler.samples) < 3 and time.time() < deadline:
+            time.sleep(0.05)
+        first_end = min(t for t, *_ in sampler.samples if _[1] == 1000) - 1e-3
+    assert len(sampler.samples) == 3
+    summary = sampler.summary([("early", began, first_end), ("all", began, time.time())], gpu=0)
+    assert summary["early"] == {"sm_clock_mhz": 1980.0, "power_w": 650.5, "samples": 1}
+    assert summary["all"]["samples"] == 2 and summary["all"]["sm_clock_mhz"] == 1490.0
+    assert sampler.summary([("late", time.time() + 10, time.time() + 20)], gpu=1)["late"]["sm_clock_mhz"] is None
