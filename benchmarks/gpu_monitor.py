@@ -4,18 +4,20 @@
         ... run; note (label, start, end) wall-clock windows ...
     sampler.summary(windows, gpu=0)  # {label: {"sm_clock_mhz": mean, "power_w": mean, "samples": n}}
 
-Each line nvidia-smi prints is stamped with ``time.time()`` when it arrives (100 ms period by default), so a
-window shorter than a few periods gets few samples; the summary says how many.
+Samples carry nvidia-smi's own timestamps (its output reaches us in buffered bursts, seconds late), read as local
+time like ``time.time()``. The period is 100 ms by default, so a window shorter than a few periods gets few
+samples; the summary says how many. nvidia-smi's power reading is its own running average.
 """
 from __future__ import annotations
 
+import datetime
 import shutil
 import subprocess
 import threading
-import time
 from statistics import mean
 
-QUERY = "index,clocks.sm,power.draw"
+QUERY = "timestamp,index,clocks.sm,power.draw"
+TIMESTAMP = "%Y/%m/%d %H:%M:%S.%f"
 
 
 class GpuSampler:
@@ -40,7 +42,8 @@ class GpuSampler:
         for line in self._proc.stdout:
             fields = [f.strip() for f in line.split(",")]
             try:
-                self.samples.append((time.time(), int(fields[0]), float(fields[1]), float(fields[2])))
+                t = datetime.datetime.strptime(fields[0], TIMESTAMP).timestamp()
+                self.samples.append((t, int(fields[1]), float(fields[2]), float(fields[3])))
             except (ValueError, IndexError):
                 continue  # "[N/A]" or a partial line
 

@@ -29,25 +29,28 @@ def test_time_interleaved_notes_each_variants_window(monkeypatch):
 
 
 def test_gpu_sampler_averages_inside_the_windows():
-    """GpuSampler on a stand-in for nvidia-smi: lines parsed, unreadable ones skipped, means per window and GPU."""
+    """GpuSampler on a stand-in for nvidia-smi: lines parsed with their own timestamps, unreadable ones skipped,
+    means per window and GPU."""
+    import datetime
     import sys
-    import time
 
     from benchmarks.gpu_monitor import GpuSampler
-    script = ("import sys, time\n"
-              "for line in ['0, 1980, 650.5', '1, 1755, 700.0', '0, [N/A], 3', 'garbage']:\n"
-              "    print(line, flush=True)\n"
-              "time.sleep(0.5)\n"
-              "print('0, 1000, 100', flush=True)\n"
-              "time.sleep(30)\n")
-    began = time.time()
+    base = datetime.datetime(2026, 1, 2, 3, 4, 5)
+
+    def at(seconds):
+        return (base + datetime.timedelta(seconds=seconds)).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+
+    lines = [f"{at(0)}, 0, 1980, 650.5", f"{at(0)}, 1, 1755, 700.0", f"{at(0.1)}, 0, [N/A], 3", "garbage",
+             f"{at(2)}, 0, 1000, 100"]
+    script = "import time\n" + "".join(f"print({line!r}, flush=True)\n" for line in lines) + "time.sleep(30)\n"
     with GpuSampler(command=[sys.executable, "-c", script]) as sampler:
+        import time
         deadline = time.time() + 20
         while len(sampler.samples) < 3 and time.time() < deadline:
             time.sleep(0.05)
-        first_end = min(t for t, *_ in sampler.samples if _[1] == 1000) - 1e-3
     assert len(sampler.samples) == 3
-    summary = sampler.summary([("early", began, first_end), ("all", began, time.time())], gpu=0)
+    t0 = base.timestamp()
+    summary = sampler.summary([("early", t0 - 1, t0 + 1), ("all", t0 - 1, t0 + 3)], gpu=0)
     assert summary["early"] == {"sm_clock_mhz": 1980.0, "power_w": 650.5, "samples": 1}
     assert summary["all"]["samples"] == 2 and summary["all"]["sm_clock_mhz"] == 1490.0
-    assert sampler.summary([("late", time.time() + 10, time.time() + 20)], gpu=1)["late"]["sm_clock_mhz"] is None
+    assert sampler.summary([("late", t0 + 10, t0 + 20)], gpu=1)["late"]["sm_clock_mhz"] is None
