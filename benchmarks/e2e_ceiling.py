@@ -2,18 +2,17 @@
 collectives as local copies (benchmarks/no_comm.py), back to back in one launch: how much faster a step can get
 when the linears' communication costs nothing and their GEMMs run at cuBLAS speed, and how much of that flux gets.
 
-    python -m benchmarks.e2e_ceiling --model h8192 --train-iters 30 --out benchmarks/results/e2e_ceiling_h200x2.json
+    python -m benchmarks.e2e_ceiling --model h8192 --train-iters 40 --out benchmarks/results/e2e_ceiling_h200x2.json
 
 Takes the example's options (examples/pretrain_gpt.py); --linear-impl, --compare, --save and --load are not
-allowed (each run takes its own). The no-communication run's losses are meaningless (each rank trains on its own shard only). Without
-GPUs it runs the tiny model on CPU, which checks the plumbing and measures nothing. Where nvidia-smi is present,
+allowed (each run takes its own). The no-communication run's losses are meaningless (each rank trains on its own
+shard only). Without GPUs it runs the tiny model on CPU, which checks the plumbing and measures nothing. Where nvidia-smi is present,
 rank 0 samples every GPU's SM clock and power, and each run gets their means over its iterations (`gpus`).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import os
 import sys
 import time
@@ -31,62 +30,45 @@ RUNS = (("megatron", "megatron", contextlib.nullcontext), ("flux", "flux", conte
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
-def _rank_body(local_rank: int, args, cfg, out: str) -> None:
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank))
-    sys.path.insert(0, EXAMPLES)
-    from _gpt_model import build_model, init_distributed, seed_everything
-    from _gpt_report import summarize
-    from _gpt_train import RunOptions, train
-
-    os.environ["FLUX_LAYERS_BACKEND"] = args.backend
-    device = init_distributed(args.device, local_rank)
+def _ceiling_runs(args, cfg, device) -> None:
+    """Every rank (pretrain_gpt.run_rank's body): the three trainings, then rank 0 reports."""
+    from pretrain_gpt import device_peak, train_fresh
+    _, peak = device_peak(args, device)
     results = {}
     windows = []
     sampling = dist.get_rank() == 0 and device.type == "cuda" and GpuSampler.available()
-    stack = contextlib.ExitStack()
-    sampler = stack.enter_context(GpuSampler(interval_ms=200)) if sampling else None
-    try:
+    with contextlib.ExitStack() as stack:
+        sampler = stack.enter_context(GpuSampler(interval_ms=200)) if sampling else None
         for name, impl, context in RUNS:
             if dist.get_rank() == 0:
                 print(f"--- {name} ---", flush=True)
-            seed_everything(cfg.seed)
-            model = build_model(cfg, impl, device, args.tp_comm_overlap)
             began = time.time()
             with context():
-                history = train(model, cfg, RunOptions(linear_impl=impl, log_interval=args.log_interval), device)
+                results[name] = train_fresh(args, cfg, impl, device, peak)
             windows.append((name, began, time.time()))
-            results[name] = summarize(history, cfg, args.timing_warmup, args.tp, None, {})
-            del model
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        stack.close()  # the sampler stops
-        if sampler is not None:
-            for g in range(torch.cuda.device_count()):
-                for name, clocks in sampler.summary(windows, g).items():
-                    results[name].setdefault("gpus", {})[g] = clocks
-        if dist.get_rank() == 0:
-            for name, r in results.items():
-                print(f"  {name}: " + ", ".join(f"GPU {g} {v['sm_clock_mhz']:.0f} MHz {v['power_w']:.0f} W"
-                                                for g, v in r.get("gpus", {}).items() if v["samples"]), flush=True)
-            base, free = results["megatron"]["median_step_ms"], results["megatron_no_comm"]["median_step_ms"]
-            flux = results["flux"]["median_step_ms"]
-            share = (base - flux) / (base - free) if base > free else None
-            print(f"megatron {base:.1f} ms/it, flux {flux:.1f} ms/it ({base / flux:.3f}x), megatron without "
-                  f"communication {free:.1f} ms/it: ceiling {base / free:.3f}x"
-                  + (f", flux takes {100 * share:.0f}% of it" if share is not None else ""), flush=True)
-            if out:
-                write_json(out, {**environment(args.tp),
-                                 "command": "python -m benchmarks.e2e_ceiling " + " ".join(sys.argv[1:]),
-                                 "model": args.model, "config": dataclasses.asdict(cfg),
-                                 "timing_warmup_iters": args.timing_warmup,
-                                 "method": "median wall-clock step time after the timing warm-up, each run from the "
-                                           "same seed, back to back in one launch",
-                                 "results": results, "ceiling_speedup": base / free, "flux_speedup": base / flux,
-                                 "flux_share_of_ceiling": share})
-    finally:
-        stack.close()
-        dist.destroy_process_group()
+    if dist.get_rank() != 0:
+        return
+    if sampler is not None:
+        for g in range(torch.cuda.device_count()):
+            for name, clocks in sampler.summary(windows, g).items():
+                results[name].setdefault("gpus", {})[g] = clocks
+        for name, r in results.items():
+            print(f"  {name}: " + ", ".join(f"GPU {g} {v['sm_clock_mhz']:.0f} MHz {v['power_w']:.0f} W"
+                                            for g, v in r["gpus"].items() if v["samples"]), flush=True)
+    base, free = results["megatron"]["median_step_ms"], results["megatron_no_comm"]["median_step_ms"]
+    flux = results["flux"]["median_step_ms"]
+    share = (base - flux) / (base - free) if base > free else None
+    print(f"megatron {base:.1f} ms/it, flux {flux:.1f} ms/it ({base / flux:.3f}x), megatron without "
+          f"communication {free:.1f} ms/it: ceiling {base / free:.3f}x"
+          + (f", flux takes {100 * share:.0f}% of it" if share is not None else ""), flush=True)
+    if args.ceiling_out:
+        write_json(args.ceiling_out, {
+            **environment(args.tp), "command": "python -m benchmarks.e2e_ceiling " + " ".join(sys.argv[1:]),
+            "model": args.model, "config": dataclasses.asdict(cfg), "timing_warmup_iters": args.timing_warmup,
+            "method": "median wall-clock step time after the timing warm-up, each run from the same seed, back to "
+                      "back in one launch",
+            "results": results, "ceiling_speedup": base / free, "flux_speedup": base / flux,
+            "flux_share_of_ceiling": share})
 
 
 def main(argv=None) -> int:
@@ -103,14 +85,11 @@ def main(argv=None) -> int:
             raise SystemExit(f"e2e_ceiling: {banned} is not an option here (the runs choose their linears)")
     pretrain_gpt.set_process_env()
     args, cfg = pretrain_gpt.resolve_args(pretrain_gpt.build_parser(), argv)
+    args.ceiling_out = out
     if args.device != "cuda":
         print("e2e_ceiling: CPU run (gloo, reference backend): the step times and the ceiling mean nothing here",
               flush=True)
-    import torch.multiprocessing as mp
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(pretrain_gpt._free_port()), WORLD_SIZE=str(args.tp),
-                      LOCAL_WORLD_SIZE=str(args.tp))
-    mp.start_processes(_rank_body, args=(args, cfg, out), nprocs=args.tp, start_method="spawn")
-    return 0
+    return pretrain_gpt.spawn(args, cfg, body=_ceiling_runs)
 
 
 if __name__ == "__main__":

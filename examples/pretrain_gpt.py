@@ -172,49 +172,64 @@ def run_single(args, cfg: GPTRunConfig, device: torch.device) -> None:
             json.dump(record, f, indent=1)
 
 
-def run_compare(args, cfg: GPTRunConfig, device: torch.device) -> None:
-    from _gpt_model import build_model, linear_paths, seed_everything
-    from _gpt_report import summarize, write_compare
+def device_peak(args, device: torch.device) -> tuple[str, float | None]:
+    """The device's name and the peak TFLOP/s per GPU that MFU is taken against (--peak-tflops or the known one)."""
     from _gpt_sizing import peak_tflops
-    from _gpt_train import RunOptions, train
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    peak = args.peak_tflops or peak_tflops(name)
+    return name, args.peak_tflops or peak_tflops(name)
+
+
+def train_fresh(args, cfg: GPTRunConfig, impl: str, device: torch.device, peak: float | None) -> dict:
+    """A new model with ``impl``'s linears, trained from the config's seed; its summary (the model is freed)."""
+    from _gpt_model import build_model, linear_paths, seed_everything
+    from _gpt_report import summarize
+    from _gpt_train import RunOptions, train
+    seed_everything(cfg.seed)
+    model = build_model(cfg, impl, device, args.tp_comm_overlap)
+    opts = RunOptions(linear_impl=impl, log_interval=args.log_interval, peak_tflops=peak)
+    history = train(model, cfg, opts, device)
+    result = summarize(history, cfg, args.timing_warmup, args.tp, peak, linear_paths(model))
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def run_compare(args, cfg: GPTRunConfig, device: torch.device) -> None:
+    from _gpt_report import write_compare
+    name, peak = device_peak(args, device)
     results = {}
     for impl in COMPARE_ORDER:
         if dist.get_rank() == 0:
             print(f"--- {impl} linears ---", flush=True)
-        seed_everything(cfg.seed)
-        model = build_model(cfg, impl, device, args.tp_comm_overlap)
-        opts = RunOptions(linear_impl=impl, log_interval=args.log_interval, peak_tflops=peak)
-        history = train(model, cfg, opts, device)
-        results[impl] = summarize(history, cfg, args.timing_warmup, args.tp, peak, linear_paths(model))
-        del model
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        results[impl] = train_fresh(args, cfg, impl, device, peak)
     if dist.get_rank() == 0:
         write_compare(results, cfg, model=args.model, tag=args.tag, results_dir=args.results_dir,
                       device=args.device, device_name=name, gpus=args.tp, backend=args.backend,
                       timing_warmup=args.timing_warmup)
 
 
-def run_rank(args, cfg: GPTRunConfig) -> None:
-    """Body of every process: join the groups, train (or compare), leave."""
+def run_rank(args, cfg: GPTRunConfig, body=None) -> None:
+    """Body of every process: join the groups, train (or compare), leave. ``body(args, cfg, device)`` replaces
+    the training (benchmarks/e2e_ceiling.py runs its own set of trainings this way)."""
     warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine|transformer_engine).*")
     os.environ["FLUX_LAYERS_BACKEND"] = args.backend
     from _gpt_model import init_distributed
     device = init_distributed(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     try:
-        if dist.get_rank() == 0:
-            print(describe_run(args, cfg, device), flush=True)
-        (run_compare if args.compare else run_single)(args, cfg, device)
+        if body is None:
+            if dist.get_rank() == 0:
+                print(describe_run(args, cfg, device), flush=True)
+            body = run_compare if args.compare else run_single
+        body(args, cfg, device)
     finally:
         dist.destroy_process_group()
 
 
-def _spawned_rank(local_rank: int, args, cfg: GPTRunConfig) -> None:
+def _spawned_rank(local_rank: int, args, cfg: GPTRunConfig, body) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank))
-    run_rank(args, cfg)
+    run_rank(args, cfg, body)
 
 
 def _free_port() -> int:
@@ -223,13 +238,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(args, cfg: GPTRunConfig) -> int:
-    """Start ``args.tp`` local processes (what torchrun would do); returns the exit status."""
+def spawn(args, cfg: GPTRunConfig, body=None) -> int:
+    """Start ``args.tp`` local processes (what torchrun would do) running ``run_rank(args, cfg, body)``; returns
+    the exit status."""
     import torch.multiprocessing as mp
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(args.tp),
                       LOCAL_WORLD_SIZE=str(args.tp))
     try:
-        mp.start_processes(_spawned_rank, args=(args, cfg), nprocs=args.tp, start_method="spawn")
+        mp.start_processes(_spawned_rank, args=(args, cfg, body), nprocs=args.tp, start_method="spawn")
     except mp.ProcessRaisedException as exc:
         print(f"pretrain_gpt.py: a rank failed:\n{exc}", file=sys.stderr)
         return 1
