@@ -82,7 +82,10 @@ def _ops_build():
         extra_compile_args={
             "cxx": ["-O3", "-std=c++17", "-DNDEBUG"],
             # -DNDEBUG: without it ptxas serialises wgmma (C7510) and the kernels lose speed.
-            "nvcc": ["-O3", "-std=c++17", "-DNDEBUG", "--expt-relaxed-constexpr", "--expt-extended-lambda",
+            # CUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL: CUTLASS calls cuTensorMapEncodeTiled directly, which
+            # csrc/runtime/driver_api.cpp defines (one entry-point lookup per process, not one per descriptor).
+            "nvcc": ["-O3", "-std=c++17", "-DNDEBUG", "-DCUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL",
+                     "--expt-relaxed-constexpr", "--expt-extended-lambda",
                      "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas=--warn-on-spills"] + undef_torch_half,
         },
         py_limited_api=True,

@@ -49,11 +49,13 @@ def time_ms(fn, *, reps: int = 30, warmup: int = 5, group=None, sleep_cycles: in
 
 @contextlib.contextmanager
 def env_override(**values: str | None):
-    """Set FLUX_LAYERS_<name>=value for the duration (the library reads its settings per call); None leaves a
-    setting as it is."""
+    """Set FLUX_LAYERS_<name>=value for the duration; None leaves a setting as it is. The library decides each
+    distinct call once, reading the settings then: the decisions are refreshed on entry and on exit."""
+    from flux_layers import ops
     values = {k: v for k, v in values.items() if v is not None}
     saved = {k: os.environ.get("FLUX_LAYERS_" + k) for k in values}
     os.environ.update({"FLUX_LAYERS_" + k: v for k, v in values.items()})
+    ops.refresh_settings()
     try:
         yield
     finally:
@@ -62,6 +64,7 @@ def env_override(**values: str | None):
                 os.environ.pop("FLUX_LAYERS_" + k, None)
             else:
                 os.environ["FLUX_LAYERS_" + k] = v
+        ops.refresh_settings()
 
 
 def _max_over_ranks(ms: float, group) -> float:

@@ -1,7 +1,8 @@
 """Start N processes from a pytest test, run a function in each with torch.distributed initialised.
 
 ``run_distributed(fn, world_size, *args, backend="gloo")`` spawns ``world_size`` processes, initialises the
-default process group (gloo on CPU, nccl with one GPU per rank), calls ``fn(rank, world_size, *args)`` and
+default process group (gloo on CPU, nccl with one GPU per rank, or gloo with every rank on GPU 0 under
+FLUX_LAYERS_TEST_SHARED_GPU=1), calls ``fn(rank, world_size, *args)`` and
 re-raises the first failure in the parent with the child's traceback. ``fn`` must be a module-level function.
 """
 from __future__ import annotations
@@ -12,6 +13,13 @@ import time
 import traceback
 
 import torch.multiprocessing as mp
+
+
+def shared_gpu() -> bool:
+    """FLUX_LAYERS_TEST_SHARED_GPU=1: the GPU tests run their ranks as processes sharing one GPU (a machine with
+    one GPU). The fused ops' results are checked as usual; their timing means nothing there (the processes
+    time-slice the GPU)."""
+    return os.environ.get("FLUX_LAYERS_TEST_SHARED_GPU") == "1"
 
 
 def free_port() -> int:
@@ -29,7 +37,12 @@ def _worker(rank, world_size, port, backend, fn, args, errors):
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     try:
-        if backend == "nccl":
+        if backend == "nccl" and shared_gpu():
+            # Emulation on one GPU: every rank on GPU 0, gloo for the group (NCCL refuses two ranks on one GPU).
+            os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+            torch.cuda.set_device(0)
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        elif backend == "nccl":
             torch.cuda.set_device(rank)
             dist.init_process_group("nccl", rank=rank, world_size=world_size,
                                     device_id=torch.device("cuda", rank))

@@ -1,20 +1,31 @@
-// torch binding of the op library: tensor checks, then the torch-free launchers of csrc/runtime and
-// csrc/kernels. Registered with TORCH_LIBRARY (no Python C API), so one build loads under any Python version
-// of the same torch. Bad arguments raise ValueError (TORCH_CHECK_VALUE); CUDA failures raise RuntimeError.
+// torch binding of the op library: the workspace object (a torch custom class around flux::WorkspaceState),
+// tensor checks, then the torch-free launchers of csrc/runtime and csrc/kernels. Registered with TORCH_LIBRARY (no
+// Python C API), so one build loads under any Python version of the same torch. Bad arguments raise ValueError
+// (TORCH_CHECK_VALUE); CUDA failures raise RuntimeError; a workspace that timed out or has no CUDA-graph twin
+// raises RuntimeError tagged kWorkspaceErrorTag, which flux_layers/runtime/workspace.py turns into WorkspaceError.
+// Everything a call checks is checked before its epoch advances, so a rejected call leaves the ranks in step.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAException.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <limits>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "flux/check.h"
 #include "flux/fused_ops.h"
 #include "flux/gemm_dispatch.h"
+#include "flux/workspace_state.h"
 
 namespace {
 
 using at::Tensor;
+
+constexpr const char* kWorkspaceErrorTag = "[flux_layers.WorkspaceError] ";
 
 flux::DType to_dtype(const Tensor& t, const char* name) {
   if (t.scalar_type() == at::kBFloat16) return flux::DType::kBF16;
@@ -76,30 +87,44 @@ void translate_errors(Fn&& fn) {
   }
 }
 
-void check_out(const Tensor& out, const Tensor& x, int64_t rows, int64_t cols, const char* name);
+// For checks of arguments made in the torch-free layer: flux::Error -> ValueError.
+template <class Fn>
+void translate_value_errors(Fn&& fn) {
+  try {
+    fn();
+  } catch (const flux::Error& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+}
+
+void check_out(const Tensor& out, const Tensor& x, int64_t rows, int64_t cols, const char* name) {
+  TORCH_CHECK_VALUE(out.is_cuda() && out.device() == x.device() && out.scalar_type() == x.scalar_type(), name,
+                    " must be a ", x.scalar_type(), " tensor on ", x.device());
+  TORCH_CHECK_VALUE(out.is_contiguous() && out.dim() == 2 && out.size(0) == rows && out.size(1) == cols, name,
+                    " must be contiguous [", rows, ", ", cols, "], got ", out.sizes());
+}
 
 // The persistent grid's options of one launch. stream_k_fill > 0: split a last wave that keeps at most that
 // percentage of the clusters busy (the stream-K tail); `scratch` then receives the tail's workspace,
 // from the caching allocator on the current stream (so launches on different streams never share it); it must
 // outlive the launch call.
-flux::LaunchOptions launch_options(const Tensor& like, int64_t sm_count, int64_t swizzle, int64_t stream_k_fill,
+flux::LaunchOptions launch_options(const Tensor& like, int sms, int sm_count, int swizzle, int stream_k_fill,
                                    Tensor& scratch) {
-  TORCH_CHECK_VALUE(sm_count >= 0, "sm_count ", sm_count, " must be >= 0 (0: all SMs)");
-  TORCH_CHECK_VALUE(swizzle >= 0 && swizzle <= 64, "swizzle ", swizzle, " outside [0, 64]");
-  TORCH_CHECK_VALUE(stream_k_fill >= 0 && stream_k_fill <= 100, "stream_k_fill ", stream_k_fill,
-                    " outside [0, 100] (0: no stream-K tail)");
   flux::LaunchOptions o;
-  o.sm_count = int(sm_count);
-  o.swizzle_m = int(swizzle);
-  o.split_max_fill_pct = int(stream_k_fill);
+  o.sm_count = sm_count;
+  o.swizzle_m = swizzle;
+  o.split_max_fill_pct = stream_k_fill;
   if (stream_k_fill > 0) {
-    int sms = 0;
-    FLUX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, like.device().index()));
     scratch = at::empty({flux::split_workspace_bytes(sms)}, like.options().dtype(at::kByte));
     o.split_workspace = scratch.data_ptr();
     o.split_workspace_bytes = scratch.numel();
   }
   return o;
+}
+
+flux::LaunchOptions launch_options(const Tensor& like, const flux::CallPlan& plan, int sms, bool run_gemm,
+                                   Tensor& scratch) {
+  return launch_options(like, sms, plan.sm_count, plan.swizzle, run_gemm ? plan.stream_k_fill : 0, scratch);
 }
 
 void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, Tensor out, bool weight_nn,
@@ -121,46 +146,140 @@ void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, T
   p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
   p.d[0] = out.data_ptr();
   p.ldd = s.n;
+  TORCH_CHECK_VALUE(sm_count >= 0, "sm_count ", sm_count, " must be >= 0 (0: all SMs)");
+  TORCH_CHECK_VALUE(swizzle >= 0 && swizzle <= 64, "swizzle ", swizzle, " outside [0, 64]");
+  TORCH_CHECK_VALUE(stream_k_fill >= 0 && stream_k_fill <= 100, "stream_k_fill ", stream_k_fill,
+                    " outside [0, 100] (0: no stream-K tail)");
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.device().index()));
   Tensor scratch;
-  p.launch = launch_options(x, sm_count, swizzle, stream_k_fill, scratch);
+  p.launch = launch_options(x, sms, int(sm_count), int(swizzle), int(stream_k_fill), scratch);
   translate_errors([&] {
     flux::launch_gemm(p, to_dtype(x, "x"), weight_nn ? flux::WeightLayout::kNN : flux::WeightLayout::kNT,
                       to_tile(tile), c10::cuda::getCurrentCUDAStream());
   });
 }
 
-template <class T>
-void copy_ptrs(const std::vector<int64_t>& src, T** dst, int64_t expect, const char* name) {
-  TORCH_CHECK_VALUE(int64_t(src.size()) == expect, name, " must hold ", expect, " pointers, got ", src.size());
-  for (size_t i = 0; i < src.size(); ++i) {
-    TORCH_CHECK_VALUE(src[i] != 0, name, "[", i, "] is null");
-    dst[i] = reinterpret_cast<T*>(src[i]);
+// ---------------------------------------------------------------- the workspace object
+// One per fused-op workspace (flux_layers/runtime/workspace.py makes it once, after the symmetric allocation):
+// flux::WorkspaceState plus its CUDA-graph twin, the workspace whose state calls captured into a graph use.
+struct Workspace : torch::CustomClassHolder {
+  std::unique_ptr<flux::WorkspaceState> state;
+  c10::intrusive_ptr<Workspace> twin;
+
+  Workspace(int64_t kind, int64_t dtype, int64_t rank, int64_t device, int64_t max_m, int64_t inner,
+            int64_t capacity, std::vector<int64_t> data_ptrs, std::vector<int64_t> flag_ptrs,
+            std::vector<int64_t> comm_streams, std::vector<int64_t> error_ptrs, bool graph_protocol,
+            double timeout_s, bool poison_outputs, std::string what) {
+    TORCH_CHECK_VALUE(kind == 0 || kind == 1, "workspace kind ", kind, " is not 0 (all-gather) or 1 (reduce-scatter)");
+    TORCH_CHECK_VALUE(dtype == 0 || dtype == 1, "workspace dtype ", dtype, " is not 0 (bf16) or 1 (fp16)");
+    TORCH_CHECK_VALUE(error_ptrs.size() == 2, "error_ptrs holds {record, claim}, got ", error_ptrs.size());
+    TORCH_CHECK_VALUE(timeout_s > 0, "timeout_s must be positive, got ", timeout_s);
+    flux::WorkspaceConfig c;
+    c.kind = static_cast<flux::WorkspaceKind>(kind);
+    c.dtype = static_cast<flux::DType>(dtype);
+    c.rank = int(rank);
+    c.tp = int(data_ptrs.size());
+    c.device = int(device);
+    c.max_m = max_m;
+    c.inner = inner;
+    c.capacity = int(capacity);
+    for (int64_t p : data_ptrs) c.data.push_back(reinterpret_cast<char*>(p));
+    for (int64_t p : flag_ptrs) c.flags.push_back(reinterpret_cast<uint32_t*>(p));
+    for (int64_t p : comm_streams) c.comm.push_back(reinterpret_cast<cudaStream_t>(p));
+    c.error_record = reinterpret_cast<int*>(error_ptrs[0]);
+    c.error_claim = reinterpret_cast<int*>(error_ptrs[1]);
+    c.graph_protocol = graph_protocol;
+    c.timeout_ns = uint64_t(timeout_s * 1e9);
+    c.poison_outputs = poison_outputs;
+    c.what = std::move(what);
+    c10::cuda::CUDAGuard guard(c10::Device(c10::DeviceType::CUDA, c10::DeviceIndex(device)));
+    translate_errors([&] { state = std::make_unique<flux::WorkspaceState>(std::move(c)); });
   }
+
+  int64_t add_plan(int64_t tile, int64_t swizzle, int64_t stream_k_fill, int64_t sm_count, int64_t mode,
+                   int64_t order, int64_t rows_per_chunk, bool copy_engine, int64_t chunk_cols) {
+    TORCH_CHECK_VALUE(mode == 0 || mode == 1, "mode must be 0 (pull) or 1 (push), got ", mode);
+    TORCH_CHECK_VALUE(order == 0 || order == 1, "order must be 0 (mesh) or 1 (ring), got ", order);
+    flux::CallPlan p;
+    p.tile = to_tile(tile);
+    p.swizzle = int(swizzle);
+    p.stream_k_fill = int(stream_k_fill);
+    p.sm_count = int(sm_count);
+    p.mode = static_cast<flux::AgMode>(mode);
+    p.order = static_cast<flux::AgOrder>(order);
+    p.rows_per_chunk = int(rows_per_chunk);
+    p.copy_engine = copy_engine;
+    p.chunk_cols = int(chunk_cols);
+    int64_t index = 0;
+    translate_value_errors([&] { index = state->add_plan(p); });
+    return index;
+  }
+
+  void set_twin(c10::intrusive_ptr<Workspace> t) {
+    TORCH_CHECK_VALUE(t->state->config().graph_protocol, "a CUDA-graph twin must use the CUDA-graph flag protocol");
+    twin = std::move(t);
+  }
+  void set_stage(int64_t ptr) { state->set_stage(reinterpret_cast<char*>(ptr)); }
+  void set_timeout(double timeout_s) {
+    TORCH_CHECK_VALUE(timeout_s > 0, "timeout_s must be positive, got ", timeout_s);
+    state->set_timeout_ns(uint64_t(timeout_s * 1e9));
+  }
+  std::string failure() const { return state->failure(); }
+  void mark_failed(std::string message) { state->mark_failed(message); }
+  int64_t epoch() const { return state->epoch(); }
+
+  // The workspace a call on `stream` uses: its CUDA-graph twin while the stream is being captured.
+  flux::WorkspaceState& for_stream(cudaStream_t stream) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    if (capture == cudaStreamCaptureStatusNone || state->config().graph_protocol) return *state;
+    TORCH_CHECK(twin, kWorkspaceErrorTag, state->config().what, " (max_m=", state->config().max_m,
+                ") has no CUDA-graph twin: a fused operator's workspace (symmetric memory, a collective) cannot "
+                "be created while a CUDA graph is being captured; run the captured step once eagerly first "
+                "(warm-up) with CUDA graphs enabled (FLUX_LAYERS_CUDA_GRAPHS=1 or "
+                "flux_layers.runtime.workspace.enable_cuda_graphs())");
+    return *twin->state;
+  }
+};
+
+// Before anything of a call is enqueued or any epoch advanced: the workspace is usable and matches the call.
+void check_usable(const flux::WorkspaceState& st, flux::WorkspaceKind kind, const Tensor& x, const char* op) {
+  std::string failed = st.failure();
+  TORCH_CHECK(failed.empty(), kWorkspaceErrorTag, failed);
+  auto const& c = st.config();
+  TORCH_CHECK_VALUE(c.kind == kind, op, ": the workspace belongs to ", c.what);
+  TORCH_CHECK_VALUE(x.device().index() == c.device, op, ": x is on ", x.device(), ", the workspace on cuda:",
+                    c.device);
+  TORCH_CHECK_VALUE(to_dtype(x, "x") == c.dtype, op, ": x dtype ", x.scalar_type(), " differs from the workspace's ",
+                    c.dtype == flux::DType::kBF16 ? "bfloat16" : "float16");
 }
 
-void check_out(const Tensor& out, const Tensor& x, int64_t rows, int64_t cols, const char* name) {
-  TORCH_CHECK_VALUE(out.is_cuda() && out.device() == x.device() && out.scalar_type() == x.scalar_type(), name,
-                    " must be a ", x.scalar_type(), " tensor on ", x.device());
-  TORCH_CHECK_VALUE(out.is_contiguous() && out.dim() == 2 && out.size(0) == rows && out.size(1) == cols, name,
-                    " must be contiguous [", rows, ", ", cols, "], got ", out.sizes());
-}
-
-void ag_gemm(const Tensor& x_shard_m, const Tensor& w, const std::optional<Tensor>& bias, Tensor out,
-             std::optional<Tensor> gathered_out, std::vector<int64_t> buffer_ptrs, std::vector<int64_t> flag_ptrs,
-             int64_t chunk_capacity, int64_t rows_per_chunk, int64_t rank, int64_t mode, int64_t order,
-             int64_t epoch, int64_t timeout_ns, int64_t error_record_ptr, int64_t error_claim_ptr,
-             std::vector<int64_t> comm_streams, bool weight_nn, int64_t tile, int64_t sm_count, int64_t swizzle,
-             int64_t stream_k_fill, bool run_gemm, bool graph_protocol) {
+std::tuple<Tensor, Tensor> ag_gemm(const Tensor& x_shard_m, const Tensor& w, const std::optional<Tensor>& bias,
+                                   const c10::intrusive_ptr<Workspace>& workspace, int64_t plan_index,
+                                   bool weight_nn, bool return_gathered, bool run_gemm) {
   auto s = check_operands(x_shard_m, w, bias, weight_nn);
-  int64_t tp = int64_t(buffer_ptrs.size());
-  TORCH_CHECK_VALUE(tp >= 2 && tp <= flux::kMaxGroups, "group size ", tp, " outside [2, ", flux::kMaxGroups, "]");
-  check_out(out, x_shard_m, tp * s.m, s.n, "out");
-  if (gathered_out.has_value()) check_out(*gathered_out, x_shard_m, tp * s.m, s.k, "gathered_out");
-  TORCH_CHECK_VALUE(!comm_streams.empty() && comm_streams.size() <= size_t(flux::kMaxGroups),
-                    "1 to ", flux::kMaxGroups, " communication streams are needed, got ", comm_streams.size());
-  TORCH_CHECK_VALUE(mode == 0 || mode == 1, "mode must be 0 (pull) or 1 (push), got ", mode);
-  TORCH_CHECK_VALUE(order == 0 || order == 1, "order must be 0 (mesh) or 1 (ring), got ", order);
   c10::cuda::CUDAGuard guard(x_shard_m.device());
+  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream();
+  flux::CallPlan plan;  // registered with the workspace; its CUDA-graph twin runs the same plans
+  translate_value_errors([&] { plan = workspace->state->plan(plan_index); });
+  flux::WorkspaceState& st = workspace->for_stream(stream);
+  check_usable(st, flux::WorkspaceKind::kAllGather, x_shard_m, "ag_gemm");
+  auto const& c = st.config();
+  int64_t const m = c.tp * s.m;
+  TORCH_CHECK_VALUE(m <= c.max_m && s.k == c.inner, "ag_gemm: call needs M=", m, ", K=", s.k,
+                    "; the workspace holds max_m=", c.max_m, ", K=", c.inner);
+  int64_t const chunks = (s.m + plan.rows_per_chunk - 1) / plan.rows_per_chunk;
+  TORCH_CHECK_VALUE(chunks <= c.capacity, "ag_gemm: ", s.m, " rows per shard in chunks of ", plan.rows_per_chunk,
+                    " rows need ", chunks, " chunk flags, the workspace holds ", c.capacity);
+  Tensor out = at::empty({m, s.n}, x_shard_m.options());
+  Tensor gathered = at::empty({return_gathered ? m : 0, s.k}, x_shard_m.options());
+  if (c.poison_outputs) {
+    out.fill_(std::numeric_limits<float>::quiet_NaN());
+    gathered.fill_(std::numeric_limits<float>::quiet_NaN());
+  }
+  if (s.m == 0) return {out, gathered};  // a no-op on every rank: no epoch, no flags
+
   flux::AgGemmArgs a;
   a.x = x_shard_m.data_ptr();
   a.ldx = x_shard_m.stride(0);
@@ -168,47 +287,59 @@ void ag_gemm(const Tensor& x_shard_m, const Tensor& w, const std::optional<Tenso
   a.ldw = w.stride(0);
   a.bias = bias.has_value() ? bias->data_ptr() : nullptr;
   a.out = out.data_ptr();
-  a.gathered_out = gathered_out.has_value() ? gathered_out->data_ptr() : nullptr;
-  a.dtype = to_dtype(x_shard_m, "x");
+  a.gathered_out = return_gathered ? gathered.data_ptr() : nullptr;
+  a.dtype = c.dtype;
   a.layout = weight_nn ? flux::WeightLayout::kNN : flux::WeightLayout::kNT;
-  a.tile = to_tile(tile);
+  a.tile = plan.tile;
   a.rows_per_group = int(s.m);
   a.n = int(s.n);
   a.k = int(s.k);
-  a.rank = int(rank);
-  a.tp = int(tp);
-  copy_ptrs(buffer_ptrs, a.buffers, tp, "buffer_ptrs");
-  copy_ptrs(flag_ptrs, a.flags, tp, "flag_ptrs");
-  a.chunk_capacity = int(chunk_capacity);
-  a.rows_per_chunk = int(rows_per_chunk);
-  a.mode = static_cast<flux::AgMode>(mode);
-  a.order = static_cast<flux::AgOrder>(order);
-  a.protocol = graph_protocol ? flux::FlagProtocol::kCudaGraph : flux::FlagProtocol::kEpoch;
-  a.epoch = uint32_t(epoch);
-  a.timeout_ns = uint64_t(timeout_ns);
-  a.error_record = reinterpret_cast<int*>(error_record_ptr);
-  a.error_claim = reinterpret_cast<int*>(error_claim_ptr);
-  a.compute = c10::cuda::getCurrentCUDAStream();
-  a.num_comm = int(comm_streams.size());
-  for (size_t i = 0; i < comm_streams.size(); ++i) a.comm[i] = reinterpret_cast<cudaStream_t>(comm_streams[i]);
+  a.rank = c.rank;
+  a.tp = c.tp;
+  for (int q = 0; q < c.tp; ++q) {
+    a.buffers[q] = c.data[q];
+    a.flags[q] = c.flags[q];
+  }
+  a.chunk_capacity = c.capacity;
+  a.rows_per_chunk = plan.rows_per_chunk;
+  a.mode = plan.mode;
+  a.order = plan.order;
+  a.protocol = c.graph_protocol ? flux::FlagProtocol::kCudaGraph : flux::FlagProtocol::kEpoch;
+  a.timeout_ns = c.timeout_ns;
+  a.error_record = c.error_record;
+  a.error_claim = c.error_claim;
+  a.compute = stream;
+  a.num_comm = int(c.comm.size());
+  for (size_t i = 0; i < c.comm.size(); ++i) a.comm[i] = c.comm[i];
+  a.events = st.events();
   a.run_gemm = run_gemm;
   Tensor scratch;
-  a.launch = launch_options(x_shard_m, sm_count, swizzle, run_gemm ? stream_k_fill : 0, scratch);
+  a.launch = launch_options(x_shard_m, plan, st.sm_count(), run_gemm, scratch);
+  a.epoch = st.next_epoch();  // nothing below rejects the call
   translate_errors([&] { flux::ag_gemm(a); });
+  return {out, gathered};
 }
 
-void gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, Tensor out,
-             std::vector<int64_t> recv_ptrs, int64_t slot_rows, std::vector<int64_t> flag_ptrs,
-             int64_t flags_per_source, int64_t rank, int64_t epoch, int64_t timeout_ns, int64_t error_record_ptr,
-             int64_t error_claim_ptr, bool weight_nn, int64_t tile, int64_t sm_count, int64_t swizzle,
-             int64_t stream_k_fill, int64_t stage_ptr, int64_t chunk_cols, std::vector<int64_t> comm_streams,
-             bool graph_protocol) {
+Tensor gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias,
+               const c10::intrusive_ptr<Workspace>& workspace, int64_t plan_index, bool weight_nn) {
   auto s = check_operands(x, w, bias, weight_nn);
-  int64_t tp = int64_t(recv_ptrs.size());
-  TORCH_CHECK_VALUE(tp >= 2 && tp <= flux::kMaxGroups, "group size ", tp, " outside [2, ", flux::kMaxGroups, "]");
-  TORCH_CHECK_VALUE(s.m % tp == 0, "M = ", s.m, " rows are not divisible by the group size ", tp);
-  check_out(out, x, s.m / tp, s.n, "out");
   c10::cuda::CUDAGuard guard(x.device());
+  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream();
+  flux::CallPlan plan;  // registered with the workspace; its CUDA-graph twin runs the same plans
+  translate_value_errors([&] { plan = workspace->state->plan(plan_index); });
+  flux::WorkspaceState& st = workspace->for_stream(stream);
+  check_usable(st, flux::WorkspaceKind::kReduceScatter, x, "gemm_rs");
+  auto const& c = st.config();
+  TORCH_CHECK_VALUE(s.m % c.tp == 0, "gemm_rs: M=", s.m, " rows are not divisible by the group size ", c.tp);
+  TORCH_CHECK_VALUE(s.m <= c.max_m && s.n == c.inner, "gemm_rs: call needs M=", s.m, ", N=", s.n,
+                    "; the workspace holds max_m=", c.max_m, ", N=", c.inner);
+  TORCH_CHECK_VALUE(!plan.copy_engine || st.stage() != nullptr, "gemm_rs: the copy-engine transport needs the "
+                    "workspace's staging area");
+  int64_t const rows = s.m / c.tp;
+  Tensor out = at::empty({rows, s.n}, x.options());
+  if (c.poison_outputs) out.fill_(std::numeric_limits<float>::quiet_NaN());
+  if (rows == 0) return out;  // a no-op on every rank: no epoch, no flags
+
   flux::GemmRsArgs a;
   a.x = x.data_ptr();
   a.ldx = x.stride(0);
@@ -216,53 +347,57 @@ void gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias
   a.ldw = w.stride(0);
   a.bias = bias.has_value() ? bias->data_ptr() : nullptr;
   a.out = out.data_ptr();
-  a.dtype = to_dtype(x, "x");
+  a.dtype = c.dtype;
   a.layout = weight_nn ? flux::WeightLayout::kNN : flux::WeightLayout::kNT;
-  a.tile = to_tile(tile);
-  a.rows_per_group = int(s.m / tp);
+  a.tile = plan.tile;
+  a.rows_per_group = int(rows);
   a.n = int(s.n);
   a.k = int(s.k);
-  a.rank = int(rank);
-  a.tp = int(tp);
-  copy_ptrs(recv_ptrs, a.recv, tp, "recv_ptrs");
-  a.slot_rows = slot_rows;
-  copy_ptrs(flag_ptrs, a.flags, tp, "flag_ptrs");
-  a.flags_per_source = int(flags_per_source);
-  a.protocol = graph_protocol ? flux::FlagProtocol::kCudaGraph : flux::FlagProtocol::kEpoch;
-  a.epoch = uint32_t(epoch);
-  a.timeout_ns = uint64_t(timeout_ns);
-  a.error_record = reinterpret_cast<int*>(error_record_ptr);
-  a.error_claim = reinterpret_cast<int*>(error_claim_ptr);
-  TORCH_CHECK_VALUE(chunk_cols >= 0, "chunk_cols ", chunk_cols, " must be >= 0 (0: default)");
-  TORCH_CHECK_VALUE(comm_streams.size() <= size_t(flux::kMaxGroups), "at most ", flux::kMaxGroups,
-                    " communication streams, got ", comm_streams.size());
-  TORCH_CHECK_VALUE(stage_ptr == 0 || !comm_streams.empty(),
-                    "the copy-engine transport needs at least one communication stream");
-  a.stage = reinterpret_cast<char*>(stage_ptr);
-  a.chunk_cols = int(chunk_cols);
-  a.num_comm = int(comm_streams.size());
-  for (size_t i = 0; i < comm_streams.size(); ++i) a.comm[i] = reinterpret_cast<cudaStream_t>(comm_streams[i]);
+  a.rank = c.rank;
+  a.tp = c.tp;
+  for (int q = 0; q < c.tp; ++q) {
+    a.recv[q] = c.data[q];
+    a.flags[q] = c.flags[q];
+  }
+  a.slot_rows = c.max_m / c.tp;
+  a.flags_per_source = c.capacity;
+  a.stage = plan.copy_engine ? st.stage() : nullptr;
+  a.chunk_cols = plan.chunk_cols;
+  a.num_comm = int(c.comm.size());
+  for (size_t i = 0; i < c.comm.size(); ++i) a.comm[i] = c.comm[i];
+  a.events = st.events();
+  a.protocol = c.graph_protocol ? flux::FlagProtocol::kCudaGraph : flux::FlagProtocol::kEpoch;
+  a.timeout_ns = c.timeout_ns;
+  a.error_record = c.error_record;
+  a.error_claim = c.error_claim;
+  a.compute = stream;
   Tensor scratch;
-  a.launch = launch_options(x, sm_count, swizzle, stream_k_fill, scratch);
-  a.compute = c10::cuda::getCurrentCUDAStream();
+  a.launch = launch_options(x, plan, st.sm_count(), true, scratch);
+  a.epoch = st.next_epoch();  // nothing below rejects the call
   translate_errors([&] { flux::gemm_rs(a); });
+  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(flux_layers, m) {
+  m.class_<Workspace>("Workspace")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, std::vector<int64_t>,
+                       std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, bool, double, bool,
+                       std::string>())
+      .def("add_plan", &Workspace::add_plan)
+      .def("set_twin", &Workspace::set_twin)
+      .def("set_stage", &Workspace::set_stage)
+      .def("set_timeout", &Workspace::set_timeout)
+      .def("failure", &Workspace::failure)
+      .def("mark_failed", &Workspace::mark_failed)
+      .def("epoch", &Workspace::epoch);
   m.def("gemm(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool weight_nn, int tile, int sm_count, int swizzle, "
         "int stream_k_fill) -> ()");
-  m.def(
-      "ag_gemm(Tensor x_shard_m, Tensor weight, Tensor? bias, Tensor(a!) out, Tensor(b!)? gathered_out, "
-      "int[] buffer_ptrs, int[] flag_ptrs, int chunk_capacity, int rows_per_chunk, int rank, int mode, int order, "
-      "int epoch, int timeout_ns, int error_record_ptr, int error_claim_ptr, int[] comm_streams, bool weight_nn, "
-      "int tile, int sm_count, int swizzle, int stream_k_fill, bool run_gemm, bool graph_protocol) -> ()");
-  m.def(
-      "gemm_rs(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, int[] recv_ptrs, int slot_rows, "
-      "int[] flag_ptrs, int flags_per_source, int rank, int epoch, int timeout_ns, int error_record_ptr, "
-      "int error_claim_ptr, bool weight_nn, int tile, int sm_count, int swizzle, int stream_k_fill, int stage_ptr, "
-      "int chunk_cols, int[] comm_streams, bool graph_protocol) -> ()");
+  m.def("ag_gemm(Tensor x_shard_m, Tensor weight, Tensor? bias, __torch__.torch.classes.flux_layers.Workspace workspace, "
+        "int plan, bool weight_nn, bool return_gathered, bool run_gemm) -> (Tensor, Tensor)");
+  m.def("gemm_rs(Tensor x, Tensor weight, Tensor? bias, __torch__.torch.classes.flux_layers.Workspace workspace, "
+        "int plan, bool weight_nn) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flux_layers, CUDA, m) {

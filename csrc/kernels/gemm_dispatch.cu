@@ -15,12 +15,16 @@ void by_tile(const GemmProblem& p, TileConfig t, cudaStream_t s) {
 }  // namespace
 
 void launch_gemm(const GemmProblem& p, DType d, WeightLayout l, TileConfig t, cudaStream_t s) {
-  if (d == DType::kBF16) {
-    return l == WeightLayout::kNT ? by_tile<DType::kBF16, WeightLayout::kNT>(p, t, s)
-                                  : by_tile<DType::kBF16, WeightLayout::kNN>(p, t, s);
+  FLUX_CHECK(l == WeightLayout::kNT || l == WeightLayout::kNN, "unknown weight layout ", int(l));
+  switch (d) {
+    case DType::kBF16:
+      return l == WeightLayout::kNT ? by_tile<DType::kBF16, WeightLayout::kNT>(p, t, s)
+                                    : by_tile<DType::kBF16, WeightLayout::kNN>(p, t, s);
+    case DType::kFP16:
+      return l == WeightLayout::kNT ? by_tile<DType::kFP16, WeightLayout::kNT>(p, t, s)
+                                    : by_tile<DType::kFP16, WeightLayout::kNN>(p, t, s);
   }
-  return l == WeightLayout::kNT ? by_tile<DType::kFP16, WeightLayout::kNT>(p, t, s)
-                                : by_tile<DType::kFP16, WeightLayout::kNN>(p, t, s);
+  FLUX_CHECK(false, "no GEMM instance for dtype ", int(d));
 }
 
 }  // namespace flux

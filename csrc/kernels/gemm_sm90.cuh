@@ -772,8 +772,12 @@ struct Launcher {
                                           b, stride_b(prob.ldb, b_batch)};
     params.mainloop = Mainloop::to_underlying_arguments(
         make_shape(prob.rows_per_group, prob.n, prob.k, groups), args_batched, nullptr);
-    params.mainloop_own = Mainloop::to_underlying_arguments(
-        make_shape(prob.rows_per_group, prob.n, prob.k, 1), args_own, nullptr);
+    // Each descriptor costs a host-side encode per launch: the own-rows one only where it differs (AllGather). A
+    // plain GEMM's batched A is its own A; a ReduceScatter never reads own rows (own_group = -1). B is the same.
+    params.mainloop_own = prob.a != nullptr && prob.a_own != nullptr
+                              ? Mainloop::to_underlying_arguments(make_shape(prob.rows_per_group, prob.n, prob.k, 1),
+                                                                  args_own, nullptr)
+                              : params.mainloop;
 
     for (int g = 0; g < prob.num_groups; ++g) {
       FLUX_CHECK(prob.d[g] != nullptr, "group ", g, " has no destination");

@@ -15,7 +15,6 @@
 // join, before done is written (a peer sets them again only after it saw that write).
 #include <algorithm>
 
-#include "event_pool.h"
 #include "flux/check.h"
 #include "flux/fused_ops.h"
 
@@ -178,6 +177,16 @@ void copy_out_gathered(const AgPlan& p, bool own_in_buffer) {
   }
 }
 
+// Comm streams this call issues work on (the others are neither forked nor joined: each fork or join is an event
+// record and wait that the GPU pays for on every call).
+int comm_streams_used(const AgPlan& p) {
+  const AgGemmArgs& a = p.a;
+  if (a.order == AgOrder::kRing) return 1;
+  int streams = a.tp - 1;
+  if (a.mode == AgMode::kPush && p.chunks > 1 && a.num_comm >= 2 * (a.tp - 1)) streams *= 2;  // see push()
+  return std::min(streams, a.num_comm);
+}
+
 }  // namespace
 
 void ag_gemm(const AgGemmArgs& a) {
@@ -194,9 +203,11 @@ void ag_gemm(const AgGemmArgs& a) {
   FLUX_CHECK(p.chunks <= a.chunk_capacity, "this call needs ", p.chunks, " chunks per shard, the workspace holds ",
              a.chunk_capacity);
 
-  auto& ev = call_events();
+  FLUX_CHECK(a.events != nullptr, "the workspace's events are missing");
+  cudaEvent_t* const ev = a.events;
   cudaEvent_t ready = ev[1];
   cudaStream_t s0 = a.comm[0];
+  int const used = comm_streams_used(p);
   bool x_in_buffer = a.x == p.region(a.rank, a.rank, 0) && a.ldx == a.k;
   if (a.mode == AgMode::kPull) {
     // Pull: our shard must sit in our symmetric buffer before anyone pulls it. The staging copy is
@@ -205,14 +216,14 @@ void ag_gemm(const AgGemmArgs& a) {
     p.wait_peers_done(a.compute);
     stage_own(p, x_in_buffer, a.compute);
     FLUX_CUDA_CHECK(cudaEventRecord(ready, a.compute));
-    for (int i = 0; i < a.num_comm; ++i) FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.comm[i], ready, 0));
+    for (int i = 0; i < used; ++i) FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.comm[i], ready, 0));
   } else {
     // Push: peer-to-peer copies only (copy engines); the GEMM does not wait for the previous call's peers.
     FLUX_CUDA_CHECK(cudaEventRecord(ev[0], a.compute));
     FLUX_CUDA_CHECK(cudaStreamWaitEvent(s0, ev[0], 0));
     p.wait_peers_done(s0);
-    FLUX_CUDA_CHECK(cudaEventRecord(ready, s0));
-    for (int i = 1; i < a.num_comm; ++i) FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.comm[i], ready, 0));
+    if (used > 1) FLUX_CUDA_CHECK(cudaEventRecord(ready, s0));
+    for (int i = 1; i < used; ++i) FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.comm[i], ready, 0));
   }
 
   GemmProblem g;
@@ -250,7 +261,7 @@ void ag_gemm(const AgGemmArgs& a) {
   }
 
   // Join the comm streams back into the compute stream only now, so nothing above waits on them.
-  for (int i = 1; i < a.num_comm; ++i) {
+  for (int i = 1; i < used; ++i) {
     FLUX_CUDA_CHECK(cudaEventRecord(ev[2 + i], a.comm[i]));
     FLUX_CUDA_CHECK(cudaStreamWaitEvent(s0, ev[2 + i], 0));
   }

@@ -21,7 +21,6 @@
 #include <algorithm>
 
 #include "../kernels/tile_schedule.cuh"
-#include "event_pool.h"
 #include "flux/check.h"
 #include "flux/fused_ops.h"
 
@@ -97,7 +96,7 @@ void gemm_rs(const GemmRsArgs& a) {
   g.rank = r;
   g.launch = a.launch;
 
-  auto& ev = call_events();
+  cudaEvent_t* const ev = a.events;
   TileSchedule const sched = TileSchedule::make(g, tile_m(a.tile), tile_n(a.tile), kClusterM);
   RsChunkGrid const grid =
       copy_engine ? RsChunkGrid::make(sched, a.rows_per_group, tile_m(a.tile), tile_n(a.tile), a.chunk_cols)

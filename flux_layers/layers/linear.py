@@ -50,7 +50,8 @@ from flux_layers.layers.autograd import (
     ReduceScatterLinear,
     ScatterLastDim,
 )
-from flux_layers.ops.backend import Choice, choose
+from flux_layers.ops import _dispatch
+from flux_layers.ops.backend import Choice
 
 _LOCAL_NO_SP = "no sequence parallelism: plain GEMM, Megatron's collective separately"
 _LOCAL_TP1 = "tensor-parallel size 1: no communication"
@@ -60,9 +61,10 @@ _LOCAL_EXPERT = "expert layer: communication is the token dispatcher's"
 @torch.compiler.assume_constant_result
 def _choose(op: str, device: torch.device, dtype: torch.dtype, m: int, k: int, n: int, group,
             backend: Optional[str]) -> tuple[str, str]:
-    """ops' dispatch decision as (path, reason). It depends only on static facts (op, shape, dtype, device,
-    group, settings), so torch.compile takes it as a constant instead of tracing the dispatcher."""
-    choice = choose(op, device=device, dtype=dtype, mkn=(m, k, n), group=group, backend=backend)
+    """ops' dispatch decision as (path, reason), taken once per shape and kept (the op then finds its own
+    decision kept under the same shape). It depends only on static facts (op, shape, dtype, device, group,
+    settings), so torch.compile takes it as a constant instead of tracing the dispatcher."""
+    choice = _dispatch.choice(op, device, dtype, (m, k, n), group, backend)
     return choice.path, choice.reason
 
 

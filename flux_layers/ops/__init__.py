@@ -7,7 +7,9 @@
 | ``gemm_rs(x, w, bias, group=...)`` | x [M, K_local], w [N, K_local] ('nt') or [K_local, N] ('nn') | [M/tp, N], summed over ranks |
 
 Every op takes ``backend=`` ('auto' | 'fused' | 'reference', default from ``FLUX_LAYERS_BACKEND``); see
-:mod:`flux_layers.ops.backend`. ``plan()`` says which path a call with those arguments would take. Under
+:mod:`flux_layers.ops.backend`. ``plan()`` says which path a call with those arguments would take. Each distinct
+call (shapes, dtype, layout, group, backend) is decided once and the decision kept (:mod:`flux_layers.ops._dispatch`),
+so a repeated call costs a dict lookup and the op; ``refresh_settings()`` makes changed settings count. Under
 torch.compile each call is one opaque graph node (:mod:`flux_layers.ops._traceable`), dispatch included.
 """
 from __future__ import annotations
@@ -15,11 +17,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flux_layers.ops import reference
+from flux_layers.ops import _dispatch, reference
 from flux_layers.ops._checks import check_matmul_args
 from flux_layers.ops.backend import Choice, choose
 
-__all__ = ["gemm", "ag_gemm", "gemm_rs", "plan", "Choice", "reference"]
+__all__ = ["gemm", "ag_gemm", "gemm_rs", "plan", "refresh_settings", "Choice", "reference"]
 
 
 def _tp(group) -> int:
@@ -42,42 +44,35 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if torch.compiler.is_compiling():
         from flux_layers.ops import _traceable
         return _traceable.op_gemm(x, weight, bias, weight_layout, backend)
-    choice = plan("gemm", x, weight, weight_layout=weight_layout, backend=backend)
-    if choice.path == "fused":
-        from flux_layers.ops import fused_gemm
-        return fused_gemm.gemm(x, weight, bias, weight_layout=weight_layout)
-    check_matmul_args("gemm", x, weight, bias, weight_layout)
-    return reference.linear(x, weight, bias, weight_layout)
+    return _dispatch.gemm_call(x, weight, weight_layout, backend)(x, weight, bias)
 
 
 def ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group,
             weight_layout: str = "nt", return_gathered: bool = False, backend: str | None = None):
-    if _tp(group) == 1:
-        out = gemm(x_shard_m, weight, bias, weight_layout=weight_layout, backend=backend)
-        return (out, x_shard_m) if return_gathered else out
     if torch.compiler.is_compiling():
+        if _tp(group) == 1:
+            out = gemm(x_shard_m, weight, bias, weight_layout=weight_layout, backend=backend)
+            return (out, x_shard_m) if return_gathered else out
         from flux_layers.ops import _traceable
         out, gathered = _traceable.op_ag_gemm(x_shard_m, weight, bias, group.group_name, weight_layout,
                                               return_gathered, backend)
         return (out, gathered) if return_gathered else out
-    choice = plan("ag_gemm", x_shard_m, weight, group=group, weight_layout=weight_layout, backend=backend)
-    if choice.path == "fused":
-        from flux_layers.ops import fused_ag_gemm
-        return fused_ag_gemm.ag_gemm(x_shard_m, weight, bias, group=group, weight_layout=weight_layout,
-                                     return_gathered=return_gathered)
-    return reference.ag_gemm(x_shard_m, weight, bias, group=group, weight_layout=weight_layout,
-                             return_gathered=return_gathered)
+    call = _dispatch.ag_gemm_call(x_shard_m, weight, group, weight_layout, backend)
+    return call(x_shard_m, weight, bias, return_gathered)
 
 
 def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group,
             weight_layout: str = "nt", backend: str | None = None) -> torch.Tensor:
-    if _tp(group) == 1:
-        return gemm(x, weight, bias, weight_layout=weight_layout, backend=backend)
     if torch.compiler.is_compiling():
+        if _tp(group) == 1:
+            return gemm(x, weight, bias, weight_layout=weight_layout, backend=backend)
         from flux_layers.ops import _traceable
         return _traceable.op_gemm_rs(x, weight, bias, group.group_name, weight_layout, backend)
-    choice = plan("gemm_rs", x, weight, group=group, weight_layout=weight_layout, backend=backend)
-    if choice.path == "fused":
-        from flux_layers.ops import fused_gemm_rs
-        return fused_gemm_rs.gemm_rs(x, weight, bias, group=group, weight_layout=weight_layout)
-    return reference.gemm_rs(x, weight, bias, group=group, weight_layout=weight_layout)
+    return _dispatch.gemm_rs_call(x, weight, group, weight_layout, backend)(x, weight, bias)
+
+
+def refresh_settings() -> None:
+    """Make the next calls read the ``FLUX_LAYERS_*`` settings and the tuning table again (each distinct call is
+    otherwise decided once, when first made; see :mod:`flux_layers.ops._dispatch`). Workspaces keep the settings
+    they were made with (FLUX_LAYERS_TIMEOUT_S, FLUX_LAYERS_POISON_OUTPUTS)."""
+    _dispatch.refresh()

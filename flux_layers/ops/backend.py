@@ -27,13 +27,6 @@ class Choice:
     reason: str    # why, in words (shown in benchmark JSON and layer reports)
 
 
-def _group_backend(group) -> str:
-    try:
-        return dist.get_backend(group)
-    except Exception:  # not initialised: only tp=1 can run
-        return "none"
-
-
 def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int, int, int], group,
            backend: str | None = None) -> Choice:
     requested = backend if backend is not None else _env.get("BACKEND")
@@ -50,8 +43,8 @@ def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int,
         blockers.append(f"tensors are on {device}, the fused kernels need CUDA tensors")
     if dtype not in FUSED_DTYPES:
         blockers.append(f"dtype {dtype} is not bfloat16/float16")
-    if group is not None and _group_backend(group) not in ("nccl", "none"):
-        blockers.append(f"process group backend is {_group_backend(group)!r}, the fused path needs NCCL")
+    # Any process-group backend serves the fused path: its group only exchanges the workspaces' addresses when
+    # they are made (the transfers are the op library's own), so gloo works too, e.g. for ranks sharing one GPU.
     if op != "gemm" and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         from flux_layers.runtime import workspace
         if not workspace.cuda_graphs_enabled():

@@ -1,4 +1,4 @@
-"""The op library's persistent sm90 GEMM as a torch custom op (no communication).
+"""The op library's persistent sm90 GEMM (no communication).
 
 | weight_layout | x | weight | out |
 |---|---|---|---|
@@ -17,23 +17,6 @@ from flux_layers.ops._checks import check_fused_tensor, check_matmul_args
 from flux_layers.runtime import tuning
 
 
-@torch.library.custom_op("flux::gemm", mutates_args=())
-def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_nn: bool, tile: int,
-          sm_count: int, swizzle: int, stream_k_fill: int) -> torch.Tensor:
-    n = weight.shape[1] if weight_nn else weight.shape[0]
-    out = x.new_empty((x.shape[0], n))
-    if _env.get("POISON_OUTPUTS") == "1":
-        out.fill_(float("nan"))
-    torch.ops.flux_layers.gemm(x, weight, bias, out, weight_nn, tile, sm_count, swizzle, stream_k_fill)
-    return out
-
-
-@_gemm.register_fake
-def _(x, weight, bias, weight_nn, tile, sm_count, swizzle, stream_k_fill):
-    n = weight.shape[1] if weight_nn else weight.shape[0]
-    return x.new_empty((x.shape[0], n))
-
-
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_layout: str = "nt",
          tile: int | None = None, sm_count: int = 0, swizzle: int | None = None,
          stream_k: bool | int | None = None) -> torch.Tensor:
@@ -47,4 +30,14 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     check_fused_tensor("gemm", "weight", weight)
     kc = tuning.resolve_kernel("gemm", dtype=x.dtype, tp=1, mkn=(m, k, n), tile=tile, swizzle=swizzle,
                                stream_k=stream_k, sm_count=sm_count)
-    return _gemm(x, weight, bias, weight_layout == "nn", kc.tile, kc.sm_count, kc.swizzle, kc.stream_k_fill)
+    return run(x, weight, bias, weight_layout == "nn", kc, _env.get("POISON_OUTPUTS") == "1")
+
+
+def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_nn: bool,
+        kc: tuning.KernelChoice, poison: bool = False) -> torch.Tensor:
+    """One launch with a resolved kernel configuration (the op checks the tensors)."""
+    out = x.new_empty((x.shape[0], weight.shape[1] if weight_nn else weight.shape[0]))
+    if poison:
+        out.fill_(float("nan"))
+    torch.ops.flux_layers.gemm(x, weight, bias, out, weight_nn, kc.tile, kc.sm_count, kc.swizzle, kc.stream_k_fill)
+    return out

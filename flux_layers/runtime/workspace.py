@@ -8,10 +8,17 @@ Symmetric memory comes from ``torch.distributed._symmetric_memory`` (IPC mapping
 Each workspace makes one symmetric allocation holding its data buffer and its 32-bit flag words, so the
 offsets of both are identical on every rank.
 
+Each workspace owns one long-lived C++ object, ``Workspace.native`` (``torch.classes.flux_layers.Workspace``,
+csrc/include/flux/workspace_state.h): the peers' buffer and flag pointers, the communication streams, the events of
+a call, the error record, the flag protocol, the epoch counter and the kernel/transfer plans registered for the
+shapes seen so far. A call passes its tensors, a plan index and that object; the op checks everything before the
+epoch advances, so a rejected call leaves the ranks in step. Settings (FLUX_LAYERS_TIMEOUT_S,
+FLUX_LAYERS_POISON_OUTPUTS) are read when the workspace is made.
+
 Flags are epoch-valued (a flag is set for call ``e`` when it holds a value >= e): they are never cleared,
 which removes the reset race between back-to-back calls. Every cross-rank wait is bounded: a waiter that
 times out writes {code, rank, index, epoch} into a host-mapped record, and the next call (or
-:meth:`Workspace.check`) raises a RuntimeError that says who waited for what.
+:meth:`Workspace.check`) raises a :class:`WorkspaceError` that says who waited for what.
 
 CUDA graphs. A captured call replays with the values it was captured with, so a host-side epoch cannot order
 replays. Calls made while the current stream is being captured therefore use the workspace's *graph twin*:
@@ -26,22 +33,34 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from flux_layers import _env
+from flux_layers import _env, _library
 from flux_layers.runtime import topology
 from flux_layers.runtime.schedules import MAX_TP
 
-_WAIT_ERRORS = {1: "a copy-engine chunk of the all-gather", 2: "a peer's partial tile of the reduce-scatter",
-                3: "a peer to release its receive slots (previous call)"}
-
-
 class WorkspaceError(RuntimeError):
     """A bounded wait inside a fused operator timed out; the workspace cannot be used any more."""
+
+
+# The op library marks the errors of an unusable workspace with this tag (csrc/bindings/ops.cpp).
+_ERROR_TAG = "[flux_layers.WorkspaceError] "
+
+
+def workspace_error(exc: RuntimeError) -> WorkspaceError | None:
+    """The :class:`WorkspaceError` an op's RuntimeError stands for, or None if it is another error."""
+    text = str(exc)
+    at = text.find(_ERROR_TAG)
+    if at < 0:
+        return None
+    return WorkspaceError(text[at + len(_ERROR_TAG):].split("\nException raised from")[0])
+
+
+_KIND = {"ag_gemm": 0, "gemm_rs": 1}
+_DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1}
 
 
 def _align(n: int, a: int = 256) -> int:
@@ -60,7 +79,8 @@ class Workspace:
     """Common part: one symmetric allocation (data + flags), streams, epoch counter, error record."""
 
     def __init__(self, group, *, data_bytes: int, flag_words: int, handshake_words: slice, num_comm_streams: int,
-                 what: str, graph_protocol: bool):
+                 what: str, graph_protocol: bool, dtype: torch.dtype, max_m: int, inner: int, capacity: int):
+        _library.require()  # the native object below is the op library's class
         if not dist.is_initialized():
             raise RuntimeError(f"{what}: torch.distributed is not initialised")
         self.group = group
@@ -96,12 +116,19 @@ class Workspace:
         self.comm_streams = [torch.cuda.Stream(device=self.device, priority=-1) for _ in range(num_comm_streams)]
         self.error_record = torch.zeros(5, dtype=torch.int32, pin_memory=True)
         self.error_claim = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self.epoch = 0
-        self.timeout_s = _env.get_float("TIMEOUT_S")
+        self._timeout_s = _env.get_float("TIMEOUT_S")
+        if not self._timeout_s > 0:
+            raise ValueError(f"FLUX_LAYERS_TIMEOUT_S must be positive, got {self._timeout_s:g}")
         self.what = what + (" (CUDA-graph twin)" if graph_protocol else "")
         self.graph_twin: Workspace | None = None
-        self._failed: str | None = None
-        self._lock = threading.Lock()
+        self.retired = False  # replaced by a larger workspace (calls planned on this one re-plan on that)
+        self._plans: dict[tuple, int] = {}
+        self._plans_lock = threading.Lock()
+        self.native = torch.classes.flux_layers.Workspace(
+            _KIND[what], _DTYPE_CODE[dtype], self.rank, self.device.index, max_m, inner, capacity, self.data_ptrs,
+            self.flag_ptrs, [s.cuda_stream for s in self.comm_streams],
+            [self.error_record.data_ptr(), self.error_claim.data_ptr()], graph_protocol, self._timeout_s,
+            _env.get("POISON_OUTPUTS") == "1", self.what)
         dist.barrier(group=self.group)  # every rank's flags are zero before anyone signals
 
     def new_graph_twin(self) -> Workspace:
@@ -110,39 +137,40 @@ class Workspace:
         raise NotImplementedError
 
     # ---- per call
-    def next_epoch(self) -> int:
-        """The value this call sets its flags to: the call count under the epoch protocol, 1 under the CUDA-graph
-        protocol (whose calls may be captured and replayed)."""
-        self.raise_if_failed()
-        if self.graph_protocol:
-            return 1
-        with self._lock:
-            self.epoch += 1
-            if self.epoch >= 2**31 - 1:
-                raise RuntimeError(f"{self.what}: epoch counter exhausted; create a new workspace")
-            return self.epoch
+    def plan_index(self, plan: tuple) -> int:
+        """The index of a call plan (the arguments of the native ``add_plan``) registered with this workspace once."""
+        index = self._plans.get(plan)
+        if index is None:
+            with self._plans_lock:
+                index = self._plans.get(plan)
+                if index is None:
+                    index = self._plans[plan] = self.native.add_plan(*plan)
+        return index
 
     @property
-    def timeout_ns(self) -> int:
-        return int(self.timeout_s * 1e9)
+    def epoch(self) -> int:
+        """The epoch of the last call (the number of calls under the epoch protocol)."""
+        return self.native.epoch()
+
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, seconds: float) -> None:
+        """Bound of this workspace's waits from the next call on."""
+        self.native.set_timeout(float(seconds))
+        self._timeout_s = float(seconds)
 
     # ---- errors
     def _describe(self) -> str | None:
-        code, rank, index, epoch, observed = (int(v) for v in self.error_record.tolist())
-        if code == 0:
-            return None
-        what = _WAIT_ERRORS.get(code, f"code {code}")
-        return (f"{self.what}: rank {rank} timed out after {self.timeout_s:g} s waiting for {what} "
-                f"(index {index}, epoch {epoch}, flag held {observed}). A peer rank did not enter the call, crashed, or is "
-                f"slower than FLUX_LAYERS_TIMEOUT_S allows. Outputs of that call are invalid and this "
-                f"workspace cannot be used again.")
+        return self.native.failure() or None
 
     def raise_if_failed(self) -> None:
         """Raise WorkspaceError if any earlier call recorded a timeout (reads host memory; no sync)."""
-        if self._failed is None:
-            self._failed = self._describe()
-        if self._failed is not None:
-            raise WorkspaceError(self._failed)
+        failed = self._describe()
+        if failed is not None:
+            raise WorkspaceError(failed)
 
     def check(self, timeout_s: float | None = None) -> None:
         """Wait (bounded) for the work queued so far on the current stream; raise if a wait timed out.
@@ -169,8 +197,7 @@ class Workspace:
         side = torch.cuda.Stream(device=self.device)
         with torch.cuda.stream(side):
             self.flags.fill_(2**31 - 1)
-        if self._failed is None:
-            self._failed = self._describe() or f"{self.what}: released after a failed or abandoned call"
+        self.native.mark_failed(f"{self.what}: released after a failed or abandoned call")
 
 
 class AgWorkspace(Workspace):
@@ -186,7 +213,7 @@ class AgWorkspace(Workspace):
         done = 2 * tp * chunk_capacity  # AgFlagLayout: chunk[tp][cap], avail[tp][cap], done[tp]
         super().__init__(group, data_bytes=max_m * k * elem, flag_words=done + tp,
                          handshake_words=slice(done, done + tp), num_comm_streams=tp, what="ag_gemm",
-                         graph_protocol=graph_protocol)
+                         graph_protocol=graph_protocol, dtype=dtype, max_m=max_m, inner=k, capacity=chunk_capacity)
         self.buffer = self._storage[:max_m * k * elem].view(dtype).view(max_m, k)
         devices = [None] * self.tp
         dist.all_gather_object(devices, torch.cuda.current_device(), group=self.group)
@@ -228,7 +255,8 @@ class RsWorkspace(Workspace):
         consumed = tp * self.flags_per_source  # flag[tp][per_source], consumed[tp], count[tp][per_source]
         super().__init__(group, data_bytes=tp * self.slot_rows * n * elem,
                          flag_words=2 * tp * self.flags_per_source + tp, handshake_words=slice(consumed, consumed + tp),
-                         num_comm_streams=tp - 1, what="gemm_rs", graph_protocol=graph_protocol)
+                         num_comm_streams=tp - 1, what="gemm_rs", graph_protocol=graph_protocol, dtype=dtype,
+                         max_m=max_m, inner=n, capacity=self.flags_per_source)
         self._stage: torch.Tensor | None = None
 
     def stage_buffer(self) -> torch.Tensor:
@@ -236,6 +264,7 @@ class RsWorkspace(Workspace):
         kernel's destination order), allocated on first use."""
         if self._stage is None:
             self._stage = torch.empty((self.tp - 1) * self.slot_rows * self.n, dtype=self.dtype, device=self.device)
+            self.native.set_stage(self._stage.data_ptr())
         return self._stage
 
     def new_graph_twin(self) -> RsWorkspace:
@@ -264,6 +293,7 @@ def enable_cuda_graphs() -> None:
 
 def _make_twin(ws: Workspace) -> None:
     ws.graph_twin = ws.new_graph_twin()
+    ws.native.set_twin(ws.graph_twin.native)  # the op takes the twin's state while the stream is being captured
 
 
 def prepare_cuda_graphs() -> None:
@@ -308,6 +338,7 @@ def _cached(op: str, group, dtype: torch.dtype, inner: int, m: int, make) -> Wor
             _refuse_under_capture(f"{op} workspace for M={m}")
             if ws is not None:
                 # Copies and kernels of its last call may still be in flight, and peers still map it: keep it.
+                ws.retired = True
                 _retired.append(ws)
             ws = make(max(m, ws.max_m if ws is not None else 0))
             if cuda_graphs_enabled():
@@ -317,12 +348,14 @@ def _cached(op: str, group, dtype: torch.dtype, inner: int, m: int, make) -> Wor
 
 
 def get_ag_workspace(group, dtype: torch.dtype, m: int, k: int) -> AgWorkspace:
-    """The cached all-gather workspace for (group, dtype, k), grown if m exceeds it."""
+    """The cached all-gather workspace for (group, dtype, k), grown if m exceeds it (M = 0 gets the smallest)."""
+    m = max(m, dist.get_world_size(group))
     return _cached("ag", group, dtype, k, m, lambda max_m: AgWorkspace(group, dtype, max_m, k))
 
 
 def get_rs_workspace(group, dtype: torch.dtype, m: int, n: int) -> RsWorkspace:
-    """The cached reduce-scatter workspace for (group, dtype, n), grown if m exceeds it."""
+    """The cached reduce-scatter workspace for (group, dtype, n), grown if m exceeds it (M = 0 gets the smallest)."""
+    m = max(m, dist.get_world_size(group))
     return _cached("rs", group, dtype, n, m, lambda max_m: RsWorkspace(group, dtype, max_m, n))
 
 
@@ -331,20 +364,3 @@ def clear_cache() -> None:
     with _cache_lock:
         _cache.clear()
         _retired.clear()
-
-
-# Weak: a workspace lives as long as its owner (the cache or the caller) holds it, not because an op saw it.
-_by_id: "weakref.WeakValueDictionary[int, Workspace]" = weakref.WeakValueDictionary()
-
-
-def register(ws: Workspace) -> int:
-    """An integer handle for ``ws`` (custom ops take ints, not Python objects), valid while ``ws`` is alive."""
-    _by_id[id(ws)] = ws
-    return id(ws)
-
-
-def lookup(handle: int) -> Workspace:
-    try:
-        return _by_id[handle]
-    except KeyError:
-        raise RuntimeError(f"no live workspace with handle {handle}") from None

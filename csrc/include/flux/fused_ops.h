@@ -12,6 +12,10 @@
 
 namespace flux {
 
+// Events a call records and waits on; each workspace owns its set (a recorded event is only waited on within
+// the call that recorded it, and cudaStreamWaitEvent captures the event's state when it is called).
+constexpr int kEventsPerCall = 12;
+
 enum class AgMode : int { kPull = 0, kPush = 1 };
 enum class AgOrder : int { kMesh = 0, kRing = 1 };
 
@@ -73,6 +77,7 @@ struct AgGemmArgs {
   cudaStream_t compute = nullptr;
   cudaStream_t comm[kMaxGroups] = {nullptr};  // at least one; mesh uses up to tp - 1
   int num_comm = 0;
+  cudaEvent_t* events = nullptr;  // kEventsPerCall events of the workspace
   bool run_gemm = true;  // false: the transfers alone (benchmarks time the copy-engine all-gather this way)
 };
 
@@ -115,6 +120,7 @@ struct GemmRsArgs {
   int* error_claim = nullptr;
   LaunchOptions launch;
   cudaStream_t compute = nullptr;
+  cudaEvent_t* events = nullptr;  // kEventsPerCall events of the workspace
 };
 
 // out = reduce_scatter(x @ op(w)) + bias: tiles reach the owning rank's receive slot (stored there by the

@@ -1,0 +1,271 @@
+"""Per-call fixed cost of the public operators: host enqueue time, GPU time and the plain back-to-back loop.
+
+For each op (ag_gemm, gemm_rs), shape (M, K, N, global sizes as in ops.plan) and weight layout, each available
+implementation is timed three ways, the implementations interleaved in rounds (medians over rounds, then the
+maximum over ranks):
+
+* ``host_us``: ``--calls`` calls enqueued behind a GPU sleep long enough that the GPU never waits for the host;
+  the wall-clock time of the enqueue loop per call (what the host spends per call);
+* ``gpu_ms``: CUDA events around one call queued behind a GPU sleep (host cost hidden);
+* ``loop_ms``: CUDA events around ``--calls`` calls issued back to back with nothing else queued (what a training
+  step sees when the CPU cannot run ahead), per call.
+
+Implementations: ``fused`` (``backend='fused'``), ``auto`` (the dispatcher's choice, recorded as ``auto_path``),
+``sequential`` (``backend='reference'``: NCCL, then cuBLAS) and ``torch_symm_mem`` (torch's
+``fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``). Each is checked against an fp32 reference before it
+is timed.
+
+``--shared-gpu`` runs the ranks as processes sharing GPU 0 (gloo for the group; torch's symmetric memory with
+``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``), for a machine with one GPU: the host figures are the real ones
+(the host path does not depend on where the peer is), the GPU figures are not TP figures (the processes
+time-slice one GPU) and are left out of the results; NCCL-based implementations are skipped there.
+
+    python -m benchmarks.bench_overhead --out benchmarks/results/op_overhead_h200x2.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+SHAPES = "2048x4096x4096,3000x4096x11008,4096x8192x8192,16384x4096x4096"
+IMPLS = ("fused", "auto", "sequential", "torch_symm_mem")
+SLEEP_CYCLES_PER_MS = 2_000_000  # H200 SM clock ~2 GHz: torch.cuda._sleep counts cycles
+
+
+def _inputs(op, rank, tp, m, k, n, layout, dtype, sets):
+    """Per set: (x, w, fp32 reference of this rank's output) for the rank's shard of the global problem."""
+    out = []
+    for s in range(sets):
+        gen = torch.Generator(device="cuda").manual_seed(1000 * s + 7)
+        x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+        w = torch.randn(n, k, generator=gen, device="cuda").to(dtype)  # [N, K]
+        if op == "ag_gemm":
+            x_r = x.chunk(tp)[rank].contiguous()
+            w_r = w.chunk(tp)[rank].contiguous()
+            ref = x.float() @ w_r.float().t()
+        else:
+            x_r = x.chunk(tp, dim=1)[rank].contiguous()
+            w_r = w.chunk(tp, dim=1)[rank].contiguous()
+            ref = (x.float() @ w.float().t()).chunk(tp)[rank]
+        w_op = w_r if layout == "nt" else w_r.t().contiguous()  # 'nn': [K, N]
+        out.append((x_r, w_op, ref))
+    return out
+
+
+def _impl_fn(impl, op, layout, group):
+    from flux_layers import ops
+    if impl in ("fused", "auto", "sequential"):
+        backend = {"fused": "fused", "auto": "auto", "sequential": "reference"}[impl]
+        fn = ops.ag_gemm if op == "ag_gemm" else ops.gemm_rs
+        return lambda x, w: fn(x, w, group=group, weight_layout=layout, backend=backend)
+    import torch.distributed._symmetric_memory as symm_mem
+    symm_mem.enable_symm_mem_for_group(group.group_name)
+    if op == "ag_gemm":
+        def torch_ag(x, w):
+            b = w.t() if layout == "nt" else w
+            return torch.ops.symm_mem.fused_all_gather_matmul(x, [b], 0, group.group_name, return_A=False)[1][0]
+        return torch_ag
+
+    def torch_rs(x, w):
+        b = w.t() if layout == "nt" else w
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(x, b, "sum", 0, group.group_name)
+    return torch_rs
+
+
+def _host_us(fn, data, calls, sleep_ms):
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda._sleep(int(sleep_ms * SLEEP_CYCLES_PER_MS))
+    t0 = time.perf_counter()
+    for i in range(calls):
+        fn(*data[i % len(data)][:2])
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def _gpu_ms(fn, data, reps):
+    samples = []
+    for i in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        dist.barrier()
+        torch.cuda._sleep(SLEEP_CYCLES_PER_MS)
+        start.record()
+        fn(*data[i % len(data)][:2])
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def _loop_ms(fn, data, calls):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    dist.barrier()
+    start.record()
+    for i in range(calls):
+        fn(*data[i % len(data)][:2])
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def _max_over_ranks(value):
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return None if any(v is None for v in values) else max(values)
+
+
+def _check(fn, data, what):
+    for x, w, ref in data:
+        out = fn(x, w).float()
+        err = ((out - ref).norm() / ref.norm()).item()
+        if not err < 1e-2:
+            raise RuntimeError(f"{what}: relative error {err:.3e} against fp32")
+
+
+def bench_case(rank, tp, op, m, k, n, layout, args, group, impls):
+    from flux_layers import ops
+    dtype = getattr(torch, args.dtype)
+    data = _inputs(op, rank, tp, m, k, n, layout, dtype, sets=2)
+    fns, rows = {}, []
+    for impl in impls:
+        fn = _impl_fn(impl, op, layout, group)
+        try:
+            _check(fn, data, f"rank {rank} {op} {m}x{k}x{n} {layout} {impl}")
+        except Exception as exc:  # an implementation that cannot run here is reported, not hidden
+            if impl == "torch_symm_mem":
+                if rank == 0:
+                    print(f"  {impl} skipped: {type(exc).__name__}: {exc}", flush=True)
+                continue
+            raise
+        fns[impl] = fn
+    x0, w0, _ = data[0]
+    auto_path = ops.plan(op, x0, w0, group=group, weight_layout=layout).path
+    samples = {impl: {"host_us": [], "gpu_ms": [], "loop_ms": []} for impl in fns}
+    keys = list(fns)
+    for r in range(args.rounds):
+        shift = r * len(keys) // args.rounds
+        for impl in keys[shift:] + keys[:shift]:
+            fn = fns[impl]
+            samples[impl]["host_us"].append(_host_us(fn, data, args.calls, args.sleep_ms))
+            if not args.shared_gpu:
+                samples[impl]["gpu_ms"].append(_gpu_ms(fn, data, args.reps))
+                samples[impl]["loop_ms"].append(_loop_ms(fn, data, args.calls))
+    for impl in fns:
+        med = {key: statistics.median(v) if v else None for key, v in samples[impl].items()}
+        row = {"op": op, "m": m, "k": k, "n": n, "layout": layout, "impl": impl,
+               **{key: _max_over_ranks(v) for key, v in med.items()}}
+        if impl == "auto":
+            row["auto_path"] = auto_path
+        rows.append(row)
+    return rows
+
+
+def main_rank(rank, tp, args):
+    import flux_layers
+    group = dist.group.WORLD
+    impls = [i for i in args.impls.split(",") if i]
+    if args.shared_gpu:
+        impls = [i for i in impls if i in ("fused", "auto")]
+    results = []
+    for shape in args.shapes.split(","):
+        m, k, n = (int(v) for v in shape.lower().split("x"))
+        for op in args.ops.split(","):
+            for layout in args.layouts.split(","):
+                rows = bench_case(rank, tp, op, m, k, n, layout, args, group, impls)
+                results += rows
+                if rank == 0:
+                    for r in rows:
+                        gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.3f}"
+                        loop = "-" if r["loop_ms"] is None else f"{r['loop_ms']:.3f}"
+                        print(f"{op:8s} {m}x{k}x{n} {layout} {r['impl']:15s} host {r['host_us']:7.1f} us  "
+                              f"gpu {gpu} ms  loop {loop} ms {r.get('auto_path', '')}", flush=True)
+    if rank == 0 and args.out:
+        import json
+        import platform
+        import subprocess
+        try:
+            commit = os.environ.get("FLUX_LAYERS_COMMIT") or subprocess.check_output(
+                ["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+        except Exception:
+            commit = "unknown"
+        payload = {
+            "command": " ".join(["python -m benchmarks.bench_overhead"] + args.argv),
+            "commit": commit, "gpu": torch.cuda.get_device_name(), "gpu_count": torch.cuda.device_count(),
+            "tp": tp, "shared_gpu": args.shared_gpu, "library": os.path.dirname(flux_layers.__file__),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "method": (f"host_us: {args.calls} calls enqueued behind a {args.sleep_ms} ms GPU sleep, wall clock per "
+                       f"call; gpu_ms: CUDA events around one call behind a 1 ms GPU sleep, median of {args.reps}; "
+                       f"loop_ms: CUDA events around {args.calls} back-to-back calls, per call; each the median over "
+                       f"{args.rounds} interleaved rounds, then the maximum over ranks; 2 random input sets, each "
+                       "implementation checked against fp32 first"
+                       + ("; shared GPU: ranks time-slice one GPU, so only host_us is a TP figure" if args.shared_gpu
+                          else "")),
+            "env": {k: v for k, v in os.environ.items() if k.startswith(("FLUX_LAYERS_", "NCCL_", "TORCH_SYMM",
+                                                                          "NVSHMEM_", "CUDA_DEVICE_MAX"))},
+            "results": results,
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(payload, f, indent=2)
+        print(f"wrote {args.out}", flush=True)
+
+
+def _worker(rank, world, args, port):
+    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(key, value)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    if args.shared_gpu:
+        os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+        torch.cuda.set_device(0)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    else:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    try:
+        main_rank(rank, world, args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None):
+    import socket
+    import sys
+
+    import torch.multiprocessing as mp
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=SHAPES, help="comma-separated MxKxN (global sizes)")
+    ap.add_argument("--ops", default="ag_gemm,gemm_rs")
+    ap.add_argument("--layouts", default="nt,nn")
+    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--calls", type=int, default=20, help="calls per host-cost and loop measurement")
+    ap.add_argument("--reps", type=int, default=20, help="repetitions per GPU-time measurement")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--sleep-ms", type=float, default=50.0, help="GPU sleep the host-cost calls queue behind")
+    ap.add_argument("--nprocs", type=int, default=0, help="ranks (default: every GPU; 2 with --shared-gpu)")
+    ap.add_argument("--shared-gpu", action="store_true", help="ranks share GPU 0 (host figures only)")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    world = args.nprocs or (2 if args.shared_gpu else torch.cuda.device_count())
+    if world < 2:
+        ap.error(f"needs at least 2 ranks ({torch.cuda.device_count()} GPUs visible; --shared-gpu runs 2 on one)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(world, args, port), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+// The long-lived host-side state of one fused-operator workspace (torch-free). Everything a call needs that does
+// not change from call to call lives here, fixed when the workspace is made: the peers' buffer and flag pointers,
+// the communication streams, the events of a call, the error record, the flag protocol, the epoch counter and
+// the kernel/transfer plans registered for the shapes seen so far. A call passes its tensors, a plan index and
+// this object (csrc/bindings/ops.cpp), so nothing is marshalled, looked up or decided twice per call.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "flux/fused_ops.h"
+
+namespace flux {
+
+enum class WorkspaceKind : int { kAllGather = 0, kReduceScatter = 1 };
+
+// How one call runs, fixed per (shape, settings) and registered once (WorkspaceState::add_plan).
+struct CallPlan {
+  TileConfig tile = TileConfig::k128x256;
+  int swizzle = 0;
+  int stream_k_fill = 0;  // 0: no stream-K tail
+  int sm_count = 0;       // 0: every SM
+  // all-gather
+  AgMode mode = AgMode::kPush;
+  AgOrder order = AgOrder::kMesh;
+  int rows_per_chunk = 0;
+  // reduce-scatter
+  bool copy_engine = false;
+  int chunk_cols = 0;
+};
+
+struct WorkspaceConfig {
+  WorkspaceKind kind = WorkspaceKind::kAllGather;
+  DType dtype = DType::kBF16;
+  int rank = 0;
+  int tp = 0;
+  int device = 0;
+  int64_t max_m = 0;      // rows of the largest call (all ranks together)
+  int64_t inner = 0;      // K (all-gather) or N (reduce-scatter)
+  int capacity = 0;       // chunks per shard (all-gather) or flags per source (reduce-scatter)
+  std::vector<char*> data;        // every rank's data buffer
+  std::vector<uint32_t*> flags;   // every rank's flag words
+  std::vector<cudaStream_t> comm; // owned by the caller, outlive this object
+  int* error_record = nullptr;    // host-mapped int[5] {code, rank, index, epoch, observed}
+  int* error_claim = nullptr;     // device int
+  bool graph_protocol = false;
+  uint64_t timeout_ns = 0;
+  bool poison_outputs = false;    // fill outputs with NaN before launching (tests)
+  std::string what;               // "ag_gemm" / "gemm_rs" (+ " (CUDA-graph twin)"), for messages
+};
+
+class WorkspaceState {
+ public:
+  explicit WorkspaceState(WorkspaceConfig config);
+  ~WorkspaceState();
+  WorkspaceState(const WorkspaceState&) = delete;
+  WorkspaceState& operator=(const WorkspaceState&) = delete;
+
+  const WorkspaceConfig& config() const { return cfg_; }
+  int sm_count() const { return sms_; }
+
+  int add_plan(const CallPlan& plan);
+  const CallPlan& plan(int64_t index) const;
+
+  // "" while usable; else why not (a timed-out wait recorded by a kernel, or mark_failed's message).
+  std::string failure() const;
+  void mark_failed(const std::string& message);
+  // The value this call's flags are set to: the next epoch (epoch protocol) or 1 (CUDA-graph protocol). Take it
+  // only once nothing can reject the call any more: every rank must advance its counter on the same calls.
+  uint32_t next_epoch();
+  uint32_t epoch() const { return epoch_.load(); }
+  void set_timeout_ns(uint64_t ns) { cfg_.timeout_ns = ns; }
+  void set_stage(char* stage) { stage_ = stage; }
+  char* stage() const { return stage_; }
+  cudaEvent_t* events() { return events_.data(); }
+
+ private:
+  std::string describe_record() const;
+
+  WorkspaceConfig cfg_;
+  int sms_ = 0;
+  std::array<cudaEvent_t, kEventsPerCall> events_{};
+  std::atomic<uint32_t> epoch_{0};
+  mutable std::mutex mu_;  // plans_ and failed_
+  std::deque<CallPlan> plans_;
+  std::string failed_;
+  char* stage_ = nullptr;  // reduce-scatter copy-engine staging area (caller-owned)
+};
+
+}  // namespace flux

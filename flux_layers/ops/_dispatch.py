@@ -1,0 +1,223 @@
+"""Calls of ``ops.gemm`` / ``ops.ag_gemm`` / ``ops.gemm_rs`` decided once.
+
+A call is identified by (op, group, shapes, dtype, device, weight layout, requested backend, whether the current
+stream is being captured). The first call with such a key validates the arguments, asks the dispatcher
+(:func:`flux_layers.ops.backend.choose`), finds the workspace and registers the kernel/transfer plan; the
+decision is kept, so every later call with the key costs one dict lookup and the op (which checks the tensors
+themselves, strides and alignment, before anything is enqueued). Settings (``FLUX_LAYERS_*``) and the tuning
+table are read when a decision is made: after changing them in a running process, call :func:`refresh`.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+from flux_layers.ops import reference
+from flux_layers.ops._checks import check_fused_tensor, check_matmul_args
+from flux_layers.ops.backend import Choice, choose
+
+_decisions: dict[tuple, object] = {}
+_choices: dict[tuple, Choice] = {}
+_lock = threading.Lock()
+
+
+def refresh() -> None:
+    """Forget every decision, so the next calls read the settings and the tuning table again."""
+    from flux_layers.runtime import tuning
+    with _lock:
+        _decisions.clear()
+        _choices.clear()
+    tuning._load_tables.cache_clear()
+
+
+def _tp(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def choice(op: str, device: torch.device, dtype: torch.dtype, mkn: tuple[int, int, int], group,
+           backend: str | None) -> Choice:
+    """:func:`choose`, decided once per (op, device, dtype, shape, group, backend, capture state)."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    key = (op, device, dtype, mkn, group, backend, capturing)
+    found = _choices.get(key)
+    if found is None:
+        found = choose(op, device=device, dtype=dtype, mkn=mkn, group=group, backend=backend)
+        _choices[key] = found
+    return found
+
+
+class _FusedGemm:
+    __slots__ = ("kernel", "weight_nn", "poison")
+
+    def __init__(self, x, weight, weight_layout):
+        from flux_layers import _env
+        from flux_layers.runtime import tuning
+        m, k, n = check_matmul_args("gemm", x, weight, None, weight_layout)
+        check_fused_tensor("gemm", "x", x)
+        check_fused_tensor("gemm", "weight", weight)
+        self.kernel = tuning.resolve_kernel("gemm", dtype=x.dtype, tp=1, mkn=(m, k, n))
+        self.weight_nn = weight_layout == "nn"
+        self.poison = _env.get("POISON_OUTPUTS") == "1"
+
+    def __call__(self, x, weight, bias):
+        from flux_layers.ops import fused_gemm
+        return fused_gemm.run(x, weight, bias, self.weight_nn, self.kernel, self.poison)
+
+
+def _raise_workspace_error(exc: RuntimeError):
+    from flux_layers.runtime import workspace
+    failed = workspace.workspace_error(exc)
+    if failed is None:
+        raise exc
+    raise failed from None
+
+
+class _FusedAgGemm:
+    """ops.ag_gemm on the fused path: the op, the workspace and the plan registered with it."""
+    __slots__ = ("group", "dtype", "m", "k", "n", "weight_nn", "ws", "native", "plan", "op")
+
+    def __init__(self, x_shard_m, weight, group, weight_layout):
+        rows, k, n = check_matmul_args("ag_gemm", x_shard_m, weight, None, weight_layout)
+        for what, t in (("x_shard_m", x_shard_m), ("weight", weight)):
+            check_fused_tensor("ag_gemm", what, t)
+        self.group, self.dtype = group, x_shard_m.dtype
+        self.m, self.k, self.n = rows * dist.get_world_size(group), k, n
+        self.weight_nn = weight_layout == "nn"
+        self._bind()
+
+    def _bind(self):
+        from flux_layers.ops import fused_ag_gemm
+        from flux_layers.runtime import workspace
+        self.ws = workspace.get_ag_workspace(self.group, self.dtype, self.m, self.k)
+        self.native = self.ws.native
+        self.plan = fused_ag_gemm.plan_call(self.ws, m=self.m, k=self.k, n=self.n)
+        self.op = torch.ops.flux_layers.ag_gemm.default
+
+    def __call__(self, x_shard_m, weight, bias, return_gathered):
+        if self.ws.retired:  # outgrown by a larger call: that call's workspace serves this shape too
+            self._bind()
+        try:
+            out, gathered = self.op(x_shard_m, weight, bias, self.native, self.plan, self.weight_nn, return_gathered,
+                                    True)
+        except RuntimeError as exc:
+            _raise_workspace_error(exc)
+        return (out, gathered) if return_gathered else out
+
+
+class _FusedGemmRs:
+    """ops.gemm_rs on the fused path: the op, the workspace and the plan registered with it."""
+    __slots__ = ("group", "dtype", "m", "k", "n", "weight_nn", "ws", "native", "plan", "op")
+
+    def __init__(self, x, weight, group, weight_layout):
+        m, k, n = check_matmul_args("gemm_rs", x, weight, None, weight_layout)
+        for what, t in (("x", x), ("weight", weight)):
+            check_fused_tensor("gemm_rs", what, t)
+        tp = dist.get_world_size(group)
+        if m % tp != 0:
+            raise ValueError(f"gemm_rs: M={m} rows are not divisible by the group size {tp}")
+        self.group, self.dtype, self.m, self.k, self.n = group, x.dtype, m, k, n
+        self.weight_nn = weight_layout == "nn"
+        self._bind()
+
+    def _bind(self):
+        from flux_layers.ops import fused_gemm_rs
+        from flux_layers.runtime import workspace
+        self.ws = workspace.get_rs_workspace(self.group, self.dtype, self.m, self.n)
+        self.native = self.ws.native
+        self.plan = fused_gemm_rs.plan_call(self.ws, m=self.m, k=self.k, n=self.n)
+        self.op = torch.ops.flux_layers.gemm_rs.default
+
+    def __call__(self, x, weight, bias):
+        if self.ws.retired:  # outgrown by a larger call: that call's workspace serves this shape too
+            self._bind()
+        try:
+            return self.op(x, weight, bias, self.native, self.plan, self.weight_nn)
+        except RuntimeError as exc:
+            _raise_workspace_error(exc)
+
+
+def _reference_gemm(weight_layout):
+    def call(x, weight, bias):
+        check_matmul_args("gemm", x, weight, bias, weight_layout)
+        return reference.linear(x, weight, bias, weight_layout)
+    return call
+
+
+def _reference_ag_gemm(group, weight_layout):
+    def call(x_shard_m, weight, bias, return_gathered):
+        return reference.ag_gemm(x_shard_m, weight, bias, group=group, weight_layout=weight_layout,
+                                 return_gathered=return_gathered)
+    return call
+
+
+def _reference_gemm_rs(group, weight_layout):
+    def call(x, weight, bias):
+        return reference.gemm_rs(x, weight, bias, group=group, weight_layout=weight_layout)
+    return call
+
+
+def _decide(key, make):
+    call = make()
+    with _lock:
+        return _decisions.setdefault(key, call)
+
+
+def gemm_call(x: torch.Tensor, weight: torch.Tensor, weight_layout: str, backend: str | None):
+    """The callable ``(x, weight, bias) -> out`` that ``ops.gemm`` runs for these arguments."""
+    key = ("gemm", x.shape, weight.shape, x.dtype, x.device, weight_layout, backend, _capturing(x))
+    call = _decisions.get(key)
+    if call is not None:
+        return call
+
+    def make():
+        m, k, n = check_matmul_args("gemm", x, weight, None, weight_layout)
+        if choose("gemm", device=x.device, dtype=x.dtype, mkn=(m, k, n), group=None, backend=backend).path == "fused":
+            return _FusedGemm(x, weight, weight_layout)
+        return _reference_gemm(weight_layout)
+    return _decide(key, make)
+
+
+def ag_gemm_call(x_shard_m: torch.Tensor, weight: torch.Tensor, group, weight_layout: str, backend: str | None):
+    """The callable ``(x_shard_m, weight, bias, return_gathered)`` that ``ops.ag_gemm`` runs for these arguments."""
+    key = ("ag_gemm", group, x_shard_m.shape, weight.shape, x_shard_m.dtype, x_shard_m.device, weight_layout,
+           backend, _capturing(x_shard_m))
+    call = _decisions.get(key)
+    if call is not None:
+        return call
+
+    def make():
+        rows, k, n = check_matmul_args("ag_gemm", x_shard_m, weight, None, weight_layout)
+        tp = _tp(group)
+        if tp == 1:
+            gemm = gemm_call(x_shard_m, weight, weight_layout, backend)
+            return lambda x, w, b, return_gathered: (gemm(x, w, b), x) if return_gathered else gemm(x, w, b)
+        path = choose("ag_gemm", device=x_shard_m.device, dtype=x_shard_m.dtype, mkn=(rows * tp, k, n), group=group,
+                      backend=backend).path
+        if path == "fused":
+            return _FusedAgGemm(x_shard_m, weight, group, weight_layout)
+        return _reference_ag_gemm(group, weight_layout)
+    return _decide(key, make)
+
+
+def gemm_rs_call(x: torch.Tensor, weight: torch.Tensor, group, weight_layout: str, backend: str | None):
+    """The callable ``(x, weight, bias) -> out`` that ``ops.gemm_rs`` runs for these arguments."""
+    key = ("gemm_rs", group, x.shape, weight.shape, x.dtype, x.device, weight_layout, backend, _capturing(x))
+    call = _decisions.get(key)
+    if call is not None:
+        return call
+
+    def make():
+        m, k, n = check_matmul_args("gemm_rs", x, weight, None, weight_layout)
+        if _tp(group) == 1:
+            return gemm_call(x, weight, weight_layout, backend)
+        path = choose("gemm_rs", device=x.device, dtype=x.dtype, mkn=(m, k, n), group=group, backend=backend).path
+        if path == "fused":
+            return _FusedGemmRs(x, weight, group, weight_layout)
+        return _reference_gemm_rs(group, weight_layout)
+    return _decide(key, make)

@@ -1,0 +1,69 @@
+"""ops' calls are decided once per (op, shapes, dtype, device, layout, group, backend) and the decision kept;
+refresh_settings() makes the next calls decide again (flux_layers/ops/_dispatch.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flux_layers import ops
+from flux_layers.ops import _dispatch
+
+
+@pytest.fixture
+def counted_choose(monkeypatch):
+    ops.refresh_settings()
+    calls = []
+    real = _dispatch.choose
+
+    def choose(op, **kw):
+        calls.append((op, kw["mkn"], kw["backend"]))
+        return real(op, **kw)
+    monkeypatch.setattr(_dispatch, "choose", choose)
+    yield calls
+    ops.refresh_settings()
+
+
+def test_repeated_calls_decide_once(counted_choose):
+    x, w, b = torch.randn(4, 8), torch.randn(6, 8), torch.randn(6)
+    for _ in range(3):
+        torch.testing.assert_close(ops.gemm(x, w, b), x @ w.t() + b)
+    assert counted_choose == [("gemm", (4, 8, 6), None)]
+    y = torch.randn(5, 8)
+    torch.testing.assert_close(ops.gemm(y, w), y @ w.t())  # another shape: a decision of its own
+    torch.testing.assert_close(ops.gemm(x, w.t().contiguous(), weight_layout="nn"), x @ w.t())
+    assert [c[1] for c in counted_choose] == [(4, 8, 6), (5, 8, 6), (4, 8, 6)]
+    ops.gemm(x, w, backend="reference")  # another requested backend: decided on its own
+    assert len(counted_choose) == 4
+
+
+def test_refresh_makes_settings_count_again(counted_choose, monkeypatch):
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    ops.gemm(x, w)
+    ops.gemm(x, w)
+    assert len(counted_choose) == 1
+    monkeypatch.setenv("FLUX_LAYERS_BACKEND", "fused")
+    ops.gemm(x, w)  # the kept decision still holds: settings count once refreshed
+    assert len(counted_choose) == 1
+    ops.refresh_settings()
+    with pytest.raises(Exception, match="fused backend requested"):
+        ops.gemm(x, w)
+
+
+def test_bad_input_is_rejected_every_time_and_never_kept(counted_choose):
+    x, w = torch.randn(4, 8), torch.randn(6, 7)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="disagree on K"):
+            ops.gemm(x, w)
+    assert not _dispatch._decisions
+    good = torch.randn(6, 8)
+    ops.gemm(x, good)
+    with pytest.raises(ValueError, match="bias must have shape"):  # per-call arguments are still checked
+        ops.gemm(x, good, torch.randn(5))
+
+
+def test_group_of_one_runs_the_plain_gemm(counted_choose):
+    x, w, b = torch.randn(4, 8), torch.randn(6, 8), torch.randn(6)
+    out, gathered = ops.ag_gemm(x, w, b, group=None, return_gathered=True)
+    torch.testing.assert_close(out, x @ w.t() + b)
+    assert gathered is x
+    torch.testing.assert_close(ops.gemm_rs(x, w, group=None), x @ w.t())
