@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.dist_harness import run_distributed
+from flux_layers.devtools.launch import run_distributed
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 GA_MODES = ("off", "main_grad", "flagged")  # no fusion; main_grad only; main_grad + grad_added_to_main_grad

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.cpu.test_layers import megatron_on_cpu
-from tests.dist_harness import run_distributed
+from flux_layers.devtools.launch import run_distributed
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 EPS = 1e-5

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.cpu.test_layers import megatron_on_cpu
-from tests.dist_harness import run_distributed
+from flux_layers.devtools.launch import run_distributed
 
 VOCAB, SEQ, BATCH = 64, 8, 2
 # Baseline parameter name -> flux parameter name (the norms live inside the fused layers).

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from flux_layers.runtime.tuning import RS_TRANSPORTS
-from tests.dist_harness import run_distributed
+from flux_layers.devtools.launch import run_distributed
 from tests.gpu.gpu_support import assert_close_rel, needs_gpus, poison_outputs, random_matrix
 
 pytestmark = [pytest.mark.gpu, needs_gpus(2)]

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.dist_harness import run_distributed
+from flux_layers.devtools.launch import run_distributed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason=(
     f"needs 2 CUDA GPUs, {torch.cuda.device_count()} visible"))]
