@@ -17,11 +17,18 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .config import (REPO_ROOT, GPTRunConfig, add_config_flags, available_models, load_model_config,
-                         overrides_from_args, validate)
-from .train import checkpoint_path
-
 from flux_layers.devtools.launch import free_port
+
+from .config import (
+    REPO_ROOT,
+    GPTRunConfig,
+    add_config_flags,
+    available_models,
+    load_model_config,
+    overrides_from_args,
+    validate,
+)
+from .train import checkpoint_path
 
 COMPARE_ORDER = ("megatron", "flux")
 

@@ -169,6 +169,7 @@ def test_synthetic_stream_is_deterministic_and_learnable():
 def _check_mixed_precision_adamw(rank, world):
     import torch
     import torch.distributed as dist
+
     from examples.gpt.train import MixedPrecisionAdamW
 
     cfg = GPTRunConfig(lr=1e-2, clip_grad=0.5, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)

@@ -1,5 +1,5 @@
-"""flux_layers/devtools/no_comm.py: inside the context megatron-core's sequence-parallel linears move nothing between ranks
-(every torch.distributed collective raises) and compute on their local shard as described."""
+"""flux_layers/devtools/no_comm.py: inside the context megatron-core's sequence-parallel linears move nothing
+between ranks (every torch.distributed collective raises) and compute on their local shard as described."""
 import pytest
 import torch
 
