@@ -14,18 +14,27 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from benchmarks.harness import (check_kernel_variants, env_override, operator_main, overlap_figures, parse_shapes,
-                                report_operator_rows, time_kernel_variants, time_ms)
+from benchmarks.harness import (
+    check_kernel_variants,
+    env_override,
+    operator_main,
+    overlap_figures,
+    parse_shapes,
+    report_operator_rows,
+    time_kernel_variants,
+    time_ms,
+)
 
 DEFAULT_SHAPES = "4096x8192x8192,8192x8192x28672,8192x12288x12288,2048x4096x4096,16384x4096x4096"
 AG_CHUNK_COUNTS = (1, 2, 4)  # copy-engine chunks per shard timed beside the default
 
 
 def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
+    import torch.distributed._symmetric_memory as symm_mem
+
     from flux_layers import _env, ops
     from flux_layers.ops import fused_ag_gemm, fused_gemm
     from flux_layers.runtime import tuning, workspace
-    import torch.distributed._symmetric_memory as symm_mem
 
     group = dist.group.WORLD
     n_local = n // tp
@@ -122,7 +131,8 @@ def run(rank, tp, args):
             tt = r["times_ms"]
             print(f"  {m}x{k}x{n}: gemm {tt['gemm_cublas']:.3f} ce_ag {tt['ce_ag']:.3f} seq {tt['nccl_then_gemm']:.3f}"
                   f" torch {tt['torch_symm_mem_fused']} fused {tt['fused']:.3f} ms", flush=True)
-    report_operator_rows(rank, tp, rows, [("m", "M", ""), ("k", "K", ""), ("n", "N", ""), ("gemm_cublas", "gemm", ".3f"),
+    report_operator_rows(rank, tp, rows, [("m", "M", ""), ("k", "K", ""), ("n", "N", ""),
+                           ("gemm_cublas", "gemm", ".3f"),
                            ("ce_ag", "ce_ag", ".3f"), ("nccl_ag", "nccl_ag", ".3f"), ("nccl_then_gemm", "seq", ".3f"),
                            ("torch_symm_mem_fused", "torch", ".3f"), ("fused", "fused", ".3f"),
                            ("fused_pull", "pull", ".3f"), ("ce_ag_pull", "ce_pull", ".3f"),

@@ -11,17 +11,26 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from benchmarks.harness import (check_kernel_variants, operator_main, overlap_figures, parse_shapes,
-                                report_operator_rows, time_kernel_variants, time_ms)
+from benchmarks.harness import (
+    check_kernel_variants,
+    operator_main,
+    overlap_figures,
+    parse_shapes,
+    report_operator_rows,
+    time_kernel_variants,
+    time_ms,
+)
 from flux_layers.runtime.tuning import RS_TRANSPORTS as TRANSPORTS
+
 DEFAULT_SHAPES = "4096x8192x8192,8192x28672x8192,8192x12288x12288,2048x4096x4096,16384x4096x4096"
 
 
 def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
+    import torch.distributed._symmetric_memory as symm_mem
+
     from flux_layers import ops
     from flux_layers.ops import fused_gemm, fused_gemm_rs
     from flux_layers.runtime import tuning, workspace
-    import torch.distributed._symmetric_memory as symm_mem
 
     group = dist.group.WORLD
     k_local = k // tp
@@ -107,7 +116,8 @@ def run(rank, tp, args):
             tt = r["times_ms"]
             print(f"  {m}x{k}x{n}: gemm {tt['gemm_cublas']:.3f} rs {tt['nccl_rs']:.3f} seq {tt['gemm_then_nccl']:.3f}"
                   f" torch {tt['torch_symm_mem_fused']} fused {tt['fused']:.3f} ms", flush=True)
-    report_operator_rows(rank, tp, rows, [("m", "M", ""), ("k", "K", ""), ("n", "N", ""), ("gemm_cublas", "gemm", ".3f"),
+    report_operator_rows(rank, tp, rows, [("m", "M", ""), ("k", "K", ""), ("n", "N", ""),
+                           ("gemm_cublas", "gemm", ".3f"),
                            ("gemm_flux", "gemm_flux", ".3f"), ("nccl_rs", "nccl_rs", ".3f"),
                            ("gemm_then_nccl", "seq", ".3f"), ("torch_symm_mem_fused", "torch", ".3f"),
                            ("fused", "fused", ".3f"), ("fused_direct", "direct", ".3f"),

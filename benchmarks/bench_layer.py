@@ -10,10 +10,10 @@ gradient; every variant is built at once and timed in interleaved rounds; the fi
 over all repetitions (each the max over ranks).
 
 `baseline_no_comm` is the baseline stack with megatron-core's all-gathers and reduce-scatters replaced by local
-copies (benchmarks/no_comm.py): wrong numbers, no communication, the same computation. baseline / baseline_no_comm
-is the most that hiding the linears' communication can gain with GEMMs at cuBLAS speed (`ceiling_speedup`).
-Where nvidia-smi is present, rank 0 samples every GPU's SM clock and power during the run and each variant gets
-their means over its repetitions (`gpus`).
+copies (flux_layers/devtools/no_comm.py): wrong numbers, no communication, the same computation.
+baseline / baseline_no_comm is the most that hiding the linears' communication can gain with GEMMs at cuBLAS speed
+(`ceiling_speedup`). Where nvidia-smi is present, rank 0 samples every GPU's SM clock and power during the run and
+each variant gets their means over its repetitions (`gpus`).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from benchmarks.gpu_monitor import GpuSampler
 from benchmarks.harness import env_override, environment, spawn_ranks, time_interleaved, write_json
-from benchmarks.no_comm import megatron_collectives_as_local_copies
+from flux_layers.devtools.no_comm import megatron_collectives_as_local_copies
 
 
 def build_block(args, baseline: bool, rs_dgrad: bool = False):

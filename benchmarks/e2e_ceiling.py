@@ -1,19 +1,20 @@
 """The example's GPT training with megatron-core's linears, with flux's, and with megatron-core's again but their
-collectives as local copies (benchmarks/no_comm.py), back to back in one launch: how much faster a step can get
-when the linears' communication costs nothing and their GEMMs run at cuBLAS speed, and how much of that flux gets.
+collectives as local copies (flux_layers/devtools/no_comm.py), back to back in one launch: how much faster a step
+can get when the linears' communication costs nothing and their GEMMs run at cuBLAS speed, and how much of that flux
+gets.
 
     python -m benchmarks.e2e_ceiling --model h8192 --train-iters 40 --out benchmarks/results/e2e_ceiling_h200x2.json
 
 Takes the example's options (examples/pretrain_gpt.py); --linear-impl, --compare, --save and --load are not
 allowed (each run takes its own). The no-communication run's losses are meaningless (each rank trains on its own
-shard only). Without GPUs it runs the tiny model on CPU, which checks the plumbing and measures nothing. Where nvidia-smi is present,
-rank 0 samples every GPU's SM clock and power, and each run gets their means over its iterations (`gpus`).
+shard only). Without GPUs it runs the tiny model on CPU, which checks the plumbing and measures nothing. Where
+nvidia-smi is present, rank 0 samples every GPU's SM clock and power, and each run gets their means over its
+iterations (`gpus`).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import sys
 import time
 
@@ -22,18 +23,17 @@ import torch.distributed as dist
 
 from benchmarks.gpu_monitor import GpuSampler
 from benchmarks.harness import environment, write_json
-from benchmarks.no_comm import megatron_collectives_as_local_copies
+from examples.gpt import pretrain
+from flux_layers.devtools.no_comm import megatron_collectives_as_local_copies
 
 # (name, --linear-impl, context): in this order, each from the same seed.
 RUNS = (("megatron", "megatron", contextlib.nullcontext), ("flux", "flux", contextlib.nullcontext),
         ("megatron_no_comm", "megatron", megatron_collectives_as_local_copies))
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
 def _ceiling_runs(args, cfg, device) -> None:
-    """Every rank (pretrain_gpt.run_rank's body): the three trainings, then rank 0 reports."""
-    from pretrain_gpt import device_peak, train_fresh
-    _, peak = device_peak(args, device)
+    """Every rank (pretrain.run_rank's body): the three trainings, then rank 0 reports."""
+    _, peak = pretrain.device_peak(args, device)
     results = {}
     windows = []
     sampling = dist.get_rank() == 0 and device.type == "cuda" and GpuSampler.available()
@@ -44,7 +44,7 @@ def _ceiling_runs(args, cfg, device) -> None:
                 print(f"--- {name} ---", flush=True)
             began = time.time()
             with context():
-                results[name] = train_fresh(args, cfg, impl, device, peak)
+                results[name] = pretrain.train_fresh(args, cfg, impl, device, peak)
             windows.append((name, began, time.time()))
     if dist.get_rank() != 0:
         return
@@ -72,8 +72,6 @@ def _ceiling_runs(args, cfg, device) -> None:
 
 
 def main(argv=None) -> int:
-    sys.path.insert(0, EXAMPLES)
-    import pretrain_gpt
     argv = list(sys.argv[1:] if argv is None else argv)
     out = ""
     if "--out" in argv:
@@ -83,13 +81,13 @@ def main(argv=None) -> int:
     for banned in ("--linear-impl", "--compare", "--save", "--load"):
         if banned in argv:
             raise SystemExit(f"e2e_ceiling: {banned} is not an option here (the runs choose their linears)")
-    pretrain_gpt.set_process_env()
-    args, cfg = pretrain_gpt.resolve_args(pretrain_gpt.build_parser(), argv)
+    pretrain.set_process_env()
+    args, cfg = pretrain.resolve_args(pretrain.build_parser(), argv)
     args.ceiling_out = out
     if args.device != "cuda":
         print("e2e_ceiling: CPU run (gloo, reference backend): the step times and the ceiling mean nothing here",
               flush=True)
-    return pretrain_gpt.spawn(args, cfg, body=_ceiling_runs)
+    return pretrain.spawn(args, cfg, body=_ceiling_runs)
 
 
 if __name__ == "__main__":

@@ -190,7 +190,8 @@ def spawn_ranks(main, nprocs: int, args) -> None:
         _init_and_run(rank, world, main, args, None)
         return
     import torch.multiprocessing as mp
-    from tests.dist_harness import free_port
+
+    from flux_layers.devtools.launch import free_port
     port = free_port()
     mp.spawn(_init_and_run, args=(nprocs, main, args, port), nprocs=nprocs, join=True)
 

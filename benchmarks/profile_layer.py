@@ -7,7 +7,7 @@ sums the CUDA kernel time per category (GEMM by cuBLAS, flux's persistent GEMM, 
 step, next to the step's wall time (CUDA events). Kernels on different streams overlap (NCCL beside a GEMM,
 copy-engine transfers beside the fused kernels), so the categories may add up to more than the step. Rank 0
 prints and writes the result. `baseline_no_comm` is the baseline with megatron-core's collectives as local copies
-(benchmarks/no_comm.py), the same kernels without NCCL beside them. `--trace-dir DIR` also writes each rank's
+(flux_layers/devtools/no_comm.py), the same kernels without NCCL beside them. `--trace-dir DIR` also writes each rank's
 Chrome trace of the profiled steps per variant (DIR/<variant>_rank<r>.json.gz).
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from benchmarks.bench_layer import add_shape_args, build_block, setup_ranks, step_tensors
 from benchmarks.harness import environment, spawn_ranks, write_json
-from benchmarks.no_comm import megatron_collectives_as_local_copies
+from flux_layers.devtools.no_comm import megatron_collectives_as_local_copies
 
 CATEGORIES = (  # first match wins
     ("flux_gemm", re.compile(r"flux.*gemm_kernel|gemm_kernel.*flux")),

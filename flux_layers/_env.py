@@ -10,15 +10,22 @@ launchers can set them per process.
 | FLUX_LAYERS_AG_MODE | copy-engine all-gather direction: ``push`` or ``pull`` | push |
 | FLUX_LAYERS_AG_ORDER | all-gather order: ``auto`` (from topology), ``mesh`` or ``ring`` | auto |
 | FLUX_LAYERS_CHUNK_ROWS | rows per copy-engine chunk (0: per-shape heuristic) | 0 |
-| FLUX_LAYERS_RS_TRANSPORT | how GEMM+ReduceScatter moves a peer's partial tiles: ``direct`` (the epilogue stores into the peer), ``copy_engine`` (staged locally, moved by the copy engine per chunk) or ``auto`` (the tuning table's choice for the shape, else direct) | auto |
+| FLUX_LAYERS_RS_TRANSPORT | GEMM+ReduceScatter's move of peer tiles: ``direct``, ``copy_engine``, ``auto`` (1) | auto |
 | FLUX_LAYERS_RS_CHUNK_COLS | columns per copy-engine chunk of the reduce-scatter (0: 1024) | 0 |
 | FLUX_LAYERS_TIMEOUT_S | bound on every cross-rank wait, seconds | 30 |
 | FLUX_LAYERS_TUNING | path of a tuning table (JSON) to use instead of configs/tuning | (packaged) |
-| FLUX_LAYERS_DISPATCH | ``table`` (per-shape fused/sequential choice) or ``always`` (fused whenever supported) | table |
-| FLUX_LAYERS_STREAM_K | ``1``: the persistent GEMMs split the items of a last, partial wave along K (stream-K tail); ``0``: whole tiles only | 1 |
-| FLUX_LAYERS_STREAM_K_MAX_FILL | the stream-K tail splits a last wave only while it keeps at most this percentage of the persistent grid busy (0-100; 0: never) | 75 |
-| FLUX_LAYERS_CUDA_GRAPHS | ``1``: every fused-op workspace is created with a CUDA-graph twin, so calls can be captured (flux_layers/runtime/workspace.py) | 0 |
-| FLUX_LAYERS_POISON_OUTPUTS | ``1``: fused ops fill their outputs with NaN before launching (tests: proves every element is written) | 0 |
+| FLUX_LAYERS_DISPATCH | ``table`` (per-shape fused/sequential choice), ``always`` (fused wherever supported) | table |
+| FLUX_LAYERS_STREAM_K | ``1``: stream-K tail (2); ``0``: whole tiles only | 1 |
+| FLUX_LAYERS_STREAM_K_MAX_FILL | most % of the persistent grid a split last wave may fill (0: never) (2) | 75 |
+| FLUX_LAYERS_CUDA_GRAPHS | ``1``: every fused-op workspace gets a CUDA-graph twin, so calls can be captured (3) | 0 |
+| FLUX_LAYERS_POISON_OUTPUTS | ``1``: fused ops fill their outputs with NaN before launching (tests) (4) | 0 |
+
+(1) ``direct``: the epilogue stores into the peer; ``copy_engine``: staged locally, moved by the copy engine per
+chunk; ``auto``: the tuning table's choice for the shape, else direct.
+(2) The persistent GEMMs split the items of a last, partial wave along K, while that wave keeps at most
+FLUX_LAYERS_STREAM_K_MAX_FILL percent (0-100) of the persistent grid busy.
+(3) flux_layers/runtime/workspace.py.
+(4) Proves that every output element is written.
 """
 from __future__ import annotations
 

@@ -65,11 +65,8 @@ def load() -> bool:
         return False
 
 
-def available() -> bool:
-    return load()
-
-
 def path() -> str | None:
+    """The loaded library's file (None if none is loaded); for diagnostics (.ci/run, scripts/gpu_check.sh)."""
     load()
     return _state["path"]
 

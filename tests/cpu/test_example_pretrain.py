@@ -15,14 +15,13 @@ import sys
 
 import pytest
 
+from examples.gpt import pretrain as pretrain_gpt
+from examples.gpt.config import GPTRunConfig, load_model_config, validate
+from examples.gpt.data import SyntheticCycleWalk
+from examples.gpt.sizing import GiB, estimate_memory_per_gpu, forward_flops_per_token
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "examples", "pretrain_gpt.py")
-sys.path.insert(0, os.path.join(REPO, "examples"))
-
-import pretrain_gpt  # noqa: E402
-from _gpt_config import GPTRunConfig, load_model_config, validate  # noqa: E402
-from _gpt_data import SyntheticCycleWalk  # noqa: E402
-from _gpt_sizing import GiB, estimate_memory_per_gpu, forward_flops_per_token  # noqa: E402
 
 
 def _run(*flags: str, timeout: float = 150) -> subprocess.CompletedProcess:
@@ -170,7 +169,8 @@ def test_synthetic_stream_is_deterministic_and_learnable():
 def _check_mixed_precision_adamw(rank, world):
     import torch
     import torch.distributed as dist
-    from _gpt_train import MixedPrecisionAdamW
+
+    from examples.gpt.train import MixedPrecisionAdamW
 
     cfg = GPTRunConfig(lr=1e-2, clip_grad=0.5, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
     g = torch.Generator().manual_seed(7)
@@ -210,5 +210,5 @@ def _check_mixed_precision_adamw(rank, world):
 
 
 def test_mixed_precision_adamw_reduces_clips_and_updates_fp32_masters():
-    from tests.dist_harness import run_distributed
+    from flux_layers.devtools.launch import run_distributed
     run_distributed(_check_mixed_precision_adamw, 2)

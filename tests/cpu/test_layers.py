@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.dist_harness import run_distributed
+from flux_layers.devtools.launch import run_distributed
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 GA_MODES = ("off", "main_grad", "flagged")  # no fusion; main_grad only; main_grad + grad_added_to_main_grad
@@ -68,8 +68,9 @@ def _config(tp: int, sp: bool, ga: bool = False, **kw):
 
 
 def _build(case: Case, lib: str, tp: int, group, k: int, n: int):
-    from flux_layers.layers import ColumnParallelLinear, OverlapConfig, RowParallelLinear
     from megatron.core import tensor_parallel as mtp
+
+    from flux_layers.layers import ColumnParallelLinear, OverlapConfig, RowParallelLinear
     config = _config(tp, case.sp, ga=case.ga != "off" and lib == "flux")
     kw = dict(config=config, init_method=torch.nn.init.zeros_, bias=case.bias, skip_bias_add=case.skip_bias_add,
               tp_group=group)
@@ -196,10 +197,11 @@ def _check_cases(rank, tp, group, seed):
 
 def _check_init_and_checkpoint(rank, tp, group):
     """Same seed -> same weights as megatron-core; sharded_state_dict keys, shapes and offsets match."""
-    from flux_layers.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core import parallel_state
     from megatron.core import tensor_parallel as mtp
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    from flux_layers.layers import ColumnParallelLinear, RowParallelLinear
     metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
     init = lambda t: torch.nn.init.normal_(t, std=0.02)  # noqa: E731
     for sp, stride, bias in itertools.product((False, True), (1, 2), (False, True)):

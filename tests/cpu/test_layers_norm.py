@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from flux_layers.devtools.launch import run_distributed
 from tests.cpu.test_layers import megatron_on_cpu
-from tests.dist_harness import run_distributed
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 EPS = 1e-5
@@ -80,8 +80,9 @@ def _check_norms(rank, tp, group, g):
 
 
 def _check_layernorm_linear(rank, tp, group, g):
-    from flux_layers.layers import LayerNormColumnParallelLinear, Norm, OverlapConfig
     from megatron.core import tensor_parallel as mtp
+
+    from flux_layers.layers import LayerNormColumnParallelLinear, Norm, OverlapConfig
     s, b, h, n = 2 * tp, 3, 8, 4 * tp
     cases = itertools.product(("RMSNorm", "LayerNorm"), (False, True), ((False, False), (True, False), (True, True)),
                               ("keep", "regather"))
@@ -150,8 +151,9 @@ def _check_layernorm_linear(rank, tp, group, g):
 
 
 def _check_sharded_state_dict(rank, tp, group):
-    from flux_layers.layers import LayerNormColumnParallelLinear
     from megatron.core import parallel_state
+
+    from flux_layers.layers import LayerNormColumnParallelLinear
     config = _config(tp, True, "LayerNorm")
     layer = LayerNormColumnParallelLinear(8, 4 * tp, config=config, init_method=torch.nn.init.zeros_,
                                           gather_output=False, bias=True, skip_bias_add=False, is_expert=False,

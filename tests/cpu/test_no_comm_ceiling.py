@@ -1,9 +1,9 @@
-"""benchmarks/no_comm.py: inside the context megatron-core's sequence-parallel linears move nothing between ranks
-(every torch.distributed collective raises) and compute on their local shard as described."""
+"""flux_layers/devtools/no_comm.py: inside the context megatron-core's sequence-parallel linears move nothing
+between ranks (every torch.distributed collective raises) and compute on their local shard as described."""
 import pytest
 import torch
 
-from tests.dist_harness import run_distributed
+from flux_layers.devtools.launch import run_distributed
 
 
 def _worker(rank, tp):
@@ -11,7 +11,7 @@ def _worker(rank, tp):
     from megatron.core import ModelParallelConfig
     from megatron.core import tensor_parallel as mtp
 
-    from benchmarks import no_comm
+    from flux_layers.devtools import no_comm
     from tests.cpu.test_layers import megatron_on_cpu
 
     group = megatron_on_cpu(tp)

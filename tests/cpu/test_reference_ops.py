@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from flux_layers import ops
-from tests.dist_harness import run_distributed
+from flux_layers.devtools.launch import run_distributed
 
 
 def _inputs(seed: int, m: int, k: int, n: int, layout: str):

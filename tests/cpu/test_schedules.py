@@ -177,8 +177,8 @@ def test_rs_chunks_counted_complete_and_in_order(rows, n, tile, swizzle, cols):
 def test_cpp_rs_chunks_match_python(schedule_dump):
     for rows, n, tile, swizzle, cols in RS_CHUNK_CASES:
         tile_m, tile_n = schedules.TILE_CONFIGS[tile]
-        out = subprocess.run([schedule_dump, "rschunks", str(rows), str(n), str(tile_m), str(tile_n), str(swizzle), str(cols)],
-                             check=True, capture_output=True, text=True).stdout.splitlines()
+        out = subprocess.run([schedule_dump, "rschunks", str(rows), str(n), str(tile_m), str(tile_n), str(swizzle),
+                              str(cols)], check=True, capture_output=True, text=True).stdout.splitlines()
         grid = schedules.RsChunkGrid(_sched(rows, n, 1, [0], (tile_m, tile_n), swizzle), cols)
         assert tuple(int(v) for v in out[0].split()) == (grid.chunk_tiles_m, grid.chunk_tiles_n, grid.chunks_m,
                                                          grid.chunks_n)

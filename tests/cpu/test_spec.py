@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from flux_layers.devtools.launch import run_distributed
 from tests.cpu.test_layers import megatron_on_cpu
-from tests.dist_harness import run_distributed
 
 VOCAB, SEQ, BATCH = 64, 8, 2
 # Baseline parameter name -> flux parameter name (the norms live inside the fused layers).
@@ -45,6 +45,7 @@ def _transformer_config(tp, **kw):
 
 def _build_gpt(config, baseline: bool, **spec_kw):
     from megatron.core.models.gpt.gpt_model import GPTModel
+
     from flux_layers.layers.spec import get_gpt_decoder_block_spec
     torch.manual_seed(1234)
     block = get_gpt_decoder_block_spec(config, baseline=baseline, **spec_kw)
@@ -60,10 +61,16 @@ def _flux_name(baseline_name: str) -> str:
 
 
 def _check_module_types(flux, baseline):
-    from flux_layers.layers import (ColumnParallelLinear, LayerNormColumnParallelLinear, RMSNorm,
-                                    RowParallelLinear, SDPAttention)
     from megatron.core import tensor_parallel as mtp
     from megatron.core.transformer.identity_op import IdentityOp
+
+    from flux_layers.layers import (
+        ColumnParallelLinear,
+        LayerNormColumnParallelLinear,
+        RMSNorm,
+        RowParallelLinear,
+        SDPAttention,
+    )
     fl, bl = flux.decoder.layers[0], baseline.decoder.layers[0]
     assert type(fl.input_layernorm) is IdentityOp and type(fl.pre_mlp_layernorm) is IdentityOp
     assert type(fl.self_attention.linear_qkv) is LayerNormColumnParallelLinear
@@ -147,9 +154,10 @@ def _check_moe_builds(tp):
 
 def _check_sdpa_matches_megatron(rank, tp):
     """SDPAttention == megatron-core's DotProductAttention (causal, GQA, fp64)."""
-    from flux_layers.layers import SDPAttention
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
+
+    from flux_layers.layers import SDPAttention
     config = _transformer_config(tp, num_attention_heads=4, num_query_groups=2, kv_channels=8)
     kw = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
     ours, theirs = SDPAttention(**kw), DotProductAttention(**kw)
@@ -192,9 +200,10 @@ def test_gpt_specs_build_and_agree():
 
 
 def test_spec_and_attention_errors():
+    from megatron.core.transformer.enums import AttnMaskType
+
     from flux_layers.layers import OverlapConfig, SDPAttention
     from flux_layers.layers.spec import get_gpt_decoder_block_spec
-    from megatron.core.transformer.enums import AttnMaskType
     config = _transformer_config(1)
     with pytest.raises(ValueError, match=r"overlap= applies to the flux layers only; got baseline=True"):
         get_gpt_decoder_block_spec(config, baseline=True, overlap=OverlapConfig())

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from flux_layers.devtools.launch import run_distributed
 from flux_layers.runtime.tuning import RS_TRANSPORTS
-from tests.dist_harness import run_distributed
 from tests.gpu.gpu_support import assert_close_rel, needs_gpus, poison_outputs, random_matrix
 
 pytestmark = [pytest.mark.gpu, needs_gpus(2)]
@@ -74,7 +74,8 @@ def _ag(rank, tp, seed, mode, order):
     group = dist.group.WORLD
 
     def make_inputs(gen):  # the global x of each call (identical on every rank) and this rank's weight shard
-        return [random_matrix(r * tp, k, torch.bfloat16, gen) for r in ROWS] + [random_matrix(n, k, torch.bfloat16, gen)]
+        return ([random_matrix(r * tp, k, torch.bfloat16, gen) for r in ROWS]
+                + [random_matrix(n, k, torch.bfloat16, gen)])
 
     def call(inputs):
         *xs, w = inputs
@@ -99,7 +100,8 @@ def _rs(rank, tp, seed, transport):
     group = dist.group.WORLD
 
     def make_inputs(gen):  # the global x of each call and the global weight (identical on every rank)
-        return [random_matrix(r * tp, k, torch.bfloat16, gen) for r in ROWS] + [random_matrix(n, k, torch.bfloat16, gen)]
+        return ([random_matrix(r * tp, k, torch.bfloat16, gen) for r in ROWS]
+                + [random_matrix(n, k, torch.bfloat16, gen)])
 
     def call(inputs):
         *xs, w = inputs

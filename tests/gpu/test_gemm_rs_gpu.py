@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from flux_layers.devtools.launch import run_distributed
 from flux_layers.runtime.tuning import RS_TRANSPORTS as TRANSPORTS
-from tests.dist_harness import run_distributed
 from tests.gpu.gpu_support import assert_close_rel, global_inputs, needs_gpus, poison_outputs, split_sm_count
 
 pytestmark = [pytest.mark.gpu, needs_gpus(2)]

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.dist_harness import run_distributed
+from flux_layers.devtools.launch import run_distributed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason=(
     f"needs 2 CUDA GPUs, {torch.cuda.device_count()} visible"))]
@@ -66,8 +66,9 @@ CASES = [  # (kind, sp, bias, skip_bias_add, gather_output / input_is_parallel, 
 
 
 def _layers_vs_megatron(rank, tp, backend, seed):
-    from flux_layers.layers import ColumnParallelLinear, OverlapConfig, RowParallelLinear
     from megatron.core import tensor_parallel as mtp
+
+    from flux_layers.layers import ColumnParallelLinear, OverlapConfig, RowParallelLinear
     group = _setup(backend, seed)
     s, b, k, n = 512, 2, 1024, 1536
     init = lambda t: torch.nn.init.normal_(t, std=0.05)  # noqa: E731
@@ -255,6 +256,7 @@ def _gpt_specs(rank, tp, seed):
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
+
     from flux_layers.layers.spec import get_gpt_decoder_block_spec
     _setup("reference", seed)
     config = TransformerConfig(

@@ -1,4 +1,4 @@
-"""Start N processes from a pytest test, run a function in each with torch.distributed initialised.
+"""Start N local processes (from a test or a benchmark), run a function in each with torch.distributed initialised.
 
 ``run_distributed(fn, world_size, *args, backend="gloo")`` spawns ``world_size`` processes, initialises the
 default process group (gloo on CPU, nccl with one GPU per rank, or gloo with every rank on GPU 0 under

@@ -1,7 +1,7 @@
 """Plot an end-to-end comparison record (``benchmarks/results/e2e_gpt_<tag>.json``, written by
 ``examples/pretrain_gpt.py --compare``): loss curves of both implementations and their per-iteration throughput.
 
-Usage: ``python benchmarks/plot_compare.py benchmarks/results/e2e_gpt_<tag>.json [out.png]``
+Usage: ``python -m flux_layers.devtools.plot benchmarks/results/e2e_gpt_<tag>.json [out.png]``
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """``--compare`` output: a table on stdout, ``benchmarks/results/e2e_gpt_<tag>.json`` and a PNG plot beside it.
 
 Step times are the median over the iterations after ``timing_warmup``; tokens/s, TFLOP/s per GPU and MFU are derived
-from that median with the FLOP formula of ``_gpt_sizing``. The speedup is megatron's median step time over flux's.
+from that median with the FLOP formula of ``sizing``. The speedup is megatron's median step time over flux's.
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import statistics
 import subprocess
 import sys
 
-from _gpt_config import REPO_ROOT, GPTRunConfig
-from _gpt_sizing import train_flops_per_iter
+from .config import REPO_ROOT, GPTRunConfig
+from .sizing import train_flops_per_iter
 
 CPU_NOTE = ("CPU run (gloo, reference backend): throughput, TFLOP/s and MFU measure nothing here; the run checks "
             "that both implementations train and agree.")
@@ -89,11 +89,11 @@ def write_compare(results: dict, cfg: GPTRunConfig, *, model: str, tag: str, res
     with open(json_path, "w") as f:
         json.dump(record, f, indent=1)
     print(f"wrote {json_path}", flush=True)
-    from benchmarks.plot_compare import plot_compare
+    from flux_layers.devtools.plot import plot_compare
     try:
         png_path = plot_compare(record, os.path.splitext(json_path)[0] + ".png")
     except ImportError as exc:
-        print(f"no plot: {exc} (install matplotlib, then run python benchmarks/plot_compare.py {json_path})",
+        print(f"no plot: {exc} (install matplotlib, then run python -m flux_layers.devtools.plot {json_path})",
               flush=True)
         return json_path, None
     print(f"wrote {png_path}", flush=True)

@@ -16,7 +16,7 @@ There is no data parallelism: TP spans every process, so the only gradient reduc
 
 Checkpoint layout: ``DIR/iter_NNNNNNN/rank_RRR.pt`` (one file per TP rank: its weight shards, master weights,
 optimizer and scheduler state, RNG states) and ``DIR/latest`` (the last complete iteration). The data position is the
-iteration number (see ``_gpt_data``), so a resumed run continues the same loss curve.
+iteration number (see ``data``), so a resumed run continues the same loss curve.
 """
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from _gpt_config import SHAPE_FIELDS, GPTRunConfig
-from _gpt_data import SyntheticCycleWalk
-from _gpt_sizing import peak_tflops, train_flops_per_iter
+from .config import SHAPE_FIELDS, GPTRunConfig
+from .data import SyntheticCycleWalk
+from .sizing import peak_tflops, train_flops_per_iter
 
 
 class MixedPrecisionAdamW:
@@ -64,7 +64,7 @@ class MixedPrecisionAdamW:
         for p, m in zip(self.params, self.masters):
             if m is not p and p.grad is not None:
                 m.grad = p.grad.float()
-                p.grad = None  # NOTE: frees each bf16 grad as its fp32 copy appears (memory peak: see _gpt_sizing)
+                p.grad = None  # NOTE: frees each bf16 grad as its fp32 copy appears (memory peak: see sizing.py)
         allreduce_sequence_parallel_grads(self.params, self.masters, self.tp_group)
         grad_norm = clip_grad_norm_(self.params, self.masters, self.clip_grad, self.tp_group)
         self.optimizer.step()

@@ -119,7 +119,7 @@ def build_model(cfg, linear_impl: str, device: torch.device, tp_comm_overlap: bo
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         # The column layers' dgrad as the fused GEMM+ReduceScatter (megatron-core's own linears ignore the switch):
         # 0.6-1.0% faster per layer-stack step than the GEMM with an NCCL reduce-scatter under the wgrad GEMM in
-        # the last four runs (benchmarks/README.md).
+        # the last four runs (docs/experiments.md).
         tp_comm_overlap=tp_comm_overlap, tp_comm_overlap_rs_dgrad=tp_comm_overlap, cuda_graph_scope=[],
     )
     if linear_impl not in LINEAR_IMPLS:

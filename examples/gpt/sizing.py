@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from _gpt_config import GPTRunConfig
+from .config import GPTRunConfig
 
 GiB = 1024 ** 3
 RESERVE_BYTES = 8 * GiB
