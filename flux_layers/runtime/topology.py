@@ -129,20 +129,28 @@ def parse_numa_map(raw: str, node_size: int) -> tuple[int, ...] | None:
     return ids
 
 
-def node_ids(tp: int, hostnames: Sequence[str] | None = None, node_size: int | None = None) -> tuple[int, ...]:
-    """Node id of each rank: ``node_size`` (None: FLUX_LAYERS_NODE_SIZE; 0: detect) gives rank // node_size; else
-    ranks sharing a hostname form one node (numbered by first appearance); else every rank is on node 0."""
+def node_ids(tp: int, hostnames: Sequence[str] | None = None, node_size: int | None = None,
+             ranks: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Node id of each of the `tp` ranks of a group, numbered 0.. by first appearance. ``node_size`` (None:
+    FLUX_LAYERS_NODE_SIZE; 0: detect) > 0: global rank // node_size is the node (``ranks``: the members' global
+    ranks, default 0..tp-1, so a group smaller than a node sits in one); else ranks sharing a hostname form one
+    node; else every rank is on node 0."""
     size = _env.get_int("NODE_SIZE") if node_size is None else node_size
-    if size < 0 or (size > 0 and tp % size != 0):
-        raise ValueError(f"FLUX_LAYERS_NODE_SIZE={size} must be 0 (detect) or divide the group size {tp}")
+    if size < 0:
+        raise ValueError(f"FLUX_LAYERS_NODE_SIZE={size} must be 0 (detect) or a positive number of ranks per node")
     if size > 0:
-        return tuple(r // size for r in range(tp))
-    if hostnames is None:
+        ranks = tuple(ranks) if ranks is not None else tuple(range(tp))
+        if len(ranks) != tp:
+            raise ValueError(f"node_ids: {len(ranks)} global ranks for {tp} ranks")
+        keys = [r // size for r in ranks]
+    elif hostnames is not None:
+        if len(hostnames) != tp:
+            raise ValueError(f"node_ids: {len(hostnames)} hostnames for {tp} ranks")
+        keys = list(hostnames)
+    else:
         return (0,) * tp
-    if len(hostnames) != tp:
-        raise ValueError(f"node_ids: {len(hostnames)} hostnames for {tp} ranks")
-    first: dict[str, int] = {}
-    return tuple(first.setdefault(h, len(first)) for h in hostnames)
+    first: dict = {}
+    return tuple(first.setdefault(k, len(first)) for k in keys)
 
 
 _node_ids = node_ids  # fused_path_blocker's argument shadows the name
@@ -219,7 +227,10 @@ def fused_path_blocker(devices: tuple[int, ...], node_ids: tuple[int, ...] | Non
 
     They need one node (``node_ids``; None: FLUX_LAYERS_NODE_SIZE, else one node), every pair of GPUs able to map
     each other's memory, and an order and transport they have an executor for ('mesh'/'ring', the copy engine):
-    FLUX_LAYERS_AG_ORDER=internode|numa2d and FLUX_LAYERS_TRANSPORT=nccl name plans that are not executed yet."""
+    FLUX_LAYERS_AG_ORDER=internode|numa2d and FLUX_LAYERS_TRANSPORT=nccl name plans that are not executed yet.
+    Pass ``node_ids`` from :func:`node_ids` with the members' global ranks or :func:`gather_hostnames`; without
+    them FLUX_LAYERS_NODE_SIZE is applied to the group ranks 0..tp-1 (right for Megatron's aligned TP groups).
+    Cheap after the first call for a group (the peer-access matrix is cached)."""
     devices = tuple(devices)
     order = _env.get("AG_ORDER")
     if order not in ("auto",) + BUILT_ORDERS:
