@@ -477,13 +477,15 @@ def ag_plan_problems(plan: AgPlan) -> list[str]:
     return problems
 
 
-def validate_ag_plan(plan: AgPlan) -> None:
-    """Raise :class:`PlanError` listing the problems of `plan` (:func:`ag_plan_problems`), if any."""
-    problems = ag_plan_problems(plan)
+def _raise_problems(what: str, layout: GroupLayout, problems: list[str]) -> None:
     if problems:
         more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
-        raise PlanError(f"all-gather plan '{plan.order}' for {plan.layout.nnodes}x{plan.layout.node_size} ranks: "
-                        + "; ".join(problems[:8]) + more)
+        raise PlanError(f"{what} for {layout.nnodes}x{layout.node_size} ranks: " + "; ".join(problems[:8]) + more)
+
+
+def validate_ag_plan(plan: AgPlan) -> None:
+    """Raise :class:`PlanError` listing the problems of `plan` (:func:`ag_plan_problems`), if any."""
+    _raise_problems(f"all-gather plan '{plan.order}'", plan.layout, ag_plan_problems(plan))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -614,11 +616,7 @@ def rs_plan_problems(plan: RsPlan) -> list[str]:
 
 def validate_rs_plan(plan: RsPlan) -> None:
     """Raise :class:`PlanError` listing the problems of `plan` (:func:`rs_plan_problems`), if any."""
-    problems = rs_plan_problems(plan)
-    if problems:
-        more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
-        raise PlanError(f"reduce-scatter plan for {plan.layout.nnodes}x{plan.layout.node_size} ranks: "
-                        + "; ".join(problems[:8]) + more)
+    _raise_problems("reduce-scatter plan", plan.layout, rs_plan_problems(plan))
 
 
 __all__ = ["ORDERS", "TRANSPORTS", "PlanError", "GroupLayout", "choose_order", "choose_transport", "Arrival",
