@@ -8,7 +8,10 @@ launchers can set them per process.
 | FLUX_LAYERS_BACKEND | ``auto`` / ``fused`` / ``reference``: which implementation the ops use | auto |
 | FLUX_LAYERS_OPS_LIB | path of the compiled op library to load instead of the packaged one | (packaged) |
 | FLUX_LAYERS_AG_MODE | copy-engine all-gather direction: ``push`` or ``pull`` | push |
-| FLUX_LAYERS_AG_ORDER | all-gather order: ``auto`` (from topology), ``mesh`` or ``ring`` | auto |
+| FLUX_LAYERS_AG_ORDER | all-gather order: ``auto`` (from topology), ``mesh``, ``ring`` (one node), ``internode`` (several nodes, NVLink inside each) or ``numa2d`` (PCIe nodes with two NUMA domains); flux_layers/runtime/topology.py | auto |
+| FLUX_LAYERS_NODE_SIZE | ranks per node, declaring node boundaries (global rank // N is the node); emulates several nodes on one machine. ``0``: ranks sharing a hostname form one node | 0 |
+| FLUX_LAYERS_TRANSPORT | how chunks move between two ranks: ``copy_engine`` (peer-mapped memory, cudaMemcpy), ``nccl`` (send/recv through the group's NCCL communicator) or ``auto`` (copy engine where the pair can map each other's memory, else NCCL; always NCCL across nodes) | auto |
+| FLUX_LAYERS_NUMA_MAP | comma-separated NUMA node of each local rank's GPU (e.g. ``0,0,0,0,1,1,1,1``), overriding detection (NVML, else sysfs); with ``FLUX_LAYERS_AG_ORDER=numa2d`` it forces the NUMA-2D order. Empty: detect | (empty) |
 | FLUX_LAYERS_CHUNK_ROWS | rows per copy-engine chunk (0: per-shape heuristic) | 0 |
 | FLUX_LAYERS_RS_TRANSPORT | GEMM+ReduceScatter's move of peer tiles: ``direct``, ``copy_engine``, ``auto`` (1) | auto |
 | FLUX_LAYERS_RS_CHUNK_COLS | columns per copy-engine chunk of the reduce-scatter (0: 1024) | 0 |
@@ -38,6 +41,9 @@ _DEFAULTS = {
     "OPS_LIB": "",
     "AG_MODE": "push",
     "AG_ORDER": "auto",
+    "NODE_SIZE": "0",
+    "TRANSPORT": "auto",
+    "NUMA_MAP": "",
     "CHUNK_ROWS": "0",
     "RS_TRANSPORT": "auto",
     "RS_CHUNK_COLS": "0",
@@ -53,7 +59,8 @@ _DEFAULTS = {
 _CHOICES = {
     "BACKEND": ("auto", "fused", "reference"),
     "AG_MODE": ("pull", "push"),
-    "AG_ORDER": ("auto", "mesh", "ring"),
+    "AG_ORDER": ("auto", "mesh", "ring", "internode", "numa2d"),
+    "TRANSPORT": ("auto", "copy_engine", "nccl"),
     "RS_TRANSPORT": ("auto", "direct", "copy_engine"),
     "DISPATCH": ("table", "always"),
     "POISON_OUTPUTS": ("0", "1"),

@@ -1,21 +1,42 @@
-"""Which all-gather order fits the GPUs of a TP group (design.md §2):
+"""Where the GPUs of a TP group sit, and which all-gather order fits them (design.md §2):
 
 | link | order |
 |---|---|
-| every pair of GPUs peer-accessible over NVLink (NVSwitch or full NV# mesh) | ``mesh``: all peers at once |
-| PCIe only, or not every pair linked | ``ring``: each step forwards one shard to the next rank |
+| one node, every pair of GPUs peer-accessible over NVLink (NVSwitch or full NV# mesh) | ``mesh``: all peers at once |
+| one node, PCIe only, or not every pair linked | ``ring``: each step forwards one shard to the next rank |
+| several nodes, NVLink inside each | ``internode``: inter-node chunks (NCCL) overlapped with the intra-node exchange |
+| several nodes, PCIe inside each, two NUMA domains per node | ``numa2d``: inter-NUMA first, then intra-NUMA |
 
-Detection uses NVML (``nvidia-ml-py``) when present and falls back to CUDA peer-access queries; the result is
-overridden by ``FLUX_LAYERS_AG_ORDER=mesh|ring``. Multi-node orders are not implemented: the fused path is
-for a TP group inside one node.
+The multi-node orders and the NCCL transport exist as plans (flux_layers/runtime/transfer_plan.py), not yet as
+executors: :func:`fused_path_blocker` names what keeps the fused kernels from serving a group.
+
+Inputs, each detected unless given or forced (``FLUX_LAYERS_*``, flux_layers/_env.py):
+- node boundaries: ``FLUX_LAYERS_NODE_SIZE=N`` (rank // N is the node; emulates nodes on one machine), else ranks
+  sharing a hostname form one node (:func:`gather_hostnames`), else one node;
+- peer access: ``torch.cuda.can_device_access_peer`` per pair of a node; NVLink: NVML (``nvidia-ml-py``) when
+  present, else peer access stands for it (as before);
+- NUMA node of each GPU: ``FLUX_LAYERS_NUMA_MAP`` (one id per local rank), else NVML's
+  ``nvmlDeviceGetNumaNodeId``, else ``/sys/bus/pci/devices/<bus id>/numa_node``;
+- order: ``FLUX_LAYERS_AG_ORDER``; transport: ``FLUX_LAYERS_TRANSPORT``.
+NOTE: peer access, NVLink and NUMA are queried on this host for the devices of every node, by device index: the
+nodes of a group are assumed alike (every rank of a real multi-node job sees only its own node).
+Every function takes explicit arguments so that CPU tests need no GPU.
 """
 from __future__ import annotations
 
 import functools
+import os
+import socket
+from typing import Sequence
 
 import torch
 
 from flux_layers import _env
+from flux_layers.runtime.transfer_plan import GroupLayout, choose_order, choose_transport
+
+# Orders and transports the fused kernels can execute today (csrc/runtime/ag_gemm.cpp, gemm_rs.cpp).
+BUILT_ORDERS = ("mesh", "ring")
+BUILT_TRANSPORTS = ("copy_engine",)
 
 
 def _nvlink_pairs(devices: list[int]) -> bool | None:
@@ -37,8 +58,16 @@ def _nvlink_pairs(devices: list[int]) -> bool | None:
         return None
 
 
+@functools.lru_cache(maxsize=None)
+def peer_access_matrix(devices: tuple[int, ...]) -> tuple[tuple[bool, ...], ...]:
+    """m[a][b]: device devices[a] can map devices[b]'s memory (the diagonal is True). Cached: call
+    ``peer_access_matrix.cache_clear()`` after changing what torch.cuda reports (tests)."""
+    return tuple(tuple(a == b or torch.cuda.can_device_access_peer(a, b) for b in devices) for a in devices)
+
+
 def _all_peer_access(devices: list[int]) -> bool:
-    return all(torch.cuda.can_device_access_peer(a, b) for a in devices for b in devices if a != b)
+    m = peer_access_matrix(tuple(devices))
+    return all(all(row) for row in m)
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,8 +81,178 @@ def detect_order(devices: tuple[int, ...]) -> str:
     return "mesh" if nvlink else "ring"
 
 
-def ag_order(group_devices: tuple[int, ...]) -> str:
+def _sysfs_bus_id(bus_id: str) -> str:
+    """'00000000:18:00.0' (NVML) or '0000:18:00.0' -> sysfs' '0000:18:00.0' (4-digit domain, lower case)."""
+    domain, rest = bus_id.strip().lower().split(":", 1)
+    return f"{int(domain, 16):04x}:{rest}"
+
+
+def numa_node(device: int, sysfs_root: str = "/sys/bus/pci/devices") -> int:
+    """NUMA node of CUDA device `device`: NVML when it knows, else sysfs by the PCI bus id; -1 if unknown."""
+    bus_id = None
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device)
+        if hasattr(pynvml, "nvmlDeviceGetNumaNodeId"):
+            node = int(pynvml.nvmlDeviceGetNumaNodeId(handle))
+            if node >= 0:
+                return node
+        bus_id = pynvml.nvmlDeviceGetPciInfo(handle).busId
+        bus_id = bus_id.decode() if isinstance(bus_id, bytes) else bus_id
+    except Exception:
+        pass
+    if bus_id is None:
+        try:
+            p = torch.cuda.get_device_properties(device)
+            bus_id = f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+        except Exception:
+            return -1
+    try:
+        with open(os.path.join(sysfs_root, _sysfs_bus_id(bus_id), "numa_node")) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return -1
+
+
+def parse_numa_map(raw: str, node_size: int) -> tuple[int, ...] | None:
+    """FLUX_LAYERS_NUMA_MAP's value: one NUMA id per local rank (None when empty)."""
+    raw = raw.strip()
+    if not raw:
+        return None
+    try:
+        ids = tuple(int(v) for v in raw.split(","))
+    except ValueError:
+        raise ValueError(f"FLUX_LAYERS_NUMA_MAP={raw!r} must be comma-separated integers (one per local rank)") from None
+    if len(ids) != node_size:
+        raise ValueError(f"FLUX_LAYERS_NUMA_MAP={raw!r} names {len(ids)} NUMA nodes for {node_size} ranks per node")
+    return ids
+
+
+def node_ids(tp: int, hostnames: Sequence[str] | None = None, node_size: int | None = None,
+             ranks: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Node id of each of the `tp` ranks of a group, numbered 0.. by first appearance. ``node_size`` (None:
+    FLUX_LAYERS_NODE_SIZE; 0: detect) > 0: global rank // node_size is the node (``ranks``: the members' global
+    ranks, default 0..tp-1, so a group smaller than a node sits in one); else ranks sharing a hostname form one
+    node; else every rank is on node 0."""
+    size = _env.get_int("NODE_SIZE") if node_size is None else node_size
+    if size < 0:
+        raise ValueError(f"FLUX_LAYERS_NODE_SIZE={size} must be 0 (detect) or a positive number of ranks per node")
+    if size > 0:
+        ranks = tuple(ranks) if ranks is not None else tuple(range(tp))
+        if len(ranks) != tp:
+            raise ValueError(f"node_ids: {len(ranks)} global ranks for {tp} ranks")
+        keys = [r // size for r in ranks]
+    elif hostnames is not None:
+        if len(hostnames) != tp:
+            raise ValueError(f"node_ids: {len(hostnames)} hostnames for {tp} ranks")
+        keys = list(hostnames)
+    else:
+        return (0,) * tp
+    first: dict = {}
+    return tuple(first.setdefault(k, len(first)) for k in keys)
+
+
+_node_ids = node_ids  # fused_path_blocker's argument shadows the name
+
+
+def gather_hostnames(group) -> tuple[str, ...]:
+    """Every rank's hostname (a collective over `group`); feed it to :func:`node_ids`."""
+    import torch.distributed as dist
+    names: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, socket.gethostname(), group=group)
+    return tuple(names)
+
+
+def group_layout(devices: Sequence[int], node_of: Sequence[int] | None = None, *,
+                 numa_of: Sequence[int] | None = None, peer: Sequence[Sequence[bool]] | None = None,
+                 nvlink: bool | None = None) -> GroupLayout:
+    """The GroupLayout of a group whose rank r runs on CUDA device devices[r]; what is not given is detected
+    (node_of: :func:`node_ids` without hostnames; numa_of: FLUX_LAYERS_NUMA_MAP, else :func:`numa_node`; peer:
+    :func:`peer_access_matrix` per node; nvlink: NVML, else every intra-node pair peer-mapped)."""
+    devices = tuple(devices)
+    tp = len(devices)
+    node_of = tuple(node_of) if node_of is not None else node_ids(tp)
+    if len(node_of) != tp:
+        raise ValueError(f"group_layout: {len(node_of)} node ids for {tp} ranks")
+    nodes = sorted(set(node_of))
+    members = {n: [r for r in range(tp) if node_of[r] == n] for n in nodes}
+    if peer is None:
+        rows = [[False] * tp for _ in range(tp)]
+        for ranks in members.values():
+            m = peer_access_matrix(tuple(devices[r] for r in ranks))
+            for i, a in enumerate(ranks):
+                for j, b in enumerate(ranks):
+                    rows[a][b] = a != b and m[i][j]
+        peer = rows
+    peer = tuple(tuple(bool(v) for v in row) for row in peer)
+    if numa_of is None:
+        size = tp // len(nodes) if tp % len(nodes) == 0 else 0
+        forced = parse_numa_map(_env.get("NUMA_MAP"), size)
+        if forced is not None:
+            numa_of = [0] * tp
+            for ranks in members.values():
+                for i, r in enumerate(ranks):
+                    numa_of[r] = forced[i]
+        else:
+            numa_of = [numa_node(d) for d in devices]
+    if nvlink is None:
+        first = [devices[r] for r in members[nodes[0]]]
+        nvlink = _nvlink_pairs(first) if len(first) > 1 else True
+        if nvlink is None:
+            nvlink = all(peer[a][b] for ranks in members.values() for a in ranks for b in ranks if a != b)
+    return GroupLayout(node_of=node_of, numa_of=tuple(numa_of), peer=peer, nvlink=nvlink)
+
+
+def ag_order(group_devices: tuple[int, ...], node_of: Sequence[int] | None = None) -> str:
+    """FLUX_LAYERS_AG_ORDER when forced; else, for a group inside one node (`node_of` None or one node, after
+    FLUX_LAYERS_NODE_SIZE), :func:`detect_order` as before; for several nodes, transfer_plan.choose_order."""
     forced = _env.get("AG_ORDER")
     if forced != "auto":
         return forced
-    return detect_order(group_devices)
+    if node_of is None and _env.get_int("NODE_SIZE") > 0:
+        node_of = node_ids(len(group_devices))
+    if node_of is None or len(set(node_of)) <= 1:
+        return detect_order(group_devices)
+    return choose_order(group_layout(group_devices, node_of))
+
+
+def transport_matrix(layout: GroupLayout) -> tuple[tuple[str | None, ...], ...]:
+    """transport[src][dst] with FLUX_LAYERS_TRANSPORT applied (transfer_plan.choose_transport)."""
+    return choose_transport(layout, _env.get("TRANSPORT"))
+
+
+def fused_path_blocker(devices: tuple[int, ...], node_ids: tuple[int, ...] | None = None) -> str | None:
+    """Why the fused kernels cannot serve a group on CUDA devices `devices` (rank r on devices[r]), or None.
+
+    They need one node (``node_ids``; None: FLUX_LAYERS_NODE_SIZE, else one node), every pair of GPUs able to map
+    each other's memory, and an order and transport they have an executor for ('mesh'/'ring', the copy engine):
+    FLUX_LAYERS_AG_ORDER=internode|numa2d and FLUX_LAYERS_TRANSPORT=nccl name plans that are not executed yet.
+    Pass ``node_ids`` from :func:`node_ids` with the members' global ranks or :func:`gather_hostnames`; without
+    them FLUX_LAYERS_NODE_SIZE is applied to the group ranks 0..tp-1 (right for Megatron's aligned TP groups).
+    Cheap after the first call for a group (the peer-access matrix is cached)."""
+    devices = tuple(devices)
+    order = _env.get("AG_ORDER")
+    if order not in ("auto",) + BUILT_ORDERS:
+        return (f"FLUX_LAYERS_AG_ORDER={order}: the all-gather order is planned "
+                "(flux_layers/runtime/transfer_plan.py) but has no fused executor yet")
+    transport = _env.get("TRANSPORT")
+    if transport not in ("auto",) + BUILT_TRANSPORTS:
+        return (f"FLUX_LAYERS_TRANSPORT={transport}: the fused kernels move data by copy engine and epilogue "
+                "stores only; the NCCL transport has no executor yet")
+    if node_ids is None and len(devices) > 1:
+        node_ids = _node_ids(len(devices))
+    if node_ids is not None:
+        if len(node_ids) != len(devices):
+            raise ValueError(f"fused_path_blocker: {len(node_ids)} node ids for {len(devices)} devices")
+        nnodes = len(set(node_ids))
+        if nnodes > 1:
+            return (f"the TP group spans {nnodes} nodes ({len(devices) // nnodes} ranks each); the inter-node "
+                    "(NCCL) transport of the fused ops is not built yet")
+    m = peer_access_matrix(devices)
+    for a in range(len(devices)):
+        for b in range(len(devices)):
+            if a != b and not (m[a][b] and m[b][a]):
+                return (f"GPUs {devices[a]} and {devices[b]} (ranks {a} and {b}) cannot map each other's memory; "
+                        "the fused kernels need peer access between every pair (the NCCL transport is not built)")
+    return None
