@@ -22,6 +22,7 @@ launchers can set them per process.
 | FLUX_LAYERS_STREAM_K_MAX_FILL | most % of the persistent grid a split last wave may fill (0: never) (2) | 75 |
 | FLUX_LAYERS_CUDA_GRAPHS | ``1``: every fused-op workspace gets a CUDA-graph twin, so calls can be captured (3) | 0 |
 | FLUX_LAYERS_POISON_OUTPUTS | ``1``: fused ops fill their outputs with NaN before launching (tests) (4) | 0 |
+| FLUX_LAYERS_TEST_SHARED_GPU | ``1``: the GPU tests' ranks share one GPU (flux_layers/devtools/launch.py) | 0 |
 
 (1) ``direct``: the epilogue stores into the peer; ``copy_engine``: staged locally, moved by the copy engine per
 chunk; ``auto``: the tuning table's choice for the shape, else direct.
@@ -51,6 +52,7 @@ _DEFAULTS = {
     "TUNING": "",
     "DISPATCH": "table",
     "POISON_OUTPUTS": "0",
+    "TEST_SHARED_GPU": "0",
     "CUDA_GRAPHS": "0",
     "STREAM_K": "1",
     "STREAM_K_MAX_FILL": "75",
@@ -64,6 +66,7 @@ _CHOICES = {
     "RS_TRANSPORT": ("auto", "direct", "copy_engine"),
     "DISPATCH": ("table", "always"),
     "POISON_OUTPUTS": ("0", "1"),
+    "TEST_SHARED_GPU": ("0", "1"),
     "CUDA_GRAPHS": ("0", "1"),
     "STREAM_K": ("0", "1"),
 }

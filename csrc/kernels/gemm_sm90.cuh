@@ -63,7 +63,7 @@ struct GemmConfig {
   static constexpr int kEpiCols = 64;               // epilogue sub-tile width (one 128-byte smem row)
   // 128 x 256 tiles: one sub-tile buffer per sub-tile (64 KB, the whole tile), so the epilogue's TMA stores
   // drain under the next tile's mainloop and no consumer waits for them; this costs a mainloop stage (3 instead
-  // of 4), and measured 1.7-6.2% faster GEMMs than two buffers with SIMT stores (benchmarks/README.md, epilogue).
+  // of 4), and measured 1.7-6.2% faster GEMMs than two buffers with SIMT stores (docs/experiments.md, epilogue).
   // 256 x 128 tiles (a 32 KB sub-tile) keep one buffer and four stages.
   static constexpr int kEpiBuffers = kTileM == 128 ? kTileN / kEpiCols : 1;
 
@@ -142,7 +142,7 @@ struct GemmKernel {
   static constexpr bool kRegisterSlack = kTileM == 128;
   // Registers per thread after setmaxnreg (the CTA's pool is 168 x 384). 128 x 256 tiles: the producer warp group
   // gets 56, the consumers 224, which they fit without spilling. Against 40 / 232 it measured within one run's
-  // resolution (benchmarks/README.md, register split).
+  // resolution (docs/experiments.md, register split).
   static constexpr uint32_t kLoadRegs = kRegisterSlack ? 56 : 40;
   static constexpr uint32_t kMmaRegs = kRegisterSlack ? 224 : 232;
   static_assert(kLoadRegs * 128 + kMmaRegs * kMmaThreads <= 168 * kThreads, "register pool exceeded");

@@ -21,7 +21,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-
 from megatron.core import tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType

@@ -31,9 +31,6 @@ import warnings
 from typing import Any, Callable, Optional
 
 import torch
-from torch.fx.experimental.symbolic_shapes import guard_scalar
-from torch.nn.parameter import Parameter
-
 from megatron.core.tensor_parallel.layers import (
     _initialize_affine_weight_cpu,
     _initialize_affine_weight_gpu,
@@ -41,6 +38,8 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size, get_tensor_model_parallel_group_if_none
+from torch.fx.experimental.symbolic_shapes import guard_scalar
+from torch.nn.parameter import Parameter
 
 from flux_layers.config import OverlapConfig
 from flux_layers.layers.autograd import (

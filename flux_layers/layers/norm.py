@@ -135,9 +135,8 @@ class LayerNormColumnParallelLinear(ColumnParallelLinear):
     def norm_for_all_gather(self, x_shard_m: torch.Tensor) -> torch.Tensor:
         """The norm of this rank's sequence shard, which the AG+GEMM then gathers.
 
-        NOTE: hook for the ops layer. When it exposes the local slot of the all-gather workspace, the norm
-        writes its output straight there and ``ops.ag_gemm`` skips copying its own shard in; until then this
-        returns a fresh tensor and the forward calls ``ops.ag_gemm`` on it.
+        NOTE: a fresh tensor. The push all-gather (the default) copies the shard to the peers straight from it;
+        only the pull mode would save a copy if the norm wrote into the workspace (``AgWorkspace.input_buffer``).
         """
         if self.normalization == "RMSNorm":
             return rms_norm(x_shard_m, self.layer_norm_weight, self.eps, self.zero_centered_gamma)

@@ -27,6 +27,14 @@ class Choice:
     reason: str    # why, in words (shown in benchmark JSON and layer reports)
 
 
+def _group_devices(tp: int) -> tuple[int, ...]:
+    """The GPUs a group of ``tp`` ranks is taken to run on, for the peer-access check: the first ``tp`` visible
+    GPUs (nodes are taken to be alike), or this process's GPU ``tp`` times where fewer are visible (ranks sharing
+    one GPU)."""
+    visible = torch.cuda.device_count()
+    return tuple(range(tp)) if visible >= tp else (torch.cuda.current_device(),) * tp
+
+
 def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int, int, int], group,
            backend: str | None = None) -> Choice:
     requested = backend if backend is not None else _env.get("BACKEND")
@@ -45,6 +53,12 @@ def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int,
         blockers.append(f"dtype {dtype} is not bfloat16/float16")
     # Any process-group backend serves the fused path: its group only exchanges the workspaces' addresses when
     # they are made (the transfers are the op library's own), so gloo works too, e.g. for ranks sharing one GPU.
+    if op != "gemm" and not blockers and group is not None:
+        from flux_layers.runtime import topology
+        tp = dist.get_world_size(group)
+        reason = topology.fused_path_blocker(_group_devices(tp)) if tp > 1 else None
+        if reason is not None:
+            blockers.append(reason)
     if op != "gemm" and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         from flux_layers.runtime import workspace
         if not workspace.cuda_graphs_enabled():

@@ -123,7 +123,8 @@ def parse_numa_map(raw: str, node_size: int) -> tuple[int, ...] | None:
     try:
         ids = tuple(int(v) for v in raw.split(","))
     except ValueError:
-        raise ValueError(f"FLUX_LAYERS_NUMA_MAP={raw!r} must be comma-separated integers (one per local rank)") from None
+        raise ValueError(f"FLUX_LAYERS_NUMA_MAP={raw!r} must be comma-separated integers (one per local "
+                         "rank)") from None
     if len(ids) != node_size:
         raise ValueError(f"FLUX_LAYERS_NUMA_MAP={raw!r} names {len(ids)} NUMA nodes for {node_size} ranks per node")
     return ids

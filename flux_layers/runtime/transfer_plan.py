@@ -507,7 +507,8 @@ class RsPlan:
     chunks: int
     gemm_order: tuple[tuple[int, ...], ...]      # per rank: destination blocks in the order its GEMM writes them
     steps: tuple[tuple[RsSend, ...], ...]        # inter-node sends of node partials
-    sum_order: tuple[tuple[tuple[int, ...], ...], ...]  # per block d: per node (in summation order) its ranks (in order)
+    # per block d: per node (in summation order) its ranks (in order)
+    sum_order: tuple[tuple[tuple[int, ...], ...], ...]
 
     def sends(self) -> Iterable[tuple[int, RsSend]]:
         for s, step in enumerate(self.steps):

@@ -42,6 +42,7 @@ from flux_layers import _env, _library
 from flux_layers.runtime import topology
 from flux_layers.runtime.schedules import MAX_TP
 
+
 class WorkspaceError(RuntimeError):
     """A bounded wait inside a fused operator timed out; the workspace cannot be used any more."""
 

@@ -14,9 +14,19 @@ import torch
 
 from flux_layers import _env
 from flux_layers.runtime import schedules, topology
-from flux_layers.runtime.transfer_plan import (Arrival, GroupLayout, PlanError, Transfer, ag_plan_problems,
-                                               build_ag_plan, build_rs_plan, choose_order, choose_transport,
-                                               rs_plan_problems, validate_ag_plan)
+from flux_layers.runtime.transfer_plan import (
+    Arrival,
+    GroupLayout,
+    PlanError,
+    Transfer,
+    ag_plan_problems,
+    build_ag_plan,
+    build_rs_plan,
+    choose_order,
+    choose_transport,
+    rs_plan_problems,
+    validate_ag_plan,
+)
 
 MULTI_NODE = [(2, 1), (2, 2), (2, 4), (4, 2), (2, 8)]  # (nnodes, ranks per node)
 HALVES = {2: (0, 1), 4: (0, 0, 1, 1), 8: (0, 0, 0, 0, 1, 1, 1, 1)}

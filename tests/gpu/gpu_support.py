@@ -15,7 +15,7 @@ TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
 
 def needs_gpus(n: int):
     """Skip unless ``n`` GPUs are visible (or one, where FLUX_LAYERS_TEST_SHARED_GPU=1 runs the ranks on it)."""
-    from tests.dist_harness import shared_gpu
+    from flux_layers.devtools.launch import shared_gpu
     have = torch.cuda.device_count()
     enough = have >= n or (shared_gpu() and have >= 1)
     return pytest.mark.skipif(not enough, reason=f"needs {n} CUDA GPUs, {have} visible")
