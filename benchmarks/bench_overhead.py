@@ -77,16 +77,51 @@ def _impl_fn(impl, op, layout, group):
     return torch_rs
 
 
-def _host_us(fn, data, calls, sleep_ms):
+def _host_us(fn, data, calls, sleep_ms, in_flight):
+    """Median over batches of the enqueue time per call, ``in_flight`` calls a batch queued behind a GPU sleep."""
+    per_call = []
+    for first in range(0, calls, in_flight):
+        torch.cuda.synchronize()
+        dist.barrier()
+        torch.cuda._sleep(int(sleep_ms * SLEEP_CYCLES_PER_MS))
+        t0 = time.perf_counter()
+        for i in range(first, first + in_flight):
+            fn(*data[i % len(data)][:2])
+        per_call.append((time.perf_counter() - t0) / in_flight * 1e6)
     torch.cuda.synchronize()
-    dist.barrier()
-    torch.cuda._sleep(int(sleep_ms * SLEEP_CYCLES_PER_MS))
-    t0 = time.perf_counter()
-    for i in range(calls):
-        fn(*data[i % len(data)][:2])
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
+    return statistics.median(per_call)
+
+
+def _breakdown(rank, op, m, k, n, layout, data, group, args):
+    """Host time of the parts of one fused call (flux_layers.ops on the fused path): the dispatch lookup, the op
+    library's call alone (and, for ag_gemm, without its GEMM launch), the plain GEMM's launch, and allocating the
+    outputs. Each the median over ``--calls`` single calls queued behind a GPU sleep, then the maximum over ranks."""
+    from flux_layers.ops import _dispatch
+    x, w, _ = data[0]
+    call = _dispatch.ag_gemm_call(x, w, group, layout, "fused") if op == "ag_gemm" else \
+        _dispatch.gemm_rs_call(x, w, group, layout, "fused")
+    weight_nn = layout == "nn"
+    parts = {"dispatch_lookup": lambda x, w: (_dispatch.ag_gemm_call if op == "ag_gemm" else _dispatch.gemm_rs_call)(
+        x, w, group, layout, "fused")}
+    if op == "ag_gemm":
+        parts["op_call"] = lambda x, w: call.op(x, w, None, call.native, call.plan, weight_nn, False, True)
+        parts["op_call_without_gemm"] = lambda x, w: call.op(x, w, None, call.native, call.plan, weight_nn, False,
+                                                             False)
+    else:
+        parts["op_call"] = lambda x, w: call.op(x, w, None, call.native, call.plan, weight_nn)
+    out_rows = m if op == "ag_gemm" else m // dist.get_world_size(group)
+    out_cols = n // dist.get_world_size(group) if op == "ag_gemm" else n
+    parts["allocate_output"] = lambda x, w: torch.empty((out_rows, out_cols), device=x.device, dtype=x.dtype)
+    full_x = torch.randn(out_rows, x.shape[1], device="cuda").to(x.dtype)
+    gemm_out = torch.empty((out_rows, out_cols), device="cuda", dtype=x.dtype)
+    parts["plain_gemm_launch"] = lambda x, w: torch.ops.flux_layers.gemm(full_x, w, None, gemm_out, weight_nn, 1, 0,
+                                                                         16, 75)
+    rows = []
+    for name, fn in parts.items():
+        us = _host_us(fn, data, args.calls, 1.0, 1)
+        rows.append({"op": op, "m": m, "k": k, "n": n, "layout": layout, "impl": "fused", "part": name,
+                     "host_us": _max_over_ranks(us)})
+    return rows
 
 
 def _gpu_ms(fn, data, reps):
@@ -154,7 +189,7 @@ def bench_case(rank, tp, op, m, k, n, layout, args, group, impls):
         shift = r * len(keys) // args.rounds
         for impl in keys[shift:] + keys[:shift]:
             fn = fns[impl]
-            samples[impl]["host_us"].append(_host_us(fn, data, args.calls, args.sleep_ms))
+            samples[impl]["host_us"].append(_host_us(fn, data, args.calls, args.sleep_ms, args.in_flight))
             if not args.shared_gpu:
                 samples[impl]["gpu_ms"].append(_gpu_ms(fn, data, args.reps))
                 samples[impl]["loop_ms"].append(_loop_ms(fn, data, args.calls))
@@ -174,13 +209,20 @@ def main_rank(rank, tp, args):
     impls = [i for i in args.impls.split(",") if i]
     if args.shared_gpu:
         impls = [i for i in impls if i in ("fused", "auto")]
-    results = []
+    results, breakdown = [], []
     for shape in args.shapes.split(","):
         m, k, n = (int(v) for v in shape.lower().split("x"))
         for op in args.ops.split(","):
             for layout in args.layouts.split(","):
                 rows = bench_case(rank, tp, op, m, k, n, layout, args, group, impls)
                 results += rows
+                if args.breakdown and "fused" in impls:
+                    parts = _breakdown(rank, op, m, k, n, layout,
+                                       _inputs(op, rank, tp, m, k, n, layout, getattr(torch, args.dtype), sets=1),
+                                       group, args)
+                    breakdown += parts
+                    if rank == 0:
+                        print("    " + "  ".join(f"{r['part']} {r['host_us']:.1f} us" for r in parts), flush=True)
                 if rank == 0:
                     for r in rows:
                         gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.3f}"
@@ -201,8 +243,9 @@ def main_rank(rank, tp, args):
             "commit": commit, "gpu": torch.cuda.get_device_name(), "gpu_count": torch.cuda.device_count(),
             "tp": tp, "shared_gpu": args.shared_gpu, "library": os.path.dirname(flux_layers.__file__),
             "torch": torch.__version__, "python": platform.python_version(),
-            "method": (f"host_us: {args.calls} calls enqueued behind a {args.sleep_ms} ms GPU sleep, wall clock per "
-                       f"call; gpu_ms: CUDA events around one call behind a 1 ms GPU sleep, median of {args.reps}; "
+            "method": (f"host_us: {args.calls} calls enqueued behind a {args.sleep_ms} ms GPU sleep, "
+                       f"{args.in_flight} at a time, wall clock per call (median over batches); gpu_ms: CUDA "
+                       f"events around one call behind a 1 ms GPU sleep, median of {args.reps}; "
                        f"loop_ms: CUDA events around {args.calls} back-to-back calls, per call; each the median over "
                        f"{args.rounds} interleaved rounds, then the maximum over ranks; 2 random input sets, each "
                        "implementation checked against fp32 first"
@@ -211,6 +254,7 @@ def main_rank(rank, tp, args):
             "env": {k: v for k, v in os.environ.items() if k.startswith(("FLUX_LAYERS_", "NCCL_", "TORCH_SYMM",
                                                                           "NVSHMEM_", "CUDA_DEVICE_MAX"))},
             "results": results,
+            "breakdown": breakdown,
         }
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
@@ -255,9 +299,16 @@ def main(argv=None):
     ap.add_argument("--sleep-ms", type=float, default=50.0, help="GPU sleep the host-cost calls queue behind")
     ap.add_argument("--nprocs", type=int, default=0, help="ranks (default: every GPU; 2 with --shared-gpu)")
     ap.add_argument("--shared-gpu", action="store_true", help="ranks share GPU 0 (host figures only)")
+    ap.add_argument("--in-flight", type=int, default=0,
+                    help="calls per host-cost batch (default: --calls; 1 with --shared-gpu, where calls piled up "
+                         "across processes that time-slice one GPU can wait on each other for the timeout)")
+    ap.add_argument("--breakdown", action="store_true", help="also time the parts of a fused call")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.in_flight = args.in_flight or (1 if args.shared_gpu else args.calls)
+    if args.calls % args.in_flight:
+        ap.error(f"--calls {args.calls} is not a multiple of --in-flight {args.in_flight}")
     world = args.nprocs or (2 if args.shared_gpu else torch.cuda.device_count())
     if world < 2:
         ap.error(f"needs at least 2 ranks ({torch.cuda.device_count()} GPUs visible; --shared-gpu runs 2 on one)")

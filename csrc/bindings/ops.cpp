@@ -122,9 +122,22 @@ flux::LaunchOptions launch_options(const Tensor& like, int sms, int sm_count, in
   return o;
 }
 
+// A fused call's options: the scratch is the workspace's (allocated once, at the first call with a stream-K tail).
 flux::LaunchOptions launch_options(const Tensor& like, const flux::CallPlan& plan, int sms, bool run_gemm,
-                                   Tensor& scratch) {
-  return launch_options(like, sms, plan.sm_count, plan.swizzle, run_gemm ? plan.stream_k_fill : 0, scratch);
+                                   Tensor& kept_scratch) {
+  int const fill = run_gemm ? plan.stream_k_fill : 0;
+  if (fill == 0 || kept_scratch.defined()) {
+    flux::LaunchOptions o;
+    o.sm_count = plan.sm_count;
+    o.swizzle_m = plan.swizzle;
+    o.split_max_fill_pct = fill;
+    if (fill > 0) {
+      o.split_workspace = kept_scratch.data_ptr();
+      o.split_workspace_bytes = kept_scratch.numel();
+    }
+    return o;
+  }
+  return launch_options(like, sms, plan.sm_count, plan.swizzle, fill, kept_scratch);
 }
 
 void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, Tensor out, bool weight_nn,
@@ -166,6 +179,9 @@ void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, T
 struct Workspace : torch::CustomClassHolder {
   std::unique_ptr<flux::WorkspaceState> state;
   c10::intrusive_ptr<Workspace> twin;
+  // The stream-K tail's scratch, allocated at the first call that splits and kept: a workspace's calls are
+  // ordered on the GPU (their flags require it), so one scratch serves them all.
+  Tensor split_scratch;
 
   Workspace(int64_t kind, int64_t dtype, int64_t rank, int64_t device, int64_t max_m, int64_t inner,
             int64_t capacity, std::vector<int64_t> data_ptrs, std::vector<int64_t> flag_ptrs,
@@ -230,16 +246,16 @@ struct Workspace : torch::CustomClassHolder {
   int64_t epoch() const { return state->epoch(); }
 
   // The workspace a call on `stream` uses: its CUDA-graph twin while the stream is being captured.
-  flux::WorkspaceState& for_stream(cudaStream_t stream) {
+  Workspace& for_stream(cudaStream_t stream) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    if (capture == cudaStreamCaptureStatusNone || state->config().graph_protocol) return *state;
+    if (capture == cudaStreamCaptureStatusNone || state->config().graph_protocol) return *this;
     TORCH_CHECK(twin, kWorkspaceErrorTag, state->config().what, " (max_m=", state->config().max_m,
                 ") has no CUDA-graph twin: a fused operator's workspace (symmetric memory, a collective) cannot "
                 "be created while a CUDA graph is being captured; run the captured step once eagerly first "
                 "(warm-up) with CUDA graphs enabled (FLUX_LAYERS_CUDA_GRAPHS=1 or "
                 "flux_layers.runtime.workspace.enable_cuda_graphs())");
-    return *twin->state;
+    return *twin;
   }
 };
 
@@ -263,7 +279,8 @@ std::tuple<Tensor, Tensor> ag_gemm(const Tensor& x_shard_m, const Tensor& w, con
   cudaStream_t const stream = c10::cuda::getCurrentCUDAStream();
   flux::CallPlan plan;  // registered with the workspace; its CUDA-graph twin runs the same plans
   translate_value_errors([&] { plan = workspace->state->plan(plan_index); });
-  flux::WorkspaceState& st = workspace->for_stream(stream);
+  Workspace& runs = workspace->for_stream(stream);
+  flux::WorkspaceState& st = *runs.state;
   check_usable(st, flux::WorkspaceKind::kAllGather, x_shard_m, "ag_gemm");
   auto const& c = st.config();
   int64_t const m = c.tp * s.m;
@@ -313,8 +330,7 @@ std::tuple<Tensor, Tensor> ag_gemm(const Tensor& x_shard_m, const Tensor& w, con
   for (size_t i = 0; i < c.comm.size(); ++i) a.comm[i] = c.comm[i];
   a.events = st.events();
   a.run_gemm = run_gemm;
-  Tensor scratch;
-  a.launch = launch_options(x_shard_m, plan, st.sm_count(), run_gemm, scratch);
+  a.launch = launch_options(x_shard_m, plan, st.sm_count(), run_gemm, runs.split_scratch);
   a.epoch = st.next_epoch();  // nothing below rejects the call
   translate_errors([&] { flux::ag_gemm(a); });
   return {out, gathered};
@@ -327,7 +343,8 @@ Tensor gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bi
   cudaStream_t const stream = c10::cuda::getCurrentCUDAStream();
   flux::CallPlan plan;  // registered with the workspace; its CUDA-graph twin runs the same plans
   translate_value_errors([&] { plan = workspace->state->plan(plan_index); });
-  flux::WorkspaceState& st = workspace->for_stream(stream);
+  Workspace& runs = workspace->for_stream(stream);
+  flux::WorkspaceState& st = *runs.state;
   check_usable(st, flux::WorkspaceKind::kReduceScatter, x, "gemm_rs");
   auto const& c = st.config();
   TORCH_CHECK_VALUE(s.m % c.tp == 0, "gemm_rs: M=", s.m, " rows are not divisible by the group size ", c.tp);
@@ -371,8 +388,7 @@ Tensor gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bi
   a.error_record = c.error_record;
   a.error_claim = c.error_claim;
   a.compute = stream;
-  Tensor scratch;
-  a.launch = launch_options(x, plan, st.sm_count(), true, scratch);
+  a.launch = launch_options(x, plan, st.sm_count(), true, runs.split_scratch);
   a.epoch = st.next_epoch();  // nothing below rejects the call
   translate_errors([&] { flux::gemm_rs(a); });
   return out;

@@ -1,11 +1,12 @@
 """Calls of ``ops.gemm`` / ``ops.ag_gemm`` / ``ops.gemm_rs`` decided once.
 
-A call is identified by (op, group, shapes, dtype, device, weight layout, requested backend, whether the current
-stream is being captured). The first call with such a key validates the arguments, asks the dispatcher
-(:func:`flux_layers.ops.backend.choose`), finds the workspace and registers the kernel/transfer plan; the
-decision is kept, so every later call with the key costs one dict lookup and the op (which checks the tensors
-themselves, strides and alignment, before anything is enqueued). Settings (``FLUX_LAYERS_*``) and the tuning
-table are read when a decision is made: after changing them in a running process, call :func:`refresh`.
+A call is identified by (op, group, shapes, dtype, device index (-1 off the GPU), weight layout, requested
+backend, whether the current stream is being captured). The first call with such a key validates the arguments,
+asks the dispatcher (:func:`flux_layers.ops.backend.choose`), finds the workspace and registers the
+kernel/transfer plan; the decision is kept, so every later call with the key costs one dict lookup and the op
+(which checks the tensors themselves, strides and alignment, before anything is enqueued). Settings
+(``FLUX_LAYERS_*``) and the tuning table are read when a decision is made: after changing them in a running
+process, call :func:`refresh`.
 """
 from __future__ import annotations
 
@@ -170,7 +171,7 @@ def _decide(key, make):
 
 def gemm_call(x: torch.Tensor, weight: torch.Tensor, weight_layout: str, backend: str | None):
     """The callable ``(x, weight, bias) -> out`` that ``ops.gemm`` runs for these arguments."""
-    key = ("gemm", x.shape, weight.shape, x.dtype, x.device, weight_layout, backend, _capturing(x))
+    key = ("gemm", x.shape, weight.shape, x.dtype, x.get_device(), weight_layout, backend, _capturing(x))
     call = _decisions.get(key)
     if call is not None:
         return call
@@ -185,7 +186,7 @@ def gemm_call(x: torch.Tensor, weight: torch.Tensor, weight_layout: str, backend
 
 def ag_gemm_call(x_shard_m: torch.Tensor, weight: torch.Tensor, group, weight_layout: str, backend: str | None):
     """The callable ``(x_shard_m, weight, bias, return_gathered)`` that ``ops.ag_gemm`` runs for these arguments."""
-    key = ("ag_gemm", group, x_shard_m.shape, weight.shape, x_shard_m.dtype, x_shard_m.device, weight_layout,
+    key = ("ag_gemm", group, x_shard_m.shape, weight.shape, x_shard_m.dtype, x_shard_m.get_device(), weight_layout,
            backend, _capturing(x_shard_m))
     call = _decisions.get(key)
     if call is not None:
@@ -207,7 +208,7 @@ def ag_gemm_call(x_shard_m: torch.Tensor, weight: torch.Tensor, group, weight_la
 
 def gemm_rs_call(x: torch.Tensor, weight: torch.Tensor, group, weight_layout: str, backend: str | None):
     """The callable ``(x, weight, bias) -> out`` that ``ops.gemm_rs`` runs for these arguments."""
-    key = ("gemm_rs", group, x.shape, weight.shape, x.dtype, x.device, weight_layout, backend, _capturing(x))
+    key = ("gemm_rs", group, x.shape, weight.shape, x.dtype, x.get_device(), weight_layout, backend, _capturing(x))
     call = _decisions.get(key)
     if call is not None:
         return call

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flux_layers.devtools.launch import run_distributed
+from flux_layers.devtools.launch import run_distributed, shared_gpu
 from flux_layers.runtime.tuning import RS_TRANSPORTS as TRANSPORTS
 from tests.gpu.gpu_support import assert_close_rel, global_inputs, needs_gpus, poison_outputs, split_sm_count
 
@@ -143,5 +143,7 @@ def _repeatable_at_layer_shapes(rank, tp, seed):
     torch.cuda.synchronize()
 
 
+@pytest.mark.skipif(shared_gpu(), reason="12 calls in flight per rank: processes time-slicing one GPU can hold it "
+                    "spinning on a peer that cannot run until the timeout")
 def test_gemm_rs_repeatable_at_layer_shapes():
     run_distributed(_repeatable_at_layer_shapes, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl")
