@@ -17,8 +17,10 @@ is timed.
 
 ``--shared-gpu`` runs the ranks as processes sharing GPU 0 (gloo for the group; torch's symmetric memory with
 ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``), for a machine with one GPU: the host figures are the real ones
-(the host path does not depend on where the peer is), the GPU figures are not TP figures (the processes
-time-slice one GPU) and are left out of the results; NCCL-based implementations are skipped there.
+(the host path does not depend on where the peer is), the GPU figures are not TP figures and are left out of the
+results; NCCL-based implementations are skipped there. Use shapes whose persistent grid leaves SMs free (e.g.
+2048x4096x4096): with the grid full, one process's GEMM spinning on its peer's data can hold every SM while the
+peer's earlier kernel waits for one, until the timeout.
 
     python -m benchmarks.bench_overhead --out benchmarks/results/op_overhead_h200x2.json
 """
@@ -94,8 +96,9 @@ def _host_us(fn, data, calls, sleep_ms, in_flight):
 
 def _breakdown(rank, op, m, k, n, layout, data, group, args):
     """Host time of the parts of one fused call (flux_layers.ops on the fused path): the dispatch lookup, the op
-    library's call alone (and, for ag_gemm, without its GEMM launch), the plain GEMM's launch, and allocating the
-    outputs. Each the median over ``--calls`` single calls queued behind a GPU sleep, then the maximum over ranks."""
+    library's call alone (and, for ag_gemm, without its GEMM launch), calling an op of the same signature that does
+    nothing, the plain GEMM's launch, and allocating an output. Measured as ``host_us`` (same batches), then the
+    maximum over ranks."""
     from flux_layers.ops import _dispatch
     x, w, _ = data[0]
     call = _dispatch.ag_gemm_call(x, w, group, layout, "fused") if op == "ag_gemm" else \
@@ -111,6 +114,8 @@ def _breakdown(rank, op, m, k, n, layout, data, group, args):
         parts["op_call"] = lambda x, w: call.op(x, w, None, call.native, call.plan, weight_nn)
     out_rows = m if op == "ag_gemm" else m // dist.get_world_size(group)
     out_cols = n // dist.get_world_size(group) if op == "ag_gemm" else n
+    parts["call_an_empty_op"] = lambda x, w: torch.ops.flux_layers.call_overhead_probe.default(
+        x, w, None, call.native, call.plan, weight_nn, False, True)
     parts["allocate_output"] = lambda x, w: torch.empty((out_rows, out_cols), device=x.device, dtype=x.dtype)
     full_x = torch.randn(out_rows, x.shape[1], device="cuda").to(x.dtype)
     gemm_out = torch.empty((out_rows, out_cols), device="cuda", dtype=x.dtype)
@@ -118,7 +123,7 @@ def _breakdown(rank, op, m, k, n, layout, data, group, args):
                                                                          16, 75)
     rows = []
     for name, fn in parts.items():
-        us = _host_us(fn, data, args.calls, 1.0, 1)
+        us = _host_us(fn, data, args.calls, args.sleep_ms, args.in_flight)
         rows.append({"op": op, "m": m, "k": k, "n": n, "layout": layout, "impl": "fused", "part": name,
                      "host_us": _max_over_ranks(us)})
     return rows
@@ -299,14 +304,12 @@ def main(argv=None):
     ap.add_argument("--sleep-ms", type=float, default=50.0, help="GPU sleep the host-cost calls queue behind")
     ap.add_argument("--nprocs", type=int, default=0, help="ranks (default: every GPU; 2 with --shared-gpu)")
     ap.add_argument("--shared-gpu", action="store_true", help="ranks share GPU 0 (host figures only)")
-    ap.add_argument("--in-flight", type=int, default=0,
-                    help="calls per host-cost batch (default: --calls; 1 with --shared-gpu, where calls piled up "
-                         "across processes that time-slice one GPU can wait on each other for the timeout)")
+    ap.add_argument("--in-flight", type=int, default=0, help="calls per host-cost batch (default: --calls)")
     ap.add_argument("--breakdown", action="store_true", help="also time the parts of a fused call")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    args.in_flight = args.in_flight or (1 if args.shared_gpu else args.calls)
+    args.in_flight = args.in_flight or args.calls
     if args.calls % args.in_flight:
         ap.error(f"--calls {args.calls} is not a multiple of --in-flight {args.in_flight}")
     world = args.nprocs or (2 if args.shared_gpu else torch.cuda.device_count())
