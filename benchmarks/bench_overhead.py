@@ -107,15 +107,15 @@ def _breakdown(rank, op, m, k, n, layout, data, group, args):
     parts = {"dispatch_lookup": lambda x, w: (_dispatch.ag_gemm_call if op == "ag_gemm" else _dispatch.gemm_rs_call)(
         x, w, group, layout, "fused")}
     if op == "ag_gemm":
-        parts["op_call"] = lambda x, w: call.op(x, w, None, call.native, call.plan, weight_nn, False, True)
-        parts["op_call_without_gemm"] = lambda x, w: call.op(x, w, None, call.native, call.plan, weight_nn, False,
+        parts["op_call"] = lambda x, w: call.op(x, w, None, call.handle, call.plan, weight_nn, False, True)
+        parts["op_call_without_gemm"] = lambda x, w: call.op(x, w, None, call.handle, call.plan, weight_nn, False,
                                                              False)
     else:
-        parts["op_call"] = lambda x, w: call.op(x, w, None, call.native, call.plan, weight_nn)
+        parts["op_call"] = lambda x, w: call.op(x, w, None, call.handle, call.plan, weight_nn)
     out_rows = m if op == "ag_gemm" else m // dist.get_world_size(group)
     out_cols = n // dist.get_world_size(group) if op == "ag_gemm" else n
     parts["call_an_empty_op"] = lambda x, w: torch.ops.flux_layers.call_overhead_probe.default(
-        x, w, None, call.native, call.plan, weight_nn, False, True)
+        x, w, None, call.handle, call.plan, weight_nn, False, True)
     parts["allocate_output"] = lambda x, w: torch.empty((out_rows, out_cols), device=x.device, dtype=x.dtype)
     full_x = torch.randn(out_rows, x.shape[1], device="cuda").to(x.dtype)
     gemm_out = torch.empty((out_rows, out_cols), device="cuda", dtype=x.dtype)

@@ -13,7 +13,9 @@
 
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "flux/check.h"
@@ -176,9 +178,44 @@ void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, T
 // ---------------------------------------------------------------- the workspace object
 // One per fused-op workspace (flux_layers/runtime/workspace.py makes it once, after the symmetric allocation):
 // flux::WorkspaceState plus its CUDA-graph twin, the workspace whose state calls captured into a graph use.
+// The ops take it by handle, an integer: passing the object itself from Python costs several times more than the
+// rest of the op's argument parsing (torch converts a script object argument by its class type on every call).
+struct Workspace;
+
+class Registry {
+ public:
+  int64_t add(Workspace* w) {
+    std::lock_guard<std::mutex> lock(mu_);
+    by_handle_[next_] = w;
+    return next_++;
+  }
+  void remove(int64_t handle) {
+    std::lock_guard<std::mutex> lock(mu_);
+    by_handle_.erase(handle);
+  }
+  Workspace& find(int64_t handle) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = by_handle_.find(handle);
+    TORCH_CHECK_VALUE(it != by_handle_.end(), "no live flux_layers workspace has handle ", handle,
+                      " (a workspace lives as long as its Python object)");
+    return *it->second;
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<int64_t, Workspace*> by_handle_;
+  int64_t next_ = 1;
+};
+
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
 struct Workspace : torch::CustomClassHolder {
   std::unique_ptr<flux::WorkspaceState> state;
   c10::intrusive_ptr<Workspace> twin;
+  int64_t handle_ = 0;
   // The stream-K tail's scratch, allocated at the first call that splits and kept: a workspace's calls are
   // ordered on the GPU (their flags require it), so one scratch serves them all.
   Tensor split_scratch;
@@ -211,7 +248,11 @@ struct Workspace : torch::CustomClassHolder {
     c.what = std::move(what);
     c10::cuda::CUDAGuard guard(c10::Device(c10::DeviceType::CUDA, c10::DeviceIndex(device)));
     translate_errors([&] { state = std::make_unique<flux::WorkspaceState>(std::move(c)); });
+    handle_ = registry().add(this);
   }
+  ~Workspace() override { registry().remove(handle_); }
+
+  int64_t handle() const { return handle_; }
 
   int64_t add_plan(int64_t tile, int64_t swizzle, int64_t stream_k_fill, int64_t sm_count, int64_t mode,
                    int64_t order, int64_t rows_per_chunk, bool copy_engine, int64_t chunk_cols) {
@@ -245,12 +286,19 @@ struct Workspace : torch::CustomClassHolder {
   void mark_failed(std::string message) { state->mark_failed(message); }
   int64_t epoch() const { return state->epoch(); }
 
+  // ag_gemm's second output where the gathered input is not asked for: one [0, K] tensor, made once.
+  const Tensor& no_gathered(const Tensor& like) {
+    if (!empty_gathered.defined()) empty_gathered = at::empty({0, state->config().inner}, like.options());
+    return empty_gathered;
+  }
+  Tensor empty_gathered;
+
   // The workspace a call on `stream` uses: its CUDA-graph twin while the stream is being captured.
   Workspace& for_stream(cudaStream_t stream) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
     if (capture == cudaStreamCaptureStatusNone || state->config().graph_protocol) return *this;
-    TORCH_CHECK(twin, kWorkspaceErrorTag, state->config().what, " (max_m=", state->config().max_m,
+    TORCH_CHECK(twin, state->config().what, " (max_m=", state->config().max_m,
                 ") has no CUDA-graph twin: a fused operator's workspace (symmetric memory, a collective) cannot "
                 "be created while a CUDA graph is being captured; run the captured step once eagerly first "
                 "(warm-up) with CUDA graphs enabled (FLUX_LAYERS_CUDA_GRAPHS=1 or "
@@ -272,14 +320,15 @@ void check_usable(const flux::WorkspaceState& st, flux::WorkspaceKind kind, cons
 }
 
 std::tuple<Tensor, Tensor> ag_gemm(const Tensor& x_shard_m, const Tensor& w, const std::optional<Tensor>& bias,
-                                   const c10::intrusive_ptr<Workspace>& workspace, int64_t plan_index,
+                                   int64_t workspace_handle, int64_t plan_index,
                                    bool weight_nn, bool return_gathered, bool run_gemm) {
   auto s = check_operands(x_shard_m, w, bias, weight_nn);
   c10::cuda::CUDAGuard guard(x_shard_m.device());
   cudaStream_t const stream = c10::cuda::getCurrentCUDAStream();
   flux::CallPlan plan;  // registered with the workspace; its CUDA-graph twin runs the same plans
-  translate_value_errors([&] { plan = workspace->state->plan(plan_index); });
-  Workspace& runs = workspace->for_stream(stream);
+  Workspace& workspace = registry().find(workspace_handle);
+  translate_value_errors([&] { plan = workspace.state->plan(plan_index); });
+  Workspace& runs = workspace.for_stream(stream);
   flux::WorkspaceState& st = *runs.state;
   check_usable(st, flux::WorkspaceKind::kAllGather, x_shard_m, "ag_gemm");
   auto const& c = st.config();
@@ -290,10 +339,10 @@ std::tuple<Tensor, Tensor> ag_gemm(const Tensor& x_shard_m, const Tensor& w, con
   TORCH_CHECK_VALUE(chunks <= c.capacity, "ag_gemm: ", s.m, " rows per shard in chunks of ", plan.rows_per_chunk,
                     " rows need ", chunks, " chunk flags, the workspace holds ", c.capacity);
   Tensor out = at::empty({m, s.n}, x_shard_m.options());
-  Tensor gathered = at::empty({return_gathered ? m : 0, s.k}, x_shard_m.options());
+  Tensor gathered = return_gathered ? at::empty({m, s.k}, x_shard_m.options()) : runs.no_gathered(x_shard_m);
   if (c.poison_outputs) {
     out.fill_(std::numeric_limits<float>::quiet_NaN());
-    gathered.fill_(std::numeric_limits<float>::quiet_NaN());
+    if (return_gathered) gathered.fill_(std::numeric_limits<float>::quiet_NaN());
   }
   if (s.m == 0) return {out, gathered};  // a no-op on every rank: no epoch, no flags
 
@@ -337,13 +386,14 @@ std::tuple<Tensor, Tensor> ag_gemm(const Tensor& x_shard_m, const Tensor& w, con
 }
 
 Tensor gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias,
-               const c10::intrusive_ptr<Workspace>& workspace, int64_t plan_index, bool weight_nn) {
+               int64_t workspace_handle, int64_t plan_index, bool weight_nn) {
   auto s = check_operands(x, w, bias, weight_nn);
   c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t const stream = c10::cuda::getCurrentCUDAStream();
   flux::CallPlan plan;  // registered with the workspace; its CUDA-graph twin runs the same plans
-  translate_value_errors([&] { plan = workspace->state->plan(plan_index); });
-  Workspace& runs = workspace->for_stream(stream);
+  Workspace& workspace = registry().find(workspace_handle);
+  translate_value_errors([&] { plan = workspace.state->plan(plan_index); });
+  Workspace& runs = workspace.for_stream(stream);
   flux::WorkspaceState& st = *runs.state;
   check_usable(st, flux::WorkspaceKind::kReduceScatter, x, "gemm_rs");
   auto const& c = st.config();
@@ -396,8 +446,8 @@ Tensor gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bi
 
 // The fused ops' signature with nothing behind it: benchmarks/bench_overhead.py times it to separate the cost of
 // calling an op from Python (argument parsing, dispatch) from the op's own host work.
-void call_overhead_probe(const Tensor&, const Tensor&, const std::optional<Tensor>&,
-                         const c10::intrusive_ptr<Workspace>&, int64_t, bool, bool, bool) {}
+void call_overhead_probe(const Tensor&, const Tensor&, const std::optional<Tensor>&, int64_t, int64_t, bool, bool,
+                         bool) {}
 
 }  // namespace
 
@@ -412,15 +462,15 @@ TORCH_LIBRARY(flux_layers, m) {
       .def("set_timeout", &Workspace::set_timeout)
       .def("failure", &Workspace::failure)
       .def("mark_failed", &Workspace::mark_failed)
-      .def("epoch", &Workspace::epoch);
+      .def("epoch", &Workspace::epoch)
+      .def("handle", &Workspace::handle);
   m.def("gemm(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool weight_nn, int tile, int sm_count, int swizzle, "
         "int stream_k_fill) -> ()");
-  m.def("ag_gemm(Tensor x_shard_m, Tensor weight, Tensor? bias, __torch__.torch.classes.flux_layers.Workspace workspace, "
-        "int plan, bool weight_nn, bool return_gathered, bool run_gemm) -> (Tensor, Tensor)");
-  m.def("gemm_rs(Tensor x, Tensor weight, Tensor? bias, __torch__.torch.classes.flux_layers.Workspace workspace, "
-        "int plan, bool weight_nn) -> Tensor");
-  m.def("call_overhead_probe(Tensor x, Tensor weight, Tensor? bias, __torch__.torch.classes.flux_layers.Workspace "
-        "workspace, int plan, bool weight_nn, bool return_gathered, bool run_gemm) -> ()");
+  m.def("ag_gemm(Tensor x_shard_m, Tensor weight, Tensor? bias, int workspace, int plan, bool weight_nn, "
+        "bool return_gathered, bool run_gemm) -> (Tensor, Tensor)");
+  m.def("gemm_rs(Tensor x, Tensor weight, Tensor? bias, int workspace, int plan, bool weight_nn) -> Tensor");
+  m.def("call_overhead_probe(Tensor x, Tensor weight, Tensor? bias, int workspace, int plan, bool weight_nn, "
+        "bool return_gathered, bool run_gemm) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flux_layers, CUDA, m) {

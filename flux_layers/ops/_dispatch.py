@@ -37,8 +37,11 @@ def _tp(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _capturing(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+def _capturing(x: torch.Tensor, backend: str | None) -> bool:
+    """Part of a call's key only where it can change the decision: with the path left to the dispatcher (a capture
+    without CUDA-graph twins takes the reference path). A requested path is taken either way; the op itself runs a
+    captured call on the workspace's twin, or says that there is none."""
+    return backend not in ("fused", "reference") and x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def choice(op: str, device: torch.device, dtype: torch.dtype, mkn: tuple[int, int, int], group,
@@ -81,7 +84,7 @@ def _raise_workspace_error(exc: RuntimeError):
 
 class _FusedAgGemm:
     """ops.ag_gemm on the fused path: the op, the workspace and the plan registered with it."""
-    __slots__ = ("group", "dtype", "m", "k", "n", "weight_nn", "ws", "native", "plan", "op")
+    __slots__ = ("group", "dtype", "m", "k", "n", "weight_nn", "ws", "handle", "plan", "op")
 
     def __init__(self, x_shard_m, weight, group, weight_layout):
         rows, k, n = check_matmul_args("ag_gemm", x_shard_m, weight, None, weight_layout)
@@ -96,7 +99,7 @@ class _FusedAgGemm:
         from flux_layers.ops import fused_ag_gemm
         from flux_layers.runtime import workspace
         self.ws = workspace.get_ag_workspace(self.group, self.dtype, self.m, self.k)
-        self.native = self.ws.native
+        self.handle = self.ws.handle
         self.plan = fused_ag_gemm.plan_call(self.ws, m=self.m, k=self.k, n=self.n)
         self.op = torch.ops.flux_layers.ag_gemm.default
 
@@ -104,7 +107,7 @@ class _FusedAgGemm:
         if self.ws.retired:  # outgrown by a larger call: that call's workspace serves this shape too
             self._bind()
         try:
-            out, gathered = self.op(x_shard_m, weight, bias, self.native, self.plan, self.weight_nn, return_gathered,
+            out, gathered = self.op(x_shard_m, weight, bias, self.handle, self.plan, self.weight_nn, return_gathered,
                                     True)
         except RuntimeError as exc:
             _raise_workspace_error(exc)
@@ -113,7 +116,7 @@ class _FusedAgGemm:
 
 class _FusedGemmRs:
     """ops.gemm_rs on the fused path: the op, the workspace and the plan registered with it."""
-    __slots__ = ("group", "dtype", "m", "k", "n", "weight_nn", "ws", "native", "plan", "op")
+    __slots__ = ("group", "dtype", "m", "k", "n", "weight_nn", "ws", "handle", "plan", "op")
 
     def __init__(self, x, weight, group, weight_layout):
         m, k, n = check_matmul_args("gemm_rs", x, weight, None, weight_layout)
@@ -130,7 +133,7 @@ class _FusedGemmRs:
         from flux_layers.ops import fused_gemm_rs
         from flux_layers.runtime import workspace
         self.ws = workspace.get_rs_workspace(self.group, self.dtype, self.m, self.n)
-        self.native = self.ws.native
+        self.handle = self.ws.handle
         self.plan = fused_gemm_rs.plan_call(self.ws, m=self.m, k=self.k, n=self.n)
         self.op = torch.ops.flux_layers.gemm_rs.default
 
@@ -138,7 +141,7 @@ class _FusedGemmRs:
         if self.ws.retired:  # outgrown by a larger call: that call's workspace serves this shape too
             self._bind()
         try:
-            return self.op(x, weight, bias, self.native, self.plan, self.weight_nn)
+            return self.op(x, weight, bias, self.handle, self.plan, self.weight_nn)
         except RuntimeError as exc:
             _raise_workspace_error(exc)
 
@@ -171,7 +174,7 @@ def _decide(key, make):
 
 def gemm_call(x: torch.Tensor, weight: torch.Tensor, weight_layout: str, backend: str | None):
     """The callable ``(x, weight, bias) -> out`` that ``ops.gemm`` runs for these arguments."""
-    key = ("gemm", x.shape, weight.shape, x.dtype, x.get_device(), weight_layout, backend, _capturing(x))
+    key = ("gemm", x.shape, weight.shape, x.dtype, x.get_device(), weight_layout, backend, _capturing(x, backend))
     call = _decisions.get(key)
     if call is not None:
         return call
@@ -187,7 +190,7 @@ def gemm_call(x: torch.Tensor, weight: torch.Tensor, weight_layout: str, backend
 def ag_gemm_call(x_shard_m: torch.Tensor, weight: torch.Tensor, group, weight_layout: str, backend: str | None):
     """The callable ``(x_shard_m, weight, bias, return_gathered)`` that ``ops.ag_gemm`` runs for these arguments."""
     key = ("ag_gemm", group, x_shard_m.shape, weight.shape, x_shard_m.dtype, x_shard_m.get_device(), weight_layout,
-           backend, _capturing(x_shard_m))
+           backend, _capturing(x_shard_m, backend))
     call = _decisions.get(key)
     if call is not None:
         return call
@@ -208,7 +211,8 @@ def ag_gemm_call(x_shard_m: torch.Tensor, weight: torch.Tensor, group, weight_la
 
 def gemm_rs_call(x: torch.Tensor, weight: torch.Tensor, group, weight_layout: str, backend: str | None):
     """The callable ``(x, weight, bias) -> out`` that ``ops.gemm_rs`` runs for these arguments."""
-    key = ("gemm_rs", group, x.shape, weight.shape, x.dtype, x.get_device(), weight_layout, backend, _capturing(x))
+    key = ("gemm_rs", group, x.shape, weight.shape, x.dtype, x.get_device(), weight_layout, backend,
+           _capturing(x, backend))
     call = _decisions.get(key)
     if call is not None:
         return call

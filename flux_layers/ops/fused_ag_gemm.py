@@ -63,7 +63,7 @@ def run(ws: workspace.AgWorkspace, plan: int, x_shard_m: torch.Tensor, weight: t
     """One call of the op library's ag_gemm: (out [M, N], gathered [M, K], or [0, K] unless ``return_gathered``).
     The op checks the tensors against the workspace before anything is enqueued."""
     try:
-        return torch.ops.flux_layers.ag_gemm(x_shard_m, weight, bias, ws.native, plan, weight_nn, return_gathered,
+        return torch.ops.flux_layers.ag_gemm(x_shard_m, weight, bias, ws.handle, plan, weight_nn, return_gathered,
                                              run_gemm)
     except RuntimeError as exc:
         failed = workspace.workspace_error(exc)

@@ -46,7 +46,7 @@ def run(ws: workspace.RsWorkspace, plan: int, x: torch.Tensor, weight: torch.Ten
     """One call of the op library's gemm_rs; the op checks the tensors against the workspace before anything is
     enqueued."""
     try:
-        return torch.ops.flux_layers.gemm_rs(x, weight, bias, ws.native, plan, weight_nn)
+        return torch.ops.flux_layers.gemm_rs(x, weight, bias, ws.handle, plan, weight_nn)
     except RuntimeError as exc:
         failed = workspace.workspace_error(exc)
         if failed is None:

@@ -130,6 +130,7 @@ class Workspace:
             self.flag_ptrs, [s.cuda_stream for s in self.comm_streams],
             [self.error_record.data_ptr(), self.error_claim.data_ptr()], graph_protocol, self._timeout_s,
             _env.get("POISON_OUTPUTS") == "1", self.what)
+        self.handle = self.native.handle()  # what the ops take (the object lives as long as this workspace)
         dist.barrier(group=self.group)  # every rank's flags are zero before anyone signals
 
     def new_graph_twin(self) -> Workspace:
