@@ -4,11 +4,12 @@
 # the GPU), and the per-call host cost (benchmarks/bench_overhead.py --shared-gpu) of this tree and, where a
 # prebuilt baseline tree sits in .baseline/ (its flux_layers package and configs), of that one too.
 #
-#   scripts/shared_gpu_check.sh OUTDIR [STEP ...]      steps: env gemm_test op_tests graph_tests overhead baseline_overhead
+#   scripts/shared_gpu_check.sh OUTDIR [STEP ...]
+#   steps: env gemm_test op_tests graph_tests reliability_tests overhead baseline_overhead
 set -u
 OUTDIR=${1:?usage: scripts/shared_gpu_check.sh OUTDIR [STEP ...]}
 shift
-STEPS=${*:-env gemm_test op_tests graph_tests overhead baseline_overhead}
+STEPS=${*:-env gemm_test op_tests graph_tests reliability_tests overhead baseline_overhead}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 mkdir -p "$OUTDIR"
@@ -45,6 +46,8 @@ flux_layers._library.unavailable_reason())'" ;;
       ${OP_TESTS_K:+-k "$OP_TESTS_K"} ;;
     graph_tests) step graph_tests 200 env FLUX_LAYERS_TEST_SHARED_GPU=1 FLUX_LAYERS_TIMEOUT_S=${SHARED_TIMEOUT_S:-60} \
       $PY -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_graph_ops_gpu.py ;;
+    reliability_tests) step reliability_tests 200 env FLUX_LAYERS_TEST_SHARED_GPU=1 \
+      $PY -m pytest -q -p no:cacheprovider tests/gpu/test_reliability_gpu.py ;;
     overhead) step overhead 200 $PY -m benchmarks.bench_overhead --shared-gpu ${OVERHEAD_ARGS:-} \
       --out "$OUTDIR/op_overhead_shared.json" ;;
     baseline_overhead)

@@ -381,7 +381,10 @@ std::tuple<Tensor, Tensor> ag_gemm(const Tensor& x_shard_m, const Tensor& w, con
   a.run_gemm = run_gemm;
   a.launch = launch_options(x_shard_m, plan, st.sm_count(), run_gemm, runs.split_scratch);
   a.epoch = st.next_epoch();  // nothing below rejects the call
-  translate_errors([&] { flux::ag_gemm(a); });
+  translate_errors([&] {
+    flux::ag_gemm(a);
+    if (!c.graph_protocol) st.watch_call(stream, a.epoch);
+  });
   return {out, gathered};
 }
 
@@ -440,7 +443,10 @@ Tensor gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bi
   a.compute = stream;
   a.launch = launch_options(x, plan, st.sm_count(), true, runs.split_scratch);
   a.epoch = st.next_epoch();  // nothing below rejects the call
-  translate_errors([&] { flux::gemm_rs(a); });
+  translate_errors([&] {
+    flux::gemm_rs(a);
+    if (!c.graph_protocol) st.watch_call(stream, a.epoch);
+  });
   return out;
 }
 

@@ -42,6 +42,7 @@
 
 #include <mutex>
 
+#include "descriptor_cache.cuh"
 #include "flux/check.h"
 #include "flux/gemm_params.h"
 #include "sync_primitives.cuh"
@@ -766,32 +767,45 @@ struct Launcher {
     // descriptor ordinary.
     int64_t b_batch = int64_t(prob.n) * prob.k;
 
-    typename Mainloop::Arguments args_batched{a_batched, StrideA{lda_batched, Int<1>{}, group_stride}, b,
-                                              stride_b(prob.ldb, b_batch)};
-    typename Mainloop::Arguments args_own{a_own, StrideA{lda_own, Int<1>{}, int64_t(prob.rows_per_group) * lda_own},
-                                          b, stride_b(prob.ldb, b_batch)};
-    params.mainloop = Mainloop::to_underlying_arguments(
-        make_shape(prob.rows_per_group, prob.n, prob.k, groups), args_batched, nullptr);
-    // Each descriptor costs a host-side encode per launch: the own-rows one only where it differs (AllGather). A
-    // plain GEMM's batched A is its own A; a ReduceScatter never reads own rows (own_group = -1). B is the same.
+    // Every descriptor is encoded on the host; each is kept by what it encodes (descriptor_cache.cuh).
+    static DescriptorCache<typename Mainloop::Params> mainloops;
+    static DescriptorCache<typename Cfg::StoreD, 32> stores;
+    static DescriptorCache<typename Cfg::LoadPartial> partial_loads;
+    auto mainloop = [&](Element const* a, int64_t lda, int64_t a_group_stride, int a_groups) {
+      return mainloops.get({int64_t(a), lda, a_group_stride, a_groups, prob.rows_per_group, prob.n, prob.k,
+                            int64_t(b), prob.ldb},
+                           [&] {
+                             typename Mainloop::Arguments args{a, StrideA{lda, Int<1>{}, a_group_stride}, b,
+                                                               stride_b(prob.ldb, b_batch)};
+                             return Mainloop::to_underlying_arguments(
+                                 make_shape(prob.rows_per_group, prob.n, prob.k, a_groups), args, nullptr);
+                           });
+    };
+    params.mainloop = mainloop(a_batched, lda_batched, group_stride, groups);
+    // The own-rows parameters only where they differ (AllGather): a plain GEMM's batched A is its own A, and a
+    // ReduceScatter never reads own rows (own_group = -1); B is the same.
     params.mainloop_own = prob.a != nullptr && prob.a_own != nullptr
-                              ? Mainloop::to_underlying_arguments(make_shape(prob.rows_per_group, prob.n, prob.k, 1),
-                                                                  args_own, nullptr)
+                              ? mainloop(a_own, lda_own, int64_t(prob.rows_per_group) * lda_own, 1)
                               : params.mainloop;
 
     for (int g = 0; g < prob.num_groups; ++g) {
       FLUX_CHECK(prob.d[g] != nullptr, "group ", g, " has no destination");
-      Tensor mD = make_tensor(make_gmem_ptr(static_cast<Element*>(prob.d[g])),
-                              make_shape(prob.rows_per_group, prob.n), make_stride(prob.ldd, Int<1>{}));
-      params.store_d[g] = make_tma_copy(SM90_TMA_STORE{}, mD, typename Cfg::EpiSmemLayout{});
+      params.store_d[g] = stores.get({int64_t(prob.d[g]), prob.rows_per_group, prob.n, prob.ldd}, [&] {
+        Tensor mD = make_tensor(make_gmem_ptr(static_cast<Element*>(prob.d[g])),
+                                make_shape(prob.rows_per_group, prob.n), make_stride(prob.ldd, Int<1>{}));
+        return make_tma_copy(SM90_TMA_STORE{}, mD, typename Cfg::EpiSmemLayout{});
+      });
     }
     if (prob.rs_own_group >= 0) {
       FLUX_CHECK(prob.rs_num_partials >= 1 && prob.rs_num_partials < kMaxGroups, "reduce-scatter with ",
                  prob.rs_num_partials, " partials");
       for (int s = 0; s < prob.rs_num_partials; ++s) {  // laid out like the destinations: [Mg, N], ldd
-        Tensor mP = make_tensor(make_gmem_ptr(static_cast<Element const*>(prob.rs_partials[s])),
-                                make_shape(prob.rows_per_group, prob.n), make_stride(prob.ldd, Int<1>{}));
-        params.load_partial[s] = make_tma_copy(SM90_TMA_LOAD{}, mP, typename Cfg::EpiSmemLayout{});
+        params.load_partial[s] =
+            partial_loads.get({int64_t(prob.rs_partials[s]), prob.rows_per_group, prob.n, prob.ldd}, [&] {
+              Tensor mP = make_tensor(make_gmem_ptr(static_cast<Element const*>(prob.rs_partials[s])),
+                                      make_shape(prob.rows_per_group, prob.n), make_stride(prob.ldd, Int<1>{}));
+              return make_tma_copy(SM90_TMA_LOAD{}, mP, typename Cfg::EpiSmemLayout{});
+            });
       }
     }
 

@@ -1,12 +1,58 @@
 #include "flux/workspace_state.h"
 
+#include <algorithm>
+
+#include <chrono>
+#include <memory>
 #include <sstream>
+#include <thread>
+#include <unordered_set>
 
 #include "flux/check.h"
 
 namespace flux {
 
 namespace {
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// One thread per process polls every live workspace. It is never joined: it sleeps between polls and ends with
+// the process (a workspace unregisters itself before it is destroyed).
+class Watchdog {
+ public:
+  static Watchdog& instance() {
+    static Watchdog* const dog = new Watchdog();  // never destroyed: no teardown race at exit
+    return *dog;
+  }
+  void add(WorkspaceState* w) {
+    std::lock_guard<std::mutex> lock(mu_);
+    states_.insert(w);
+    if (!started_) {
+      started_ = true;
+      std::thread([this] { run(); }).detach();
+    }
+  }
+  void remove(WorkspaceState* w) {
+    std::lock_guard<std::mutex> lock(mu_);
+    states_.erase(w);
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      std::lock_guard<std::mutex> lock(mu_);
+      for (WorkspaceState* w : states_) w->poll();
+    }
+  }
+  std::mutex mu_;
+  std::unordered_set<WorkspaceState*> states_;
+  bool started_ = false;
+};
+
 const char* wait_error(int code) {
   switch (code) {
     case kChunkTimeout: return "a copy-engine chunk of the all-gather";
@@ -36,11 +82,100 @@ WorkspaceState::WorkspaceState(WorkspaceConfig config) : cfg_(std::move(config))
              " is current");
   FLUX_CUDA_CHECK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, cfg_.device));
   for (auto& e : events_) FLUX_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  FLUX_CUDA_CHECK(cudaStreamCreateWithFlags(&release_stream_, cudaStreamNonBlocking));
+  if (!cfg_.graph_protocol) Watchdog::instance().add(this);
 }
 
 WorkspaceState::~WorkspaceState() {
+  Watchdog::instance().remove(this);
+  // No throw from a destructor: a failure here leaks an event or a stream.
   for (auto& e : events_)
-    if (e != nullptr) cudaEventDestroy(e);  // no throw from a destructor; a failure here leaks one event
+    if (e != nullptr) cudaEventDestroy(e);
+  for (auto& w : watched_) cudaEventDestroy(w.done);
+  for (auto& e : spare_events_) cudaEventDestroy(e);
+  if (release_stream_ != nullptr) cudaStreamDestroy(release_stream_);
+}
+
+int64_t WorkspaceState::flag_words() const {
+  // AgFlagLayout: chunk[tp][cap], avail[tp][cap], done[tp]; reduce-scatter: flag[tp][fps], consumed[tp],
+  // count[tp][fps] (csrc/runtime/gemm_rs.cpp)
+  return 2 * int64_t(cfg_.tp) * cfg_.capacity + cfg_.tp;
+}
+
+void WorkspaceState::watch_call(cudaStream_t compute, uint32_t epoch) {
+  std::lock_guard<std::mutex> lock(watch_mu_);
+  cudaEvent_t done = nullptr;
+  if (!spare_events_.empty()) {
+    done = spare_events_.back();
+    spare_events_.pop_back();
+  } else {
+    FLUX_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  }
+  FLUX_CUDA_CHECK(cudaEventRecord(done, compute));
+  watched_.push_back({done, epoch, now_ns()});
+}
+
+void WorkspaceState::poll() {
+  std::lock_guard<std::mutex> lock(watch_mu_);
+  while (!watched_.empty()) {
+    cudaError_t const status = cudaEventQuery(watched_.front().done);
+    if (status == cudaErrorNotReady) break;
+    if (status != cudaSuccess) return;  // the context is failing or being torn down: nothing to watch
+    spare_events_.push_back(watched_.front().done);
+    watched_.pop_front();
+    if (!watched_.empty()) watched_.front().since_ns = std::max(watched_.front().since_ns, now_ns());
+  }
+  if (watched_.empty() || released_) return;
+  // The kernels' own waits time out at timeout_ns and say precisely what they waited for; the grace leaves them
+  // the first word. The stream waits have no bound but this one.
+  int64_t const grace_ns = 2'000'000'000;
+  if (now_ns() - watched_.front().since_ns > int64_t(cfg_.timeout_ns) + grace_ns) release(watched_.front().epoch);
+}
+
+std::string WorkspaceState::lagging_peer(const std::vector<uint32_t>& f, uint32_t epoch) const {
+  auto before = [&](uint32_t v, uint32_t e) { return static_cast<int32_t>(v - e) < 0; };
+  int64_t const tp = cfg_.tp, cap = cfg_.capacity;
+  int64_t const handshake = cfg_.kind == WorkspaceKind::kAllGather ? 2 * tp * cap : tp * cap;
+  for (int p = 0; p < cfg_.tp; ++p) {
+    if (p == cfg_.rank) continue;
+    if (epoch > 1 && before(f[size_t(handshake + p)], epoch - 1)) {
+      std::ostringstream os;
+      os << "rank " << p << " to finish its previous call (epoch " << epoch - 1 << ")";
+      return os.str();
+    }
+  }
+  for (int p = 0; p < cfg_.tp; ++p) {  // the first chunk (or tile) of a call is always used
+    if (p != cfg_.rank && before(f[size_t(int64_t(p) * cap)], epoch)) {
+      std::ostringstream os;
+      os << "rank " << p << "'s " << (cfg_.kind == WorkspaceKind::kAllGather ? "first chunk" : "first partial tile")
+         << " of this call";
+      return os.str();
+    }
+  }
+  return "its peers (every flag of this call arrived: the GPU may be stalled by other work)";
+}
+
+void WorkspaceState::release(uint32_t epoch) {
+  released_ = true;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || (device != cfg_.device && cudaSetDevice(cfg_.device) != cudaSuccess))
+    return;
+  int64_t const words = flag_words();
+  std::vector<uint32_t> flags(size_t(words), 0);
+  std::string waits_for = "its peers";
+  if (cudaMemcpyAsync(flags.data(), cfg_.flags[cfg_.rank], size_t(words) * 4, cudaMemcpyDeviceToHost,
+                      release_stream_) == cudaSuccess &&
+      cudaStreamSynchronize(release_stream_) == cudaSuccess)
+    waits_for = lagging_peer(flags, epoch);
+  std::ostringstream os;
+  os << cfg_.what << ": rank " << cfg_.rank << " timed out after " << double(cfg_.timeout_ns) * 1e-9
+     << " s waiting for " << waits_for << " (epoch " << epoch << "; the call did not finish, watchdog). A peer rank "
+     << "did not enter the call, crashed, or is slower than FLUX_LAYERS_TIMEOUT_S allows. Its waits were released so "
+        "that the process can shut down: outputs of that call are invalid and this workspace cannot be used again.";
+  mark_failed(os.str());
+  // Every wait on this rank's flags returns (epoch comparisons are wrap-safe: 0x7f7f7f7f is ahead of any epoch).
+  cudaMemsetAsync(cfg_.flags[cfg_.rank], 0x7f, size_t(words) * 4, release_stream_);
+  cudaStreamSynchronize(release_stream_);
 }
 
 int WorkspaceState::add_plan(const CallPlan& plan) {
@@ -72,10 +207,20 @@ std::string WorkspaceState::describe_record() const {
   volatile const int* rec = cfg_.error_record;  // written by the device through the host mapping
   int const code = rec[0];
   if (code == 0) return {};
+  // The rank whose data or release was awaited, from the wait's index (gemm_sm90.cuh): chunk flags are
+  // [source][chunk], partial-tile waits are numbered (peer position, skipping this rank) << 24 | tile, and a
+  // consumed wait's index is the destination.
+  int const index = rec[2];
+  int peer = -1;
+  if (code == kChunkTimeout && cfg_.capacity > 0) peer = index / cfg_.capacity;
+  if (code == kTileTimeout) peer = (index >> 24) < cfg_.rank ? (index >> 24) : (index >> 24) + 1;
+  if (code == kConsumedTimeout) peer = index;
   std::ostringstream os;
   os << cfg_.what << ": rank " << rec[1] << " timed out after " << double(cfg_.timeout_ns) * 1e-9
-     << " s waiting for " << wait_error(code) << " (index " << rec[2] << ", epoch " << rec[3] << ", flag held "
-     << rec[4] << "). A peer rank did not enter the call, crashed, or is slower than FLUX_LAYERS_TIMEOUT_S allows. "
+     << " s waiting for " << wait_error(code);
+  if (peer >= 0) os << " from rank " << peer;
+  os << " (index " << index << ", epoch " << rec[3] << ", flag held " << rec[4]
+     << "). A peer rank did not enter the call, crashed, or is slower than FLUX_LAYERS_TIMEOUT_S allows. "
      << "Outputs of that call are invalid and this workspace cannot be used again.";
   return os.str();
 }
