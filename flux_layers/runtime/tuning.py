@@ -42,6 +42,8 @@ def _gpu_name() -> str:
 
 
 def dispatch_entry(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int]) -> dict | None:
+    if min(mkn) <= 0:  # an empty problem (M = 0 is a valid no-op) has no nearest measured shape
+        return None
     gpu = _gpu_name()
     dtype_name = str(dtype).replace("torch.", "")
     best, best_dist = None, math.inf

@@ -72,6 +72,7 @@ def test_dispatch_table_lookup(monkeypatch, tmp_path):
     assert hit is not None and hit["path"] == "sequential"
     assert tuning.dispatch_entry("ag_gemm", dtype=torch.bfloat16, tp=2, mkn=(16384, 8192, 28672)) is None
     assert tuning.dispatch_entry("gemm_rs", dtype=torch.bfloat16, tp=2, mkn=(2048, 4096, 4096)) is None
+    assert tuning.dispatch_entry("ag_gemm", dtype=torch.bfloat16, tp=2, mkn=(0, 4096, 4096)) is None  # M = 0
     tuning._load_tables.cache_clear()
 
 
