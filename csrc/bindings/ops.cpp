@@ -307,9 +307,12 @@ struct Workspace : torch::CustomClassHolder {
   }
 };
 
-// Before anything of a call is enqueued or any epoch advanced: the workspace is usable and matches the call.
-void check_usable(const flux::WorkspaceState& st, flux::WorkspaceKind kind, const Tensor& x, const char* op) {
+// Before anything of a call is enqueued or any epoch advanced: the workspace is usable and matches the call. An
+// eager call also reports a timeout its CUDA-graph twin recorded in a replay (replays run no host code).
+void check_usable(const Workspace& runs, flux::WorkspaceKind kind, const Tensor& x, const char* op) {
+  flux::WorkspaceState const& st = *runs.state;
   std::string failed = st.failure();
+  if (failed.empty() && runs.twin) failed = runs.twin->state->failure();
   TORCH_CHECK(failed.empty(), kWorkspaceErrorTag, failed);
   auto const& c = st.config();
   TORCH_CHECK_VALUE(c.kind == kind, op, ": the workspace belongs to ", c.what);
@@ -330,7 +333,7 @@ std::tuple<Tensor, Tensor> ag_gemm(const Tensor& x_shard_m, const Tensor& w, con
   translate_value_errors([&] { plan = workspace.state->plan(plan_index); });
   Workspace& runs = workspace.for_stream(stream);
   flux::WorkspaceState& st = *runs.state;
-  check_usable(st, flux::WorkspaceKind::kAllGather, x_shard_m, "ag_gemm");
+  check_usable(runs, flux::WorkspaceKind::kAllGather, x_shard_m, "ag_gemm");
   auto const& c = st.config();
   int64_t const m = c.tp * s.m;
   TORCH_CHECK_VALUE(m <= c.max_m && s.k == c.inner, "ag_gemm: call needs M=", m, ", K=", s.k,
@@ -398,7 +401,7 @@ Tensor gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bi
   translate_value_errors([&] { plan = workspace.state->plan(plan_index); });
   Workspace& runs = workspace.for_stream(stream);
   flux::WorkspaceState& st = *runs.state;
-  check_usable(st, flux::WorkspaceKind::kReduceScatter, x, "gemm_rs");
+  check_usable(runs, flux::WorkspaceKind::kReduceScatter, x, "gemm_rs");
   auto const& c = st.config();
   TORCH_CHECK_VALUE(s.m % c.tp == 0, "gemm_rs: M=", s.m, " rows are not divisible by the group size ", c.tp);
   TORCH_CHECK_VALUE(s.m <= c.max_m && s.n == c.inner, "gemm_rs: call needs M=", s.m, ", N=", s.n,

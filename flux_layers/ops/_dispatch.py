@@ -24,6 +24,22 @@ _choices: dict[tuple, Choice] = {}
 _lock = threading.Lock()
 
 
+def _drop_calls_on(ws) -> None:
+    """A workspace was replaced by a larger one: forget the calls bound to it, so that nothing keeps it alive."""
+    with _lock:
+        for key in [k for k, call in _decisions.items() if getattr(call, "ws", None) is ws]:
+            del _decisions[key]
+
+
+def _register() -> None:
+    from flux_layers.runtime import workspace
+    if _drop_calls_on not in workspace._on_retire:
+        workspace._on_retire.append(_drop_calls_on)
+
+
+_register()
+
+
 def refresh() -> None:
     """Forget every decision, so the next calls read the settings and the tuning table again."""
     from flux_layers.runtime import tuning

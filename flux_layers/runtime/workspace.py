@@ -276,7 +276,7 @@ class RsWorkspace(Workspace):
 
 
 _cache: dict[_Key, Workspace] = {}
-_retired: list[Workspace] = []  # outgrown workspaces, never freed while the process runs
+_retired: list[Workspace] = []  # outgrown workspaces with CUDA-graph twins (graphs may replay on them)
 _cache_lock = threading.Lock()
 _cuda_graphs = False  # enable_cuda_graphs() was called
 
@@ -330,35 +330,77 @@ def _group_name(group) -> str:
     return group.group_name if group is not None else dist.group.WORLD.group_name
 
 
-def _cached(op: str, group, dtype: torch.dtype, inner: int, m: int, make) -> Workspace:
-    """The cached workspace for (group, op, dtype, inner), re-created (collectively) with a larger max_m if ``m``
-    exceeds it; every rank sees the same M, so every rank re-creates it in the same call."""
+GROWTH = 1.5  # an outgrown workspace is replaced by one this much larger (at least the call's M)
+GROWTH_ALIGN = 128  # rows per rank the new size is rounded up to (the tile height)
+_on_retire: list = []  # callbacks(ws) when a workspace is replaced (flux_layers.ops drops calls bound to it)
+
+
+def grown_max_m(m: int, old_max_m: int, tp: int) -> int:
+    """The max_m of the workspace that replaces one of ``old_max_m`` rows for a call of ``m``: ``GROWTH`` times
+    larger and at least ``m``, rounded up to ``GROWTH_ALIGN`` rows per rank (fewer re-creations as M creeps up)."""
+    want = max(m, int(old_max_m * GROWTH)) if old_max_m else m
+    step = GROWTH_ALIGN * tp
+    return -(-want // step) * step
+
+
+def _check_cap(what: str, max_m: int, row_bytes: int) -> None:
+    cap_gib = _env.get_float("WORKSPACE_MAX_GIB")
+    need_gib = max_m * row_bytes / 2**30
+    if cap_gib > 0 and need_gib > cap_gib:
+        raise RuntimeError(f"{what}: a workspace for M={max_m} needs {need_gib:.2f} GiB of symmetric memory, over "
+                           f"FLUX_LAYERS_WORKSPACE_MAX_GIB={cap_gib:g}; raise the cap or call with fewer rows")
+
+
+def _cached(op: str, group, dtype: torch.dtype, inner: int, m: int, make, tp: int = 1) -> Workspace:
+    """The cached workspace for (group, op, dtype, inner), re-created (collectively) larger if ``m`` exceeds it
+    (:func:`grown_max_m`); every rank sees the same M, so every rank re-creates it in the same call.
+
+    The outgrown workspace is freed once no stream uses it: this rank synchronizes its device first, and the new
+    workspace's creation ends with a barrier, so every rank is past its calls on the old one (its peers' writes
+    into this rank's buffer included). One with a CUDA-graph twin is kept: captured graphs may still replay on it.
+    """
     key = _Key(_group_name(group), op, dtype, inner)
     with _cache_lock:
         ws = _cache.get(key)
         if ws is None or ws.max_m < m:
             _refuse_under_capture(f"{op} workspace for M={m}")
-            if ws is not None:
-                # Copies and kernels of its last call may still be in flight, and peers still map it: keep it.
-                ws.retired = True
-                _retired.append(ws)
-            ws = make(max(m, ws.max_m if ws is not None else 0))
+            max_m = grown_max_m(m, ws.max_m if ws is not None else 0, tp)
+            _check_cap(f"{op} (K or N = {inner}, {dtype})", max_m, inner * torch.tensor([], dtype=dtype).element_size())
+            old = ws
+            if old is not None and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            ws = make(max_m)
             if cuda_graphs_enabled():
                 _make_twin(ws)
             _cache[key] = ws
+            if old is not None:
+                old.retired = True
+                if old.graph_twin is not None:
+                    _retired.append(old)
+                for callback in _on_retire:
+                    callback(old)
         return ws
 
 
 def get_ag_workspace(group, dtype: torch.dtype, m: int, k: int) -> AgWorkspace:
     """The cached all-gather workspace for (group, dtype, k), grown if m exceeds it (M = 0 gets the smallest)."""
-    m = max(m, dist.get_world_size(group))
-    return _cached("ag", group, dtype, k, m, lambda max_m: AgWorkspace(group, dtype, max_m, k))
+    tp = dist.get_world_size(group)
+    return _cached("ag", group, dtype, k, max(m, tp), lambda max_m: AgWorkspace(group, dtype, max_m, k), tp)
 
 
 def get_rs_workspace(group, dtype: torch.dtype, m: int, n: int) -> RsWorkspace:
     """The cached reduce-scatter workspace for (group, dtype, n), grown if m exceeds it (M = 0 gets the smallest)."""
-    m = max(m, dist.get_world_size(group))
-    return _cached("rs", group, dtype, n, m, lambda max_m: RsWorkspace(group, dtype, max_m, n))
+    tp = dist.get_world_size(group)
+    return _cached("rs", group, dtype, n, max(m, tp), lambda max_m: RsWorkspace(group, dtype, max_m, n), tp)
+
+
+def check_graph_replays() -> None:
+    """Raise :class:`WorkspaceError` if a CUDA-graph twin recorded a timeout during a replay. Replays run no host
+    code, so this (a read of host memory, no synchronization; e.g. once per step after the replays) and the next
+    eager call on the workspace are where such a timeout surfaces; the twin's later replays produce garbage."""
+    for ws in list(_cache.values()) + _retired:
+        if ws.graph_twin is not None:
+            ws.graph_twin.raise_if_failed()
 
 
 def clear_cache() -> None:

@@ -189,3 +189,34 @@ def test_graph_twin_has_its_workspace_shape(monkeypatch):
     assert isinstance(rs.new_graph_twin(), W.RsWorkspace)
     assert built[-2:] == [("RsWorkspace", "tp", torch.float16, 512, 96, {"min_tile": 64, "graph_protocol": True}),
                           "stage"]
+
+
+def test_workspace_growth_is_geometric_aligned_capped_and_frees_the_outgrown(monkeypatch):
+    """runtime/workspace.py's growth policy, with stand-in workspaces (symmetric memory needs GPUs)."""
+    from types import SimpleNamespace
+
+    from flux_layers.runtime import workspace as W
+    assert W.grown_max_m(1000, 0, 2) == 1024  # first: the call's M, rounded to 128 rows per rank
+    assert W.grown_max_m(1100, 1024, 2) == 1536  # outgrown: 1.5x, rounded
+    assert W.grown_max_m(5000, 1024, 2) == 5120  # a jump past 1.5x: the call's M
+    monkeypatch.setattr(W, "_cache", {})
+    monkeypatch.setattr(W, "_retired", [])
+    monkeypatch.setattr(W, "_cuda_graphs", False)
+    monkeypatch.setattr(W, "_on_retire", [])
+    monkeypatch.delenv("FLUX_LAYERS_CUDA_GRAPHS", raising=False)
+    retired = []
+    W._on_retire.append(retired.append)
+    group = SimpleNamespace(group_name="tp")
+
+    def make(max_m):
+        return SimpleNamespace(max_m=max_m, graph_twin=None, graph_protocol=False, retired=False, what="ag_gemm")
+
+    first = W._cached("ag", group, torch.bfloat16, 4096, 1000, make, tp=2)
+    assert first.max_m == 1024 and W._cached("ag", group, torch.bfloat16, 4096, 512, make, tp=2) is first
+    second = W._cached("ag", group, torch.bfloat16, 4096, 1100, make, tp=2)
+    assert second.max_m == 1536 and first.retired and retired == [first]
+    assert W._retired == [], "an outgrown workspace without a CUDA-graph twin is not kept"
+    monkeypatch.setenv("FLUX_LAYERS_WORKSPACE_MAX_GIB", "0.01")
+    with pytest.raises(RuntimeError, match="FLUX_LAYERS_WORKSPACE_MAX_GIB=0.01"):
+        W._cached("ag", group, torch.bfloat16, 4096, 8192, make, tp=2)
+    assert W._cache[W._Key("tp", "ag", torch.bfloat16, 4096)] is second, "a refused growth keeps the workspace"
