@@ -254,7 +254,7 @@ def main_rank(rank, tp, args):
                        f"loop_ms: CUDA events around {args.calls} back-to-back calls, per call; each the median over "
                        f"{args.rounds} interleaved rounds, then the maximum over ranks; 2 random input sets, each "
                        "implementation checked against fp32 first"
-                       + ("; shared GPU: ranks time-slice one GPU, so only host_us is a TP figure" if args.shared_gpu
+                       + ("; shared GPU: ranks share one GPU, so only host_us is a TP figure" if args.shared_gpu
                           else "")),
             "env": {k: v for k, v in os.environ.items() if k.startswith(("FLUX_LAYERS_", "NCCL_", "TORCH_SYMM",
                                                                           "NVSHMEM_", "CUDA_DEVICE_MAX"))},

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # GPU checks for a machine with ONE GPU: the plain GEMM tests on it, the fused operators' GPU tests with their
-# ranks as processes sharing that GPU (FLUX_LAYERS_TEST_SHARED_GPU=1, correctness only: the processes time-slice
-# the GPU), and the per-call host cost (benchmarks/bench_overhead.py --shared-gpu) of this tree and, where a
+# ranks as processes sharing that GPU (FLUX_LAYERS_TEST_SHARED_GPU=1, correctness only: the processes share
+# one GPU), and the per-call host cost (benchmarks/bench_overhead.py --shared-gpu) of this tree and, where a
 # prebuilt baseline tree sits in .baseline/ (its flux_layers package and configs), of that one too.
 #
-#   scripts/shared_gpu_check.sh OUTDIR [STEP ...]
+#   FLUX_LAYERS_COMMIT=<commit> scripts/shared_gpu_check.sh OUTDIR [STEP ...]
+# (set FLUX_LAYERS_COMMIT where the repository is: the copy of the tree on the GPU machine may report another)
 #   steps: env gemm_test op_tests graph_tests reliability_tests overhead baseline_overhead
 set -u
 OUTDIR=${1:?usage: scripts/shared_gpu_check.sh OUTDIR [STEP ...]}

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 def shared_gpu() -> bool:
     """FLUX_LAYERS_TEST_SHARED_GPU=1: the GPU tests run their ranks as processes sharing one GPU (a machine with
     one GPU). The fused ops' results are checked as usual; their timing means nothing there (the processes
-    time-slice the GPU)."""
+    share the GPU)."""
     from flux_layers import _env
     return _env.get("TEST_SHARED_GPU") == "1"
 

@@ -143,7 +143,7 @@ def _repeatable_at_layer_shapes(rank, tp, seed):
     torch.cuda.synchronize()
 
 
-@pytest.mark.skipif(shared_gpu(), reason="12 calls in flight per rank: processes time-slicing one GPU can hold it "
+@pytest.mark.skipif(shared_gpu(), reason="12 calls in flight per rank: processes sharing one GPU can hold it "
                     "spinning on a peer that cannot run until the timeout")
 def test_gemm_rs_repeatable_at_layer_shapes():
     run_distributed(_repeatable_at_layer_shapes, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl")
