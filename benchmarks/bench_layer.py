@@ -94,9 +94,25 @@ def add_shape_args(ap: argparse.ArgumentParser) -> None:
 def run(rank, tp, args):
     from megatron.core import parallel_state
 
+    setup_ranks(tp)
+    results, summary = measure(rank, tp, args)
+    if rank == 0 and args.out:
+        write_json(args.out, {**environment(tp), "shape": vars(args), "method": METHOD,
+                              "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+                              "results": results, **summary})
+    parallel_state.destroy_model_parallel()
+
+
+METHOD = ("CUDA events around fwd+bwd of the block, GPU sleep + NCCL all-reduce before each repetition, each "
+          "repetition the max over ranks; all variants built at once and timed in interleaved rounds (rotating "
+          "order); median over all repetitions")
+
+
+def measure(rank, tp, args) -> tuple[dict, dict]:
+    """Every variant of the stack of ``args``' shape timed in interleaved rounds (model-parallel state set up):
+    (results per variant, summary: speedups over the baseline, the ceiling, peak memory)."""
     from flux_layers import _env
 
-    setup_ranks(tp)
     x, dy = step_tensors(rank, tp, args)
     # flux: column dgrad GEMM with its NCCL reduce-scatter under the wgrad GEMM (tp_comm_overlap_rs_dgrad=False,
     # Megatron's default); flux_rs_dgrad: column dgrad as the fused GEMM+ReduceScatter. The GEMM+ReduceScatter
@@ -166,14 +182,7 @@ def run(rank, tp, args):
                                                         if n.startswith("speedup_")), flush=True)
         if "ceiling_speedup" in summary:
             print(f"ceiling (baseline without communication): {summary['ceiling_speedup']:.3f}x", flush=True)
-        if args.out:
-            write_json(args.out, {**environment(tp), "shape": vars(args), "method":
-                                  "CUDA events around fwd+bwd of the block, GPU sleep + NCCL all-reduce before each "
-                                  "repetition, each repetition the max over ranks; all variants built at once and "
-                                  "timed in interleaved rounds (rotating order); median over all repetitions",
-                                  "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
-                                  "results": results, **summary})
-    parallel_state.destroy_model_parallel()
+    return results, summary
 
 
 def main():

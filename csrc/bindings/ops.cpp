@@ -44,10 +44,9 @@ void check_matrix(const Tensor& t, const char* name, const Tensor& like) {
   TORCH_CHECK_VALUE(t.dim() == 2, name, " must be 2-D, got ", t.dim(), "-D with shape ", t.sizes());
   TORCH_CHECK_VALUE(t.stride(1) == 1 || t.size(1) <= 1, name, " must have unit stride along dim 1, got strides ",
                     t.strides());
-  TORCH_CHECK_VALUE(t.size(0) <= 1 || (t.stride(0) * t.element_size()) % 16 == 0, name, " row stride ",
-                    t.stride(0), " is not a multiple of 16 bytes");
-  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
-                    " data pointer is not 16-byte aligned");
+  TORCH_CHECK_VALUE(t.size(0) <= 1 || (t.stride(0) * t.element_size()) % 16 == 0, name, " row stride ", t.stride(0),
+                    " is not a multiple of 16 bytes");
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " data pointer is not 16-byte aligned");
 }
 
 struct MatmulShape {
@@ -142,8 +141,8 @@ flux::LaunchOptions launch_options(const Tensor& like, const flux::CallPlan& pla
   return launch_options(like, sms, plan.sm_count, plan.swizzle, fill, kept_scratch);
 }
 
-void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, Tensor out, bool weight_nn,
-          int64_t tile, int64_t sm_count, int64_t swizzle, int64_t stream_k_fill) {
+void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, Tensor out, bool weight_nn, int64_t tile,
+          int64_t sm_count, int64_t swizzle, int64_t stream_k_fill) {
   auto s = check_operands(x, w, bias, weight_nn);
   check_out(out, x, s.m, s.n, "out");
   c10::cuda::CUDAGuard guard(x.device());
@@ -170,8 +169,8 @@ void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, T
   Tensor scratch;
   p.launch = launch_options(x, sms, int(sm_count), int(swizzle), int(stream_k_fill), scratch);
   translate_errors([&] {
-    flux::launch_gemm(p, to_dtype(x, "x"), weight_nn ? flux::WeightLayout::kNN : flux::WeightLayout::kNT,
-                      to_tile(tile), c10::cuda::getCurrentCUDAStream());
+    flux::launch_gemm(p, to_dtype(x, "x"), weight_nn ? flux::WeightLayout::kNN : flux::WeightLayout::kNT, to_tile(tile),
+                      c10::cuda::getCurrentCUDAStream());
   });
 }
 
@@ -220,10 +219,10 @@ struct Workspace : torch::CustomClassHolder {
   // ordered on the GPU (their flags require it), so one scratch serves them all.
   Tensor split_scratch;
 
-  Workspace(int64_t kind, int64_t dtype, int64_t rank, int64_t device, int64_t max_m, int64_t inner,
-            int64_t capacity, std::vector<int64_t> data_ptrs, std::vector<int64_t> flag_ptrs,
-            std::vector<int64_t> comm_streams, std::vector<int64_t> error_ptrs, bool graph_protocol,
-            double timeout_s, bool poison_outputs, std::string what) {
+  Workspace(int64_t kind, int64_t dtype, int64_t rank, int64_t device, int64_t max_m, int64_t inner, int64_t capacity,
+            std::vector<int64_t> data_ptrs, std::vector<int64_t> flag_ptrs, std::vector<int64_t> comm_streams,
+            std::vector<int64_t> error_ptrs, bool graph_protocol, double timeout_s, bool poison_outputs,
+            std::string what) {
     TORCH_CHECK_VALUE(kind == 0 || kind == 1, "workspace kind ", kind, " is not 0 (all-gather) or 1 (reduce-scatter)");
     TORCH_CHECK_VALUE(dtype == 0 || dtype == 1, "workspace dtype ", dtype, " is not 0 (bf16) or 1 (fp16)");
     TORCH_CHECK_VALUE(error_ptrs.size() == 2, "error_ptrs holds {record, claim}, got ", error_ptrs.size());
@@ -254,8 +253,8 @@ struct Workspace : torch::CustomClassHolder {
 
   int64_t handle() const { return handle_; }
 
-  int64_t add_plan(int64_t tile, int64_t swizzle, int64_t stream_k_fill, int64_t sm_count, int64_t mode,
-                   int64_t order, int64_t rows_per_chunk, bool copy_engine, int64_t chunk_cols) {
+  int64_t add_plan(int64_t tile, int64_t swizzle, int64_t stream_k_fill, int64_t sm_count, int64_t mode, int64_t order,
+                   int64_t rows_per_chunk, bool copy_engine, int64_t chunk_cols) {
     TORCH_CHECK_VALUE(mode == 0 || mode == 1, "mode must be 0 (pull) or 1 (push), got ", mode);
     TORCH_CHECK_VALUE(order == 0 || order == 1, "order must be 0 (mesh) or 1 (ring), got ", order);
     flux::CallPlan p;
@@ -316,15 +315,14 @@ void check_usable(const Workspace& runs, flux::WorkspaceKind kind, const Tensor&
   TORCH_CHECK(failed.empty(), kWorkspaceErrorTag, failed);
   auto const& c = st.config();
   TORCH_CHECK_VALUE(c.kind == kind, op, ": the workspace belongs to ", c.what);
-  TORCH_CHECK_VALUE(x.device().index() == c.device, op, ": x is on ", x.device(), ", the workspace on cuda:",
-                    c.device);
+  TORCH_CHECK_VALUE(x.device().index() == c.device, op, ": x is on ", x.device(), ", the workspace on cuda:", c.device);
   TORCH_CHECK_VALUE(to_dtype(x, "x") == c.dtype, op, ": x dtype ", x.scalar_type(), " differs from the workspace's ",
                     c.dtype == flux::DType::kBF16 ? "bfloat16" : "float16");
 }
 
 std::tuple<Tensor, Tensor> ag_gemm(const Tensor& x_shard_m, const Tensor& w, const std::optional<Tensor>& bias,
-                                   int64_t workspace_handle, int64_t plan_index,
-                                   bool weight_nn, bool return_gathered, bool run_gemm) {
+                                   int64_t workspace_handle, int64_t plan_index, bool weight_nn, bool return_gathered,
+                                   bool run_gemm) {
   auto s = check_operands(x_shard_m, w, bias, weight_nn);
   c10::cuda::CUDAGuard guard(x_shard_m.device());
   cudaStream_t const stream = c10::cuda::getCurrentCUDAStream();
@@ -391,8 +389,8 @@ std::tuple<Tensor, Tensor> ag_gemm(const Tensor& x_shard_m, const Tensor& w, con
   return {out, gathered};
 }
 
-Tensor gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias,
-               int64_t workspace_handle, int64_t plan_index, bool weight_nn) {
+Tensor gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, int64_t workspace_handle,
+               int64_t plan_index, bool weight_nn) {
   auto s = check_operands(x, w, bias, weight_nn);
   c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t const stream = c10::cuda::getCurrentCUDAStream();
@@ -406,7 +404,8 @@ Tensor gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bi
   TORCH_CHECK_VALUE(s.m % c.tp == 0, "gemm_rs: M=", s.m, " rows are not divisible by the group size ", c.tp);
   TORCH_CHECK_VALUE(s.m <= c.max_m && s.n == c.inner, "gemm_rs: call needs M=", s.m, ", N=", s.n,
                     "; the workspace holds max_m=", c.max_m, ", N=", c.inner);
-  TORCH_CHECK_VALUE(!plan.copy_engine || st.stage() != nullptr, "gemm_rs: the copy-engine transport needs the "
+  TORCH_CHECK_VALUE(!plan.copy_engine || st.stage() != nullptr,
+                    "gemm_rs: the copy-engine transport needs the "
                     "workspace's staging area");
   int64_t const rows = s.m / c.tp;
   Tensor out = at::empty({rows, s.n}, x.options());
@@ -473,13 +472,17 @@ TORCH_LIBRARY(flux_layers, m) {
       .def("mark_failed", &Workspace::mark_failed)
       .def("epoch", &Workspace::epoch)
       .def("handle", &Workspace::handle);
-  m.def("gemm(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool weight_nn, int tile, int sm_count, int swizzle, "
-        "int stream_k_fill) -> ()");
-  m.def("ag_gemm(Tensor x_shard_m, Tensor weight, Tensor? bias, int workspace, int plan, bool weight_nn, "
-        "bool return_gathered, bool run_gemm) -> (Tensor, Tensor)");
+  m.def(
+      "gemm(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool weight_nn, int tile, int sm_count, int "
+      "swizzle, "
+      "int stream_k_fill) -> ()");
+  m.def(
+      "ag_gemm(Tensor x_shard_m, Tensor weight, Tensor? bias, int workspace, int plan, bool weight_nn, "
+      "bool return_gathered, bool run_gemm) -> (Tensor, Tensor)");
   m.def("gemm_rs(Tensor x, Tensor weight, Tensor? bias, int workspace, int plan, bool weight_nn) -> Tensor");
-  m.def("call_overhead_probe(Tensor x, Tensor weight, Tensor? bias, int workspace, int plan, bool weight_nn, "
-        "bool return_gathered, bool run_gemm) -> ()");
+  m.def(
+      "call_overhead_probe(Tensor x, Tensor weight, Tensor? bias, int workspace, int plan, bool weight_nn, "
+      "bool return_gathered, bool run_gemm) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flux_layers, CUDA, m) {

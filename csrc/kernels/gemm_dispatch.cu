@@ -7,8 +7,10 @@ namespace {
 template <DType D, WeightLayout L>
 void by_tile(const GemmProblem& p, TileConfig t, cudaStream_t s) {
   switch (t) {
-    case TileConfig::k256x128: return launch_gemm_instance<D, L, TileConfig::k256x128>(p, s);
-    case TileConfig::k128x256: return launch_gemm_instance<D, L, TileConfig::k128x256>(p, s);
+    case TileConfig::k256x128:
+      return launch_gemm_instance<D, L, TileConfig::k256x128>(p, s);
+    case TileConfig::k128x256:
+      return launch_gemm_instance<D, L, TileConfig::k128x256>(p, s);
   }
   FLUX_CHECK(false, "unknown tile configuration ", int(t));
 }

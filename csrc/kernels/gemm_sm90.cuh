@@ -55,23 +55,23 @@ using namespace cute;
 // ------------------------------------------------------------------------------------------------ config
 template <class Element_, WeightLayout kLayout_, int kTileM_, int kTileN_, int kClusterM_>
 struct GemmConfig {
-  using Element = Element_;                         // bf16 or fp16 in and out, fp32 accumulation
+  using Element = Element_;  // bf16 or fp16 in and out, fp32 accumulation
   static constexpr WeightLayout kLayout = kLayout_;
   static constexpr int kTileM = kTileM_;
   static constexpr int kTileN = kTileN_;
-  static constexpr int kTileK = 64;                 // 128-byte rows: the SW128 smem atom
-  static constexpr int kClusterM = kClusterM_;      // CTAs along M sharing (multicasting) the B tile
-  static constexpr int kEpiCols = 64;               // epilogue sub-tile width (one 128-byte smem row)
+  static constexpr int kTileK = 64;             // 128-byte rows: the SW128 smem atom
+  static constexpr int kClusterM = kClusterM_;  // CTAs along M sharing (multicasting) the B tile
+  static constexpr int kEpiCols = 64;           // epilogue sub-tile width (one 128-byte smem row)
   // 128 x 256 tiles: one sub-tile buffer per sub-tile (64 KB, the whole tile), so the epilogue's TMA stores
   // drain under the next tile's mainloop and no consumer waits for them; this costs a mainloop stage (3 instead
   // of 4), and measured 1.7-6.2% faster GEMMs than two buffers with SIMT stores (docs/experiments.md, epilogue).
   // 256 x 128 tiles (a 32 KB sub-tile) keep one buffer and four stages.
   static constexpr int kEpiBuffers = kTileM == 128 ? kTileN / kEpiCols : 1;
 
-  using LayoutA = cutlass::layout::RowMajor;        // x [M, K]
+  using LayoutA = cutlass::layout::RowMajor;  // x [M, K]
   using LayoutB = cute::conditional_t<kLayout == WeightLayout::kNT,
-                                      cutlass::layout::ColumnMajor,   // W [N, K]: B(k, n) at n*ldb + k
-                                      cutlass::layout::RowMajor>;     // W [K, N]: B(k, n) at k*ldb + n
+                                      cutlass::layout::ColumnMajor,  // W [N, K]: B(k, n) at n*ldb + k
+                                      cutlass::layout::RowMajor>;    // W [K, N]: B(k, n) at k*ldb + n
   using TileShape = Shape<Int<kTileM>, Int<kTileN>, Int<kTileK>>;
   using ClusterShape = Shape<Int<kClusterM>, _1, _1>;
 
@@ -79,12 +79,12 @@ struct GemmConfig {
   static constexpr int kCarveoutBytes = kEpiSmemBytes + 1024;  // epilogue sub-tiles + alignment slack
   // A sub-tile in shared memory as TMA's 128-byte swizzle lays it out (epi_offset computes the same on a
   // 1024-byte aligned buffer).
-  using EpiSmemLayout = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                               Shape<Int<kTileM>, Int<kEpiCols>>{}));
-  using StoreD = decltype(make_tma_copy(SM90_TMA_STORE{},
-                                        make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)),
-                                                    make_shape(int(0), int(0)), Stride<int64_t, _1>{}),
-                                        EpiSmemLayout{}));
+  using EpiSmemLayout =
+      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kTileM>, Int<kEpiCols>>{}));
+  using StoreD = decltype(make_tma_copy(
+      SM90_TMA_STORE{},
+      make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), make_shape(int(0), int(0)), Stride<int64_t, _1>{}),
+      EpiSmemLayout{}));
   // A peer's partial of a ReduceScatter's own rows, loaded a sub-tile at a time into an epilogue buffer.
   using LoadPartial = decltype(make_tma_copy(SM90_TMA_LOAD{},
                                              make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
@@ -92,12 +92,10 @@ struct GemmConfig {
                                              EpiSmemLayout{}));
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-      Element, LayoutA, 8,                            // A: 16-byte aligned
-      Element, LayoutB, 8,                            // B: 16-byte aligned
-      float,                                          // accumulator
-      TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<kCarveoutBytes>,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8,  // A: 16-byte aligned
+      Element, LayoutB, 8,                                                       // B: 16-byte aligned
+      float,                                                                     // accumulator
+      TileShape, ClusterShape, cutlass::gemm::collective::StageCountAutoCarveout<kCarveoutBytes>,
       cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
 };
 
@@ -108,11 +106,11 @@ struct KernelParams {
   typename Cfg::Mainloop::Params mainloop_own;  // A: own rows [Mg, K, 1]; B: W (used for every tile)
   GemmProblem prob;
   TileSchedule sched;
-  typename Cfg::StoreD store_d[kMaxGroups];  // TMA store of group g's destination
+  typename Cfg::StoreD store_d[kMaxGroups];            // TMA store of group g's destination
   typename Cfg::LoadPartial load_partial[kMaxGroups];  // ReduceScatter: TMA load of prob.rs_partials[s]
   StreamK split;
-  uint32_t* split_flags;  // [CTAs] (valid when split.active())
-  float4* split_partials; // [CTAs][kTileM * kTileN / 4]
+  uint32_t* split_flags;   // [CTAs] (valid when split.active())
+  float4* split_partials;  // [CTAs][kTileM * kTileN / 4]
 };
 
 // ------------------------------------------------------------------------------------------------ kernel
@@ -154,8 +152,8 @@ struct GemmKernel {
   static_assert(Mainloop::DispatchPolicy::Stages >= 3, "the epilogue buffers may cost one mainloop stage, not two");
 
   struct SharedStorage {
-    typename Mainloop::TensorStorage mainloop;                   // aligned to 128 bytes by its type
-    alignas(1024) Element epi[kEpiBuffers * kEpiTileElems];      // epilogue sub-tile buffers (TMA swizzle period)
+    typename Mainloop::TensorStorage mainloop;               // aligned to 128 bytes by its type
+    alignas(1024) Element epi[kEpiBuffers * kEpiTileElems];  // epilogue sub-tile buffers (TMA swizzle period)
     alignas(16) typename Mainloop::PipelineStorage pipeline;
     // ReduceScatter own rows: buffer b holds a peer's partial sub-tile once partial_full[b] completes a phase
     // (one arrival with the TMA load's byte count).
@@ -167,9 +165,7 @@ struct GemmKernel {
   // Row r, column c (< kEpiCols) of the epilogue sub-tile. 16-byte chunks are XOR-swizzled by row so that
   // both the stmatrix writes (eight consecutive rows, one 16-byte chunk each) and the 16-byte row reads are
   // conflict-free.
-  CUTLASS_DEVICE static int epi_offset(int r, int c) {
-    return r * kEpiCols + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7);
-  }
+  CUTLASS_DEVICE static int epi_offset(int r, int c) { return r * kEpiCols + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7); }
 
   CUTLASS_DEVICE static void epi_barrier() {
     asm volatile("bar.sync %0, %1;" ::"r"(kEpiBarrierId), "r"(kMmaThreads) : "memory");
@@ -185,8 +181,8 @@ struct GemmKernel {
   // One warp stores a 16 x 16 block as four 8 x 8 matrices (rows 0-7 | 8-15 x columns 0-7 | 8-15); lane l gives
   // the address of row l % 8 of matrix l / 8 and holds, in register q, its two columns of matrix q.
   CUTLASS_DEVICE static void stmatrix_x4(uint32_t smem_addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(smem_addr), "r"(r0),
-                 "r"(r1), "r"(r2), "r"(r3)
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(smem_addr), "r"(r0), "r"(r1),
+                 "r"(r2), "r"(r3)
                  : "memory");
   }
 
@@ -207,8 +203,7 @@ struct GemmKernel {
 
   // ---------------------------------------------------------------- producer: TMA loads of one tile
   CUTLASS_DEVICE static void load_tile(Params const& params, TileCoord t, int k_begin, int k_end,
-                                       MainloopPipeline& pipeline,
-                                       PipelineState& write_state, SharedStorage& ss,
+                                       MainloopPipeline& pipeline, PipelineState& write_state, SharedStorage& ss,
                                        uint32_t block_rank_in_cluster) {
     GemmProblem const& p = params.prob;
     bool own = t.group == p.own_group;
@@ -217,12 +212,12 @@ struct GemmKernel {
     int l_a = own ? 0 : t.group;
     int a_groups = own ? 1 : p.num_groups;
 
-    Tensor mA = tma_a.get_tma_tensor(make_shape(p.rows_per_group, p.k, a_groups));     // (m, k, l)
-    Tensor mB = tma_b.get_tma_tensor(make_shape(p.n, p.k, 1));                         // (n, k, l)
+    Tensor mA = tma_a.get_tma_tensor(make_shape(p.rows_per_group, p.k, a_groups));        // (m, k, l)
+    Tensor mB = tma_b.get_tma_tensor(make_shape(p.n, p.k, 1));                            // (n, k, l)
     Tensor gA_mkl = local_tile(mA, TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});  // (BM,BK,m,k,l)
     Tensor gB_nkl = local_tile(mB, TileShape{}, make_coord(_, _, _), Step<X, _1, _1>{});  // (BN,BK,n,k,l)
-    Tensor gA = gA_mkl(_, _, t.m, _, l_a);                                             // (BM,BK,k)
-    Tensor gB = gB_nkl(_, _, t.n, _, 0);                                               // (BN,BK,k)
+    Tensor gA = gA_mkl(_, _, t.m, _, l_a);                                                // (BM,BK,k)
+    Tensor gB = gB_nkl(_, _, t.n, _, 0);                                                  // (BN,BK,k)
 
     Tensor sA = make_tensor(make_smem_ptr(ss.mainloop.smem_A.data()), typename Mainloop::SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(ss.mainloop.smem_B.data()), typename Mainloop::SmemLayoutB{});
@@ -282,8 +277,7 @@ struct GemmKernel {
   // Layout of a CTA's partial: float4 j of consumer thread i at [j * kMmaThreads + i] (coalesced; the reducer
   // reads it back with the same thread/fragment mapping, so no shuffle is needed).
   template <class Accum>
-  CUTLASS_DEVICE static void store_partial(Params const& params, Accum const& accum, int slot,
-                                           int mma_thread_idx) {
+  CUTLASS_DEVICE static void store_partial(Params const& params, Accum const& accum, int slot, int mma_thread_idx) {
     float4* dst = params.split_partials + int64_t(slot) * (kTileM * kTileN / 4);
     constexpr int kVecs = decltype(size(accum))::value / 4;
     cute::for_each(make_int_sequence<kVecs>{}, [&](auto j) {
@@ -300,8 +294,8 @@ struct GemmKernel {
 
   // Adds the partials of clusters [first, last] (the same CTA rank) in cluster order.
   template <class Accum>
-  CUTLASS_DEVICE static void add_partials(Params const& params, Accum& accum, int first, int last,
-                                          int cluster_rank_m, int mma_thread_idx) {
+  CUTLASS_DEVICE static void add_partials(Params const& params, Accum& accum, int first, int last, int cluster_rank_m,
+                                          int mma_thread_idx) {
     if (first > last) return;
     if (mma_thread_idx == 0) {
       for (int c = first; c <= last; ++c) {
@@ -376,8 +370,8 @@ struct GemmKernel {
 
   // Own rows of a ReduceScatter: TMA-load sub-tiles [sub_begin, sub_end) of partial s into their epilogue buffers
   // (one consumer thread; the buffers' previous TMA stores have been read out and its readers are past a barrier).
-  CUTLASS_DEVICE static void load_partial_subtiles(Params const& params, TileCoord t, int s, int sub_begin,
-                                                   int sub_end, SharedStorage& ss) {
+  CUTLASS_DEVICE static void load_partial_subtiles(Params const& params, TileCoord t, int s, int sub_begin, int sub_end,
+                                                   SharedStorage& ss) {
     GemmProblem const& p = params.prob;
     auto const& load = params.load_partial[s];
     Tensor mP = load.get_tma_tensor(make_shape(p.rows_per_group, p.n));
@@ -387,8 +381,7 @@ struct GemmKernel {
       uint64_t* full = &ss.partial_full[buf];
       // Rows and columns past the group's edge arrive as zeros and still count towards the bytes.
       cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, kEpiTileElems * int(sizeof(Element)));
-      Tensor gP = local_tile(mP, Shape<Int<kTileM>, Int<kEpiCols>>{},
-                             make_coord(t.m, t.n * (kTileN / kEpiCols) + sub));
+      Tensor gP = local_tile(mP, Shape<Int<kTileM>, Int<kEpiCols>>{}, make_coord(t.m, t.n * (kTileN / kEpiCols) + sub));
       Tensor sP = make_tensor(make_smem_ptr(ss.epi + buf * kEpiTileElems), typename Cfg::EpiSmemLayout{});
       copy(load.with(*full), cta_load.partition_S(gP), cta_load.partition_D(sP));
     }
@@ -417,7 +410,7 @@ struct GemmKernel {
     if (row0 >= p.rows_per_group) return;  // padding tile (uniform across the consumer threads)
 
     bool const is_rs = p.rs_own_group >= 0;
-    bool const reduce = is_rs && t.group == p.rs_own_group;   // own rows: sum peers' partials
+    bool const reduce = is_rs && t.group == p.rs_own_group;  // own rows: sum peers' partials
     bool const to_peer = is_rs && !reduce;                   // partial for a peer: signal afterwards
     bool const add_bias = p.bias != nullptr && (!is_rs || reduce);
     int const flag_index = is_rs ? rs_chunk_index(t.m, t.n, p.rs_chunk_tiles_m, p.rs_chunk_tiles_n, p.rs_chunks_n) : 0;
@@ -531,8 +524,8 @@ struct GemmKernel {
       if (mma_thread_idx == 0) {
         auto const& store = params.store_d[t.group];
         Tensor mD = store.get_tma_tensor(make_shape(p.rows_per_group, p.n));
-        Tensor gD = local_tile(mD, Shape<Int<kTileM>, Int<kEpiCols>>{},
-                               make_coord(t.m, t.n * (kTileN / kEpiCols) + kSub));
+        Tensor gD =
+            local_tile(mD, Shape<Int<kTileM>, Int<kEpiCols>>{}, make_coord(t.m, t.n * (kTileN / kEpiCols) + kSub));
         Tensor sD = make_tensor(make_smem_ptr(epi), typename Cfg::EpiSmemLayout{});
         auto cta_store = store.get_slice(Int<0>{});
         copy(store, cta_store.partition_S(sD), cta_store.partition_D(gD));
@@ -726,8 +719,8 @@ struct Launcher {
   }
 
   static void launch(GemmProblem const& prob, cudaStream_t stream) {
-    FLUX_CHECK(prob.num_groups >= 1 && prob.num_groups <= kMaxGroups, "num_groups ", prob.num_groups,
-               " outside [1, ", kMaxGroups, "]");
+    FLUX_CHECK(prob.num_groups >= 1 && prob.num_groups <= kMaxGroups, "num_groups ", prob.num_groups, " outside [1, ",
+               kMaxGroups, "]");
     if (prob.rows_per_group == 0 || prob.n == 0) return;
     FLUX_CHECK(prob.k > 0, "K must be positive, got ", prob.k);
 
@@ -735,8 +728,8 @@ struct Launcher {
     FLUX_CUDA_CHECK(cudaGetDevice(&device));
     static std::once_flag attr_once;
     std::call_once(attr_once, [] {
-      FLUX_CUDA_CHECK(cudaFuncSetAttribute(gemm_kernel<Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           Kernel::kSmemBytes));
+      FLUX_CUDA_CHECK(
+          cudaFuncSetAttribute(gemm_kernel<Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes));
     });
 
     KernelParams<Cfg> params;
@@ -747,8 +740,8 @@ struct Launcher {
       FLUX_CHECK(q.rs_chunk_tiles_m > 0 && q.rs_chunk_tiles_n > 0 && q.rs_chunks_n > 0,
                  "reduce-scatter chunk grid not set (", q.rs_chunk_tiles_m, " x ", q.rs_chunk_tiles_n, " tiles, ",
                  q.rs_chunks_n, " along N)");
-      int64_t const chunks = int64_t((params.sched.tiles_m + q.rs_chunk_tiles_m - 1) / q.rs_chunk_tiles_m) *
-                             q.rs_chunks_n;
+      int64_t const chunks =
+          int64_t((params.sched.tiles_m + q.rs_chunk_tiles_m - 1) / q.rs_chunk_tiles_m) * q.rs_chunks_n;
       FLUX_CHECK(q.rs_chunks_n * q.rs_chunk_tiles_n >= params.sched.tiles_n, "reduce-scatter chunk grid (",
                  q.rs_chunks_n, " x ", q.rs_chunk_tiles_n, " tiles) does not cover ", params.sched.tiles_n,
                  " tiles along N");
@@ -772,14 +765,13 @@ struct Launcher {
     static DescriptorCache<typename Cfg::StoreD, 32> stores;
     static DescriptorCache<typename Cfg::LoadPartial> partial_loads;
     auto mainloop = [&](Element const* a, int64_t lda, int64_t a_group_stride, int a_groups) {
-      return mainloops.get({int64_t(a), lda, a_group_stride, a_groups, prob.rows_per_group, prob.n, prob.k,
-                            int64_t(b), prob.ldb},
-                           [&] {
-                             typename Mainloop::Arguments args{a, StrideA{lda, Int<1>{}, a_group_stride}, b,
-                                                               stride_b(prob.ldb, b_batch)};
-                             return Mainloop::to_underlying_arguments(
-                                 make_shape(prob.rows_per_group, prob.n, prob.k, a_groups), args, nullptr);
-                           });
+      return mainloops.get(
+          {int64_t(a), lda, a_group_stride, a_groups, prob.rows_per_group, prob.n, prob.k, int64_t(b), prob.ldb}, [&] {
+            typename Mainloop::Arguments args{a, StrideA{lda, Int<1>{}, a_group_stride}, b,
+                                              stride_b(prob.ldb, b_batch)};
+            return Mainloop::to_underlying_arguments(make_shape(prob.rows_per_group, prob.n, prob.k, a_groups), args,
+                                                     nullptr);
+          });
     };
     params.mainloop = mainloop(a_batched, lda_batched, group_stride, groups);
     // The own-rows parameters only where they differ (AllGather): a plain GEMM's batched A is its own A, and a
@@ -824,8 +816,8 @@ struct Launcher {
       params.split = StreamK::make(params.sched.total_work, clusters, k_tiles, false, 0);
     if (params.split.active()) {
       params.split_flags = static_cast<uint32_t*>(opts.split_workspace);
-      params.split_partials = reinterpret_cast<float4*>(static_cast<char*>(opts.split_workspace) +
-                                                        split_flags_bytes(ctas));
+      params.split_partials =
+          reinterpret_cast<float4*>(static_cast<char*>(opts.split_workspace) + split_flags_bytes(ctas));
       FLUX_CUDA_CHECK(cudaMemsetAsync(params.split_flags, 0, size_t(ctas) * 4, stream));
     } else {
       params.split_flags = nullptr;

@@ -47,8 +47,8 @@ __device__ __forceinline__ bool epoch_reached(uint32_t flag, uint32_t epoch) {
   return static_cast<int32_t>(flag - epoch) >= 0;  // wrap-safe
 }
 
-// The error record is host-mapped pinned memory {code, rank, index, epoch, observed flag}, readable by the host without a
-// synchronisation; the first waiter to time out claims it through a device-memory word (error_claim).
+// The error record is host-mapped pinned memory {code, rank, index, epoch, observed flag}, readable by the host without
+// a synchronisation; the first waiter to time out claims it through a device-memory word (error_claim).
 __device__ __forceinline__ void record_timeout(const GemmProblem& p, int code, int index, uint32_t observed) {
   if (p.error_record == nullptr || p.error_claim == nullptr) return;
   if (atomicCAS(p.error_claim, 0, code) == 0) {
@@ -86,7 +86,7 @@ __device__ __forceinline__ bool bounded_wait(const uint32_t* flag, Load load, Re
 
 // Spin until *flag (written by another GPU or the copy engine) reaches `epoch`, bounded by p.timeout_ns.
 __device__ __forceinline__ bool wait_flag(const uint32_t* flag, uint32_t epoch, const GemmProblem& p, int code,
-                                       int index) {
+                                          int index) {
   return bounded_wait(
       flag, [](const uint32_t* f) { return ld_acquire<Scope::kSys>(f); },
       [epoch](uint32_t v) { return epoch_reached(v, epoch); }, p.timeout_ns, p, code, index);
@@ -100,8 +100,8 @@ __device__ __forceinline__ bool wait_flag(const uint32_t* flag, uint32_t epoch, 
 __device__ __forceinline__ void wait_grid_flag(const uint32_t* flag, const GemmProblem& p, int index) {
   uint64_t const limit_ns = p.timeout_ns > 0 ? p.timeout_ns : uint64_t(20) * 1000000000ull;
   bool ok = bounded_wait(
-      flag, [](const uint32_t* f) { return ld_acquire<Scope::kGpu>(f); }, [](uint32_t v) { return v != 0; },
-      limit_ns, p, kSplitTimeout, index);
+      flag, [](const uint32_t* f) { return ld_acquire<Scope::kGpu>(f); }, [](uint32_t v) { return v != 0; }, limit_ns,
+      p, kSplitTimeout, index);
   if (!ok && p.error_record == nullptr) __trap();
 }
 

@@ -110,8 +110,8 @@ struct RsChunkGrid {
     return with_chunks(s, rows_per_group, tile_m, tile_n, 1, 1);
   }
 
-  static RsChunkGrid with_chunks(const TileSchedule& s, int rows_per_group, int tile_m, int tile_n,
-                                 int chunk_tiles_m, int chunk_tiles_n) {
+  static RsChunkGrid with_chunks(const TileSchedule& s, int rows_per_group, int tile_m, int tile_n, int chunk_tiles_m,
+                                 int chunk_tiles_n) {
     RsChunkGrid g;
     g.tile_m = tile_m;
     g.tile_n = tile_n;

@@ -21,8 +21,7 @@
 namespace flux {
 
 void ag_group_order(int rank, int tp, AgOrder order, int* group_order) {
-  for (int s = 0; s < tp; ++s)
-    group_order[s] = order == AgOrder::kMesh ? (rank + s) % tp : (rank - s + tp) % tp;
+  for (int s = 0; s < tp; ++s) group_order[s] = order == AgOrder::kMesh ? (rank + s) % tp : (rank - s + tp) % tp;
 }
 
 namespace {
@@ -34,9 +33,7 @@ struct AgPlan {
   size_t row_bytes;
 
   // Byte address of rows [row, ...) of shard g in rank q's gathered buffer (compact for this call's M).
-  char* region(int q, int g, int row) const {
-    return a.buffers[q] + (size_t(g) * a.rows_per_group + row) * row_bytes;
-  }
+  char* region(int q, int g, int row) const { return a.buffers[q] + (size_t(g) * a.rows_per_group + row) * row_bytes; }
   int chunk_begin(int c) const { return c * a.rows_per_chunk; }
   int chunk_rows(int c) const { return std::min(a.rows_per_chunk, a.rows_per_group - c * a.rows_per_chunk); }
   uint32_t* flag(int q, int64_t index) const { return a.flags[q] + index; }
@@ -72,9 +69,7 @@ struct AgPlan {
       if (q != a.rank) stream_write_u32(s, flag(q, flags.done(a.rank)), a.epoch);
   }
 
-  const char* x_rows(int row) const {
-    return static_cast<const char*>(a.x) + size_t(row) * a.ldx * (row_bytes / a.k);
-  }
+  const char* x_rows(int row) const { return static_cast<const char*>(a.x) + size_t(row) * a.ldx * (row_bytes / a.k); }
   size_t x_pitch() const { return size_t(a.ldx) * (row_bytes / a.k); }
 };
 

@@ -60,16 +60,15 @@ void stream_wait_u32_geq(cudaStream_t stream, const uint32_t* address, uint32_t 
 
 }  // namespace flux
 
-extern "C" __attribute__((visibility("hidden"))) CUresult CUDAAPI cuTensorMapEncodeTiled(
-    CUtensorMap* tensor_map, CUtensorMapDataType data_type, cuuint32_t rank, void* global_address,
-    const cuuint64_t* global_dim, const cuuint64_t* global_strides, const cuuint32_t* box_dim,
-    const cuuint32_t* element_strides, CUtensorMapInterleave interleave, CUtensorMapSwizzle swizzle,
-    CUtensorMapL2promotion l2_promotion, CUtensorMapFloatOOBfill oob_fill) {
+extern "C" __attribute__((visibility("hidden"))) CUresult CUDAAPI
+cuTensorMapEncodeTiled(CUtensorMap* tensor_map, CUtensorMapDataType data_type, cuuint32_t rank, void* global_address,
+                       const cuuint64_t* global_dim, const cuuint64_t* global_strides, const cuuint32_t* box_dim,
+                       const cuuint32_t* element_strides, CUtensorMapInterleave interleave, CUtensorMapSwizzle swizzle,
+                       CUtensorMapL2promotion l2_promotion, CUtensorMapFloatOOBfill oob_fill) {
   static flux::EncodeTiledFn const fn = [] {
     void* p = nullptr;
     cudaDriverEntryPointQueryResult status{};
-    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
-                                                       &status);
+    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &status);
     return err == cudaSuccess && status == cudaDriverEntryPointSuccess ? reinterpret_cast<flux::EncodeTiledFn>(p)
                                                                        : nullptr;
   }();

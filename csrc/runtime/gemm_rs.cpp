@@ -134,8 +134,8 @@ void gemm_rs(const GemmRsArgs& a) {
           size_t const offset = size_t(row0) * row_bytes + size_t(col0) * elem;
           stream_wait_u32_geq(s, counts + int64_t(d) * fps + c, grid.tiles_in(cm, cn));
           FLUX_CUDA_CHECK(cudaMemcpy2DAsync(a.recv[d] + size_t(r) * slot_bytes + offset, row_bytes,
-                                            stage_slot(d) + offset, row_bytes,
-                                            size_t(cols) * elem, rows, cudaMemcpyDefault, s));
+                                            stage_slot(d) + offset, row_bytes, size_t(cols) * elem, rows,
+                                            cudaMemcpyDefault, s));
           stream_write_u32(s, a.flags[d] + int64_t(r) * fps + c, a.epoch);
         }
       }

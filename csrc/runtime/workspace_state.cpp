@@ -55,11 +55,16 @@ class Watchdog {
 
 const char* wait_error(int code) {
   switch (code) {
-    case kChunkTimeout: return "a copy-engine chunk of the all-gather";
-    case kTileTimeout: return "a peer's partial tile of the reduce-scatter";
-    case kConsumedTimeout: return "a peer to release its receive slots (previous call)";
-    case kSplitTimeout: return "a stream-K partial of its own grid";
-    default: return "an unknown wait";
+    case kChunkTimeout:
+      return "a copy-engine chunk of the all-gather";
+    case kTileTimeout:
+      return "a peer's partial tile of the reduce-scatter";
+    case kConsumedTimeout:
+      return "a peer to release its receive slots (previous call)";
+    case kSplitTimeout:
+      return "a stream-K partial of its own grid";
+    default:
+      return "an unknown wait";
   }
 }
 }  // namespace
@@ -183,8 +188,8 @@ int WorkspaceState::add_plan(const CallPlan& plan) {
              " outside [0, 100]");
   FLUX_CHECK(plan.swizzle >= 0 && plan.swizzle <= 64, "swizzle ", plan.swizzle, " outside [0, 64]");
   FLUX_CHECK(plan.sm_count >= 0, "sm_count ", plan.sm_count, " must be >= 0 (0: all SMs)");
-  FLUX_CHECK(int(plan.tile) >= 0 && int(plan.tile) < kNumTileConfigs, "tile config ", int(plan.tile),
-             " outside [0, ", kNumTileConfigs, ")");
+  FLUX_CHECK(int(plan.tile) >= 0 && int(plan.tile) < kNumTileConfigs, "tile config ", int(plan.tile), " outside [0, ",
+             kNumTileConfigs, ")");
   if (cfg_.kind == WorkspaceKind::kAllGather) {
     FLUX_CHECK(plan.rows_per_chunk > 0, "rows_per_chunk must be positive, got ", plan.rows_per_chunk);
   } else {
@@ -198,8 +203,8 @@ int WorkspaceState::add_plan(const CallPlan& plan) {
 
 const CallPlan& WorkspaceState::plan(int64_t index) const {
   std::lock_guard<std::mutex> lock(mu_);
-  FLUX_CHECK(index >= 0 && index < int64_t(plans_.size()), "plan ", index, " was not registered with ", cfg_.what,
-             " (", plans_.size(), " plans)");
+  FLUX_CHECK(index >= 0 && index < int64_t(plans_.size()), "plan ", index, " was not registered with ", cfg_.what, " (",
+             plans_.size(), " plans)");
   return plans_[size_t(index)];  // a deque: references stay valid as plans are added
 }
 
@@ -216,8 +221,8 @@ std::string WorkspaceState::describe_record() const {
   if (code == kTileTimeout) peer = (index >> 24) < cfg_.rank ? (index >> 24) : (index >> 24) + 1;
   if (code == kConsumedTimeout) peer = index;
   std::ostringstream os;
-  os << cfg_.what << ": rank " << rec[1] << " timed out after " << double(cfg_.timeout_ns) * 1e-9
-     << " s waiting for " << wait_error(code);
+  os << cfg_.what << ": rank " << rec[1] << " timed out after " << double(cfg_.timeout_ns) * 1e-9 << " s waiting for "
+     << wait_error(code);
   if (peer >= 0) os << " from rank " << peer;
   os << " (index " << index << ", epoch " << rec[3] << ", flag held " << rec[4]
      << "). A peer rank did not enter the call, crashed, or is slower than FLUX_LAYERS_TIMEOUT_S allows. "

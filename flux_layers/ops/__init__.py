@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flux_layers.ops import _dispatch, reference
+from flux_layers.ops import _dispatch, _traceable, reference
 from flux_layers.ops._checks import check_matmul_args
 from flux_layers.ops.backend import Choice, choose
 
@@ -42,7 +42,6 @@ def plan(op: str, x: torch.Tensor, weight: torch.Tensor, *, group=None, weight_l
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_layout: str = "nt",
          backend: str | None = None) -> torch.Tensor:
     if torch.compiler.is_compiling():
-        from flux_layers.ops import _traceable
         return _traceable.op_gemm(x, weight, bias, weight_layout, backend)
     return _dispatch.gemm_call(x, weight, weight_layout, backend)(x, weight, bias)
 
@@ -53,7 +52,6 @@ def ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         if _tp(group) == 1:
             out = gemm(x_shard_m, weight, bias, weight_layout=weight_layout, backend=backend)
             return (out, x_shard_m) if return_gathered else out
-        from flux_layers.ops import _traceable
         out, gathered = _traceable.op_ag_gemm(x_shard_m, weight, bias, group.group_name, weight_layout,
                                               return_gathered, backend)
         return (out, gathered) if return_gathered else out
@@ -66,7 +64,6 @@ def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     if torch.compiler.is_compiling():
         if _tp(group) == 1:
             return gemm(x, weight, bias, weight_layout=weight_layout, backend=backend)
-        from flux_layers.ops import _traceable
         return _traceable.op_gemm_rs(x, weight, bias, group.group_name, weight_layout, backend)
     return _dispatch.gemm_rs_call(x, weight, group, weight_layout, backend)(x, weight, bias)
 

@@ -22,6 +22,14 @@ def weight_in_out(weight: torch.Tensor, weight_layout: str) -> tuple[int, int]:
     return k, n
 
 
+def output_shape(op: str, x_shape, weight_shape, weight_layout: str, tp: int = 1) -> tuple[int, int]:
+    """The output shape of ``op`` ('gemm', 'ag_gemm', 'gemm_rs') for x [rows, K] and a weight in the given layout,
+    on a group of ``tp`` ranks: the one rule the fake implementations and the launchers share."""
+    n = weight_shape[1] if weight_layout == "nn" else weight_shape[0]
+    rows = x_shape[0] * tp if op == "ag_gemm" else x_shape[0] // tp if op == "gemm_rs" else x_shape[0]
+    return rows, n
+
+
 def check_matmul_args(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       weight_layout: str) -> tuple[int, int, int]:
     """Validate x [M, K] against weight (layout) and bias [N]; returns (M, K, N)."""

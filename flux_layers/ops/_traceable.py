@@ -12,53 +12,47 @@ from __future__ import annotations
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-
-def _n_of(weight: torch.Tensor, weight_layout: str) -> int:
-    return weight.shape[1] if weight_layout == "nn" else weight.shape[0]
+from flux_layers.ops import _dispatch
+from flux_layers.ops._checks import output_shape
 
 
 @torch.library.custom_op("flux::op_gemm", mutates_args=())
 def op_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_layout: str,
             backend: str | None) -> torch.Tensor:
-    from flux_layers import ops
-    return ops.gemm(x, weight, bias, weight_layout=weight_layout, backend=backend)
+    return _dispatch.gemm_call(x, weight, weight_layout, backend)(x, weight, bias)
 
 
 @op_gemm.register_fake
 def _(x, weight, bias, weight_layout, backend):
-    return x.new_empty((x.shape[0], _n_of(weight, weight_layout)))
+    return x.new_empty(output_shape("gemm", x.shape, weight.shape, weight_layout))
 
 
 @torch.library.custom_op("flux::op_ag_gemm", mutates_args=())
 def op_ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group_name: str,
                weight_layout: str, return_gathered: bool, backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, gathered); gathered is [0, K] unless ``return_gathered`` (an op's outputs have a fixed arity)."""
-    from flux_layers import ops
     group = _resolve_process_group(group_name)
+    call = _dispatch.ag_gemm_call(x_shard_m, weight, group, weight_layout, backend)
     if return_gathered:
-        return ops.ag_gemm(x_shard_m, weight, bias, group=group, weight_layout=weight_layout, return_gathered=True,
-                           backend=backend)
-    out = ops.ag_gemm(x_shard_m, weight, bias, group=group, weight_layout=weight_layout, backend=backend)
-    return out, x_shard_m.new_empty((0, x_shard_m.shape[1]))
+        return call(x_shard_m, weight, bias, True)
+    return call(x_shard_m, weight, bias, False), x_shard_m.new_empty((0, x_shard_m.shape[1]))
 
 
 @op_ag_gemm.register_fake
 def _(x_shard_m, weight, bias, group_name, weight_layout, return_gathered, backend):
-    m = x_shard_m.shape[0] * _resolve_process_group(group_name).size()
-    k = x_shard_m.shape[1]
-    return (x_shard_m.new_empty((m, _n_of(weight, weight_layout))),
-            x_shard_m.new_empty((m if return_gathered else 0, k)))
+    m, n = output_shape("ag_gemm", x_shard_m.shape, weight.shape, weight_layout,
+                        _resolve_process_group(group_name).size())
+    return x_shard_m.new_empty((m, n)), x_shard_m.new_empty((m if return_gathered else 0, x_shard_m.shape[1]))
 
 
 @torch.library.custom_op("flux::op_gemm_rs", mutates_args=())
 def op_gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group_name: str,
                weight_layout: str, backend: str | None) -> torch.Tensor:
-    from flux_layers import ops
-    return ops.gemm_rs(x, weight, bias, group=_resolve_process_group(group_name), weight_layout=weight_layout,
-                       backend=backend)
+    group = _resolve_process_group(group_name)
+    return _dispatch.gemm_rs_call(x, weight, group, weight_layout, backend)(x, weight, bias)
 
 
 @op_gemm_rs.register_fake
 def _(x, weight, bias, group_name, weight_layout, backend):
-    tp = _resolve_process_group(group_name).size()
-    return x.new_empty((x.shape[0] // tp, _n_of(weight, weight_layout)))
+    return x.new_empty(output_shape("gemm_rs", x.shape, weight.shape, weight_layout,
+                                    _resolve_process_group(group_name).size()))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from flux_layers import _env, _library
-from flux_layers.ops._checks import check_fused_tensor, check_matmul_args
+from flux_layers.ops._checks import check_fused_tensor, check_matmul_args, output_shape
 from flux_layers.runtime import tuning
 
 
@@ -36,7 +36,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_nn: bool,
         kc: tuning.KernelChoice, poison: bool = False) -> torch.Tensor:
     """One launch with a resolved kernel configuration (the op checks the tensors)."""
-    out = x.new_empty((x.shape[0], weight.shape[1] if weight_nn else weight.shape[0]))
+    out = x.new_empty(output_shape("gemm", x.shape, weight.shape, "nn" if weight_nn else "nt"))
     if poison:
         out.fill_(float("nan"))
     torch.ops.flux_layers.gemm(x, weight, bias, out, weight_nn, kc.tile, kc.sm_count, kc.swizzle, kc.stream_k_fill)

@@ -9,11 +9,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-MAX_TP = 8
-TILE_CONFIGS = {0: (256, 128), 1: (128, 256)}  # id -> (tile_m, tile_n), matches flux::TileConfig
+# Mirrors of csrc/include/flux/gemm_params.h and tile_schedule.cuh (the one source; a CPU test compares them).
+MAX_TP = 8  # kMaxGroups
+TILE_CONFIGS = {0: (256, 128), 1: (128, 256)}  # id -> (tile_m, tile_n), flux::TileConfig
 SPLIT_TILE_CONFIGS = (1,)  # configurations built with the stream-K tail (GemmKernel::kSplitCapable)
-CLUSTER_M = 2
-DEFAULT_STREAM_K_FILL = 75  # percent; FLUX_LAYERS_STREAM_K_MAX_FILL's default
+CLUSTER_M = 2  # kClusterM
+DEFAULT_STREAM_K_FILL = 75  # percent, kDefaultSplitMaxFillPct; FLUX_LAYERS_STREAM_K_MAX_FILL's default
+DEFAULT_RS_CHUNK_COLS = 1024  # RsChunkGrid::kDefaultChunkCols
 
 
 def ag_group_order(rank: int, tp: int, order: str) -> list[int]:
@@ -85,7 +87,7 @@ class RsChunkGrid:
     """Python twin of flux::RsChunkGrid: the copy-engine ReduceScatter's chunks of one destination group, a
     schedule panel (along M) times a strip of tiles (along N)."""
     sched: TileSchedule
-    chunk_cols: int = 0  # 0: the default, 1024 columns
+    chunk_cols: int = 0  # 0: the default, DEFAULT_RS_CHUNK_COLS
 
     @property
     def tiles_m(self) -> int:  # tiles holding rows (no cluster padding)
@@ -97,7 +99,7 @@ class RsChunkGrid:
 
     @property
     def chunk_tiles_n(self) -> int:
-        strip = -(-(self.chunk_cols or 1024) // self.sched.tile_n)
+        strip = -(-(self.chunk_cols or DEFAULT_RS_CHUNK_COLS) // self.sched.tile_n)
         return max(1, min(self.sched.tiles_n, strip))
 
     @property

@@ -43,7 +43,17 @@ int dump_rs_chunks(int argc, char** argv) {
   return 0;
 }
 
+// constants: the values the Python mirrors must equal, one "name value..." line each.
+int dump_constants() {
+  std::printf("max_groups %d\ncluster_m %d\nsplit_max_fill_pct %d\nrs_chunk_cols %d\n", flux::kMaxGroups,
+              flux::kClusterM, flux::kDefaultSplitMaxFillPct, flux::RsChunkGrid::kDefaultChunkCols);
+  for (int t = 0; t < flux::kNumTileConfigs; ++t)
+    std::printf("tile %d %d %d\n", t, flux::tile_m(flux::TileConfig(t)), flux::tile_n(flux::TileConfig(t)));
+  return 0;
+}
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "constants") return dump_constants();
   if (argc > 1 && std::string(argv[1]) == "streamk") return dump_stream_k(argc, argv);
   if (argc > 1 && std::string(argv[1]) == "rschunks") return dump_rs_chunks(argc, argv);
   // rows_per_group n num_groups tile_m tile_n cluster_m swizzle_m order...

@@ -54,3 +54,16 @@ def test_gpu_sampler_averages_inside_the_windows():
     assert summary["early"] == {"sm_clock_mhz": 1980.0, "power_w": 650.5, "samples": 1}
     assert summary["all"]["samples"] == 2 and summary["all"]["sm_clock_mhz"] == 1490.0
     assert sampler.summary([("late", t0 + 10, t0 + 20)], gpu=1)["late"]["sm_clock_mhz"] is None
+
+
+def test_sweep_row_takes_the_default_variant_and_the_ceiling():
+    from benchmarks.bench_sweep import DEFAULT_VARIANT, parse_shapes, sweep_row
+    results = {name: {"step_ms": ms, "gpus": None, "paths": {}, "rs_transport": None}
+               for name, ms in (("baseline", 100.0), (DEFAULT_VARIANT, 95.0), ("flux_rs_dgrad", 97.0),
+                                ("baseline_no_comm", 90.0))}
+    row = sweep_row("m", 4096, 11008, 32, 4096, 4, results, {"peak_mem_gib": 3.0})
+    assert (row["baseline_ms"], row["flux_ms"], row["ceiling_ms"]) == (100.0, 95.0, 90.0)
+    assert abs(row["speedup"] - 100 / 95) < 1e-12 and abs(row["ceiling_speedup"] - 100 / 90) < 1e-12
+    assert abs(row["share_of_ceiling_gain"] - (100 / 95 - 1) / (100 / 90 - 1)) < 1e-12
+    assert set(row["variants"]) == set(results) and row["variants"]["flux_rs_dgrad"]["speedup"] == 100 / 97
+    assert len(parse_shapes("")) == 5 and parse_shapes("a:1:2:3:4:5") == [("a", 1, 2, 3, 4, 5)]

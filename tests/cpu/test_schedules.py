@@ -188,3 +188,19 @@ def test_cpp_rs_chunks_match_python(schedule_dump):
         tiles_n = grid.sched.tiles_n
         assert [int(v) for v in out[-1].split()] == [grid.chunk_of(m, nt) for m in range(grid.tiles_m)
                                                      for nt in range(tiles_n)], (rows, n, tile, swizzle, cols)
+
+
+def test_constants_match_the_cpp_headers(schedule_dump):
+    """schedules.py's constants mirror csrc/include/flux/gemm_params.h and tile_schedule.cuh, their one source."""
+    out = subprocess.run([schedule_dump, "constants"], capture_output=True, text=True, check=True).stdout
+    cpp, tiles = {}, {}
+    for line in out.splitlines():
+        name, *values = line.split()
+        if name == "tile":
+            tiles[int(values[0])] = (int(values[1]), int(values[2]))
+        else:
+            cpp[name] = int(values[0])
+    assert cpp == {"max_groups": schedules.MAX_TP, "cluster_m": schedules.CLUSTER_M,
+                   "split_max_fill_pct": schedules.DEFAULT_STREAM_K_FILL,
+                   "rs_chunk_cols": schedules.DEFAULT_RS_CHUNK_COLS}
+    assert tiles == schedules.TILE_CONFIGS

@@ -29,16 +29,16 @@ template <typename... Args>
 }  // namespace flux
 
 // FLUX_CHECK(cond, "message parts", value, ...): throws flux::Error when cond is false.
-#define FLUX_CHECK(cond, ...)                                              \
-  do {                                                                     \
+#define FLUX_CHECK(cond, ...)                                                  \
+  do {                                                                         \
     if (!(cond)) ::flux::detail::fail(__FILE__, __LINE__, #cond, __VA_ARGS__); \
   } while (0)
 
 // CUDA runtime call that must succeed.
-#define FLUX_CUDA_CHECK(expr)                                                                    \
-  do {                                                                                           \
-    cudaError_t flux_err_ = (expr);                                                              \
-    if (flux_err_ != cudaSuccess)                                                                \
-      ::flux::detail::fail(__FILE__, __LINE__, #expr, "CUDA error ", cudaGetErrorName(flux_err_), \
-                           ": ", cudaGetErrorString(flux_err_));                                 \
+#define FLUX_CUDA_CHECK(expr)                                                                           \
+  do {                                                                                                  \
+    cudaError_t flux_err_ = (expr);                                                                     \
+    if (flux_err_ != cudaSuccess)                                                                       \
+      ::flux::detail::fail(__FILE__, __LINE__, #expr, "CUDA error ", cudaGetErrorName(flux_err_), ": ", \
+                           cudaGetErrorString(flux_err_));                                              \
   } while (0)

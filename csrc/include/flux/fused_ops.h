@@ -50,8 +50,8 @@ struct AgGemmArgs {
   int64_t ldx = 0;
   const void* w = nullptr;  // [N, K] (kNT) or [K, N] (kNN)
   int64_t ldw = 0;
-  const void* bias = nullptr;  // [N] or null
-  void* out = nullptr;         // [tp * Mg, N] contiguous
+  const void* bias = nullptr;    // [N] or null
+  void* out = nullptr;           // [tp * Mg, N] contiguous
   void* gathered_out = nullptr;  // [tp * Mg, K] contiguous copy of the gathered input, or null
   DType dtype = DType::kBF16;
   WeightLayout layout = WeightLayout::kNT;
@@ -62,7 +62,7 @@ struct AgGemmArgs {
   // workspace (all ranks)
   int rank = 0;
   int tp = 1;
-  char* buffers[kMaxGroups] = {nullptr};   // gathered buffer of every rank: [max_M, K], row stride K
+  char* buffers[kMaxGroups] = {nullptr};    // gathered buffer of every rank: [max_M, K], row stride K
   uint32_t* flags[kMaxGroups] = {nullptr};  // flag words of every rank (AgFlagLayout)
   int chunk_capacity = 0;
   int rows_per_chunk = 0;
@@ -78,7 +78,7 @@ struct AgGemmArgs {
   cudaStream_t comm[kMaxGroups] = {nullptr};  // at least one; mesh uses up to tp - 1
   int num_comm = 0;
   cudaEvent_t* events = nullptr;  // kEventsPerCall events of the workspace
-  bool run_gemm = true;  // false: the transfers alone (benchmarks time the copy-engine all-gather this way)
+  bool run_gemm = true;           // false: the transfers alone (benchmarks time the copy-engine all-gather this way)
 };
 
 // out = all_gather(x) @ op(w) + bias with copy-engine transfers overlapped with the GEMM.
@@ -102,10 +102,10 @@ struct GemmRsArgs {
   int k = 0;
   int rank = 0;
   int tp = 1;
-  char* recv[kMaxGroups] = {nullptr};        // receive buffer of every rank: [tp slots][slot_rows][N]
-  int64_t slot_rows = 0;                      // rows per slot (max Mg)
-  uint32_t* flags[kMaxGroups] = {nullptr};    // flag words of every rank: flag[tp][per_source], consumed[tp],
-                                              // count[tp][per_source]
+  char* recv[kMaxGroups] = {nullptr};       // receive buffer of every rank: [tp slots][slot_rows][N]
+  int64_t slot_rows = 0;                    // rows per slot (max Mg)
+  uint32_t* flags[kMaxGroups] = {nullptr};  // flag words of every rank: flag[tp][per_source], consumed[tp],
+                                            // count[tp][per_source]
   int flags_per_source = 0;
   // Copy-engine transport (see gemm_rs.cpp): local staging area [tp - 1][slot_rows][N] and one comm stream per
   // peer (at least one); null stage: the epilogue stores straight into the peers' receive slots.

@@ -15,7 +15,22 @@
 
 namespace flux {
 
+// The constants below are the one source of their Python mirrors (flux_layers/runtime/schedules.py); a CPU test
+// compiles this header and compares (tests/cpu/test_schedules.py, test_constants_match_the_cpp_headers).
 constexpr int kMaxGroups = 8;  // largest TP size supported
+
+enum class TileConfig : int {
+  k256x128 = 0,  // 256 x 128 x 64 tiles, cluster 2 x 1 (B multicast), cooperative
+  k128x256 = 1,  // 128 x 256 x 64 tiles, cluster 2 x 1
+};
+constexpr int kNumTileConfigs = 2;
+
+constexpr int tile_m(TileConfig c) { return c == TileConfig::k256x128 ? 256 : 128; }
+constexpr int tile_n(TileConfig c) { return c == TileConfig::k256x128 ? 128 : 256; }
+constexpr int kClusterM = 2;
+
+// A last, partial wave is split along K while it keeps at most this percentage of the clusters busy.
+constexpr int kDefaultSplitMaxFillPct = 75;
 
 enum class DType : int { kBF16 = 0, kFP16 = 1 };
 enum class WeightLayout : int { kNT = 0 /* W [N, K]: x @ W^T */, kNN = 1 /* W [K, N]: x @ W */ };
@@ -38,7 +53,7 @@ struct LaunchOptions {
   void* split_workspace = nullptr;
   int64_t split_workspace_bytes = 0;
   // The last wave is split only while it keeps at most this percentage of the clusters busy (StreamK::make).
-  int split_max_fill_pct = 75;
+  int split_max_fill_pct = kDefaultSplitMaxFillPct;
 };
 
 struct GemmProblem {
@@ -58,7 +73,7 @@ struct GemmProblem {
   int64_t lda_own = 0;
   const void* b = nullptr;  // W: [N, K] (kNT) or [K, N] (kNN), leading dimension ldb
   int64_t ldb = 0;
-  const void* bias = nullptr;  // [N] or null; added once per output element
+  const void* bias = nullptr;       // [N] or null; added once per output element
   void* d[kMaxGroups] = {nullptr};  // destination of group g: [Mg, N], leading dimension ldd
   int64_t ldd = 0;
 
@@ -69,15 +84,15 @@ struct GemmProblem {
   int chunks_per_group = 0;
 
   // ---- ReduceScatter
-  int rs_own_group = -1;               // group reduced here (this rank's rows); -1: not a reduce-scatter
+  int rs_own_group = -1;                            // group reduced here (this rank's rows); -1: not a reduce-scatter
   const void* rs_partials[kMaxGroups] = {nullptr};  // local receive slots: peers' partials of own rows
-  int rs_num_partials = 0;             // summed in index order: deterministic
+  int rs_num_partials = 0;                          // summed in index order: deterministic
   const uint32_t* rs_partial_flags[kMaxGroups] = {nullptr};  // local: [tiles] flags of each partial's source
-  uint32_t* rs_signal[kMaxGroups] = {nullptr};  // per destination group: dest's flag array for our partial
+  uint32_t* rs_signal[kMaxGroups] = {nullptr};               // per destination group: dest's flag array for our partial
   // local: rs_consumed[g] >= epoch-1 before writing into g's slot (direct stores, epoch flags; null when the
   // host-side stream already waited for it)
   const uint32_t* rs_consumed = nullptr;
-  int rs_flags_per_source = 0;          // capacity of each source's flag array (one flag per chunk must fit)
+  int rs_flags_per_source = 0;  // capacity of each source's flag array (one flag per chunk must fit)
   // Chunks: the unit a flag covers. Tile (m, n) of a group lies in chunk rs_chunk_index(m, n, ...)
   // (tile_schedule.cuh), set by the host from its RsChunkGrid; direct stores: one tile per chunk.
   int rs_chunk_tiles_m = 0;

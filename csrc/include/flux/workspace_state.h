@@ -42,18 +42,18 @@ struct WorkspaceConfig {
   int rank = 0;
   int tp = 0;
   int device = 0;
-  int64_t max_m = 0;      // rows of the largest call (all ranks together)
-  int64_t inner = 0;      // K (all-gather) or N (reduce-scatter)
-  int capacity = 0;       // chunks per shard (all-gather) or flags per source (reduce-scatter)
-  std::vector<char*> data;        // every rank's data buffer
-  std::vector<uint32_t*> flags;   // every rank's flag words
-  std::vector<cudaStream_t> comm; // owned by the caller, outlive this object
-  int* error_record = nullptr;    // host-mapped int[5] {code, rank, index, epoch, observed}
-  int* error_claim = nullptr;     // device int
+  int64_t max_m = 0;               // rows of the largest call (all ranks together)
+  int64_t inner = 0;               // K (all-gather) or N (reduce-scatter)
+  int capacity = 0;                // chunks per shard (all-gather) or flags per source (reduce-scatter)
+  std::vector<char*> data;         // every rank's data buffer
+  std::vector<uint32_t*> flags;    // every rank's flag words
+  std::vector<cudaStream_t> comm;  // owned by the caller, outlive this object
+  int* error_record = nullptr;     // host-mapped int[5] {code, rank, index, epoch, observed}
+  int* error_claim = nullptr;      // device int
   bool graph_protocol = false;
   uint64_t timeout_ns = 0;
-  bool poison_outputs = false;    // fill outputs with NaN before launching (tests)
-  std::string what;               // "ag_gemm" / "gemm_rs" (+ " (CUDA-graph twin)"), for messages
+  bool poison_outputs = false;  // fill outputs with NaN before launching (tests)
+  std::string what;             // "ag_gemm" / "gemm_rs" (+ " (CUDA-graph twin)"), for messages
 };
 
 // Every wait of a fused call is bounded. The kernels bound their own (device-side timeout, error record). The
