@@ -6,6 +6,10 @@
 For every measured shape: path 'sequential' where NCCL+GEMM (or GEMM+NCCL) was faster than the fused
 operator in that run, else 'fused'; for GEMM+ReduceScatter runs that timed both transports, the faster one
 ('direct' or 'copy_engine'). Lookups take the nearest measured shape (flux_layers/runtime/tuning.py).
+
+``--loop op_overhead.json`` (benchmarks/bench_overhead.py, run on as many GPUs as the ranks): for the shapes it
+measured, the path is decided by the plain back-to-back loop (host cost included: what a step sees when the CPU
+cannot run ahead), averaged over the weight layouts, instead of by GPU time alone; the entry keeps both.
 """
 from __future__ import annotations
 
@@ -35,10 +39,35 @@ def entries_from(path: str) -> tuple[str, list[dict]]:
     return run["gpu"], out
 
 
+def loop_times(path: str) -> dict[tuple, dict[str, float]]:
+    """{(op, tp, m, k, n): {impl: loop_ms averaged over layouts}} of a bench_overhead run (GPU figures only)."""
+    with open(path) as f:
+        run = json.load(f)
+    if run.get("shared_gpu"):
+        raise SystemExit(f"{path} ran its ranks on one GPU: its loop times are not TP figures")
+    sums: dict[tuple, dict[str, list[float]]] = {}
+    for r in run["results"]:
+        if r.get("loop_ms") is not None:
+            sums.setdefault((r["op"], run["tp"], r["m"], r["k"], r["n"]), {}).setdefault(r["impl"], []).append(
+                r["loop_ms"])
+    return {key: {impl: sum(v) / len(v) for impl, v in impls.items()} for key, impls in sums.items()}
+
+
+def apply_loop_times(entries: list[dict], loops: dict[tuple, dict[str, float]], source: str) -> None:
+    """Decide the path of every entry the loop run measured by its loop times (fused vs sequential)."""
+    for e in entries:
+        t = loops.get((e["op"], e["tp"], e["m"], e["k"], e["n"]))
+        if t is None or "fused" not in t or "sequential" not in t:
+            continue
+        e.update(path="sequential" if t["sequential"] < t["fused"] else "fused", fused_loop_ms=t["fused"],
+                 sequential_loop_ms=t["sequential"], loop_source=source)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="+")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--loop", action="append", default=[], help="bench_overhead JSON: decide by loop times")
     args = ap.parse_args()
     gpu, entries = None, []
     for path in args.results:
@@ -47,8 +76,13 @@ def main():
             raise SystemExit(f"{path} was measured on {g}, the others on {gpu}")
         gpu = g
         entries += e
+    for path in args.loop:
+        with open(path) as f:
+            commit = json.load(f).get("commit", "?")
+        apply_loop_times(entries, loop_times(path), f"{path} @ {commit}")
     with open(args.out, "w") as f:
-        json.dump({"gpu": gpu, "generated_by": "python -m benchmarks.make_dispatch_table " + " ".join(args.results),
+        command = " ".join(args.results + [f"--loop {p}" for p in args.loop])
+        json.dump({"gpu": gpu, "generated_by": "python -m benchmarks.make_dispatch_table " + command,
                    "entries": entries}, f, indent=2)
     print(f"wrote {args.out}: {sum(e['path'] == 'sequential' for e in entries)} of {len(entries)} shapes sequential")
 

@@ -57,3 +57,24 @@ def test_packaged_table_matches_the_results_it_cites():
                 assert tuning.check_rs_transport(entry["transport"]) == entry["transport"]
             checked += 1
     assert checked > 0
+
+
+def test_loop_times_decide_where_measured(tmp_path):
+    """A shape whose fused op wins on GPU time but loses in the plain loop (host cost) goes sequential."""
+    from benchmarks.make_dispatch_table import apply_loop_times, loop_times
+    loop = tmp_path / "overhead.json"
+    rows = [{"op": "gemm_rs", "m": 2048, "k": 4096, "n": 4096, "layout": layout, "impl": impl, "loop_ms": ms}
+            for layout, impl, ms in (("nt", "fused", 0.20), ("nn", "fused", 0.16), ("nt", "sequential", 0.12),
+                                     ("nn", "sequential", 0.14), ("nt", "auto", 0.2))]
+    loop.write_text(json.dumps({"tp": 2, "shared_gpu": False, "commit": "def", "results": rows}))
+    times = loop_times(str(loop))
+    assert times[("gemm_rs", 2, 2048, 4096, 4096)] == pytest.approx({"fused": 0.18, "sequential": 0.13, "auto": 0.2})
+    entries = [{"op": "gemm_rs", "tp": 2, "m": 2048, "k": 4096, "n": 4096, "path": "fused"},
+               {"op": "gemm_rs", "tp": 2, "m": 4096, "k": 4096, "n": 4096, "path": "fused"}]
+    apply_loop_times(entries, times, "overhead.json @ def")
+    assert entries[0]["path"] == "sequential" and entries[0]["fused_loop_ms"] == pytest.approx(0.18)
+    assert entries[1] == {"op": "gemm_rs", "tp": 2, "m": 4096, "k": 4096, "n": 4096, "path": "fused"}
+    shared = tmp_path / "shared.json"
+    shared.write_text(json.dumps({"tp": 2, "shared_gpu": True, "results": []}))
+    with pytest.raises(SystemExit, match="not TP figures"):
+        loop_times(str(shared))
