@@ -320,18 +320,46 @@ void check_usable(const Workspace& runs, flux::WorkspaceKind kind, const Tensor&
                     c.dtype == flux::DType::kBF16 ? "bfloat16" : "float16");
 }
 
+// The start of a fused call, before anything is enqueued: the workspace (its CUDA-graph twin while the stream is
+// captured), checked usable for this op and this x, and the call's plan (registered with the workspace; the twin
+// runs the same plans). The caller has made x's device current.
+struct CallStart {
+  Workspace& runs;
+  flux::CallPlan plan;
+  cudaStream_t stream;
+};
+
+CallStart start_call(int64_t workspace_handle, int64_t plan_index, flux::WorkspaceKind kind, const Tensor& x,
+                     const char* op) {
+  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream();
+  Workspace& workspace = registry().find(workspace_handle);
+  flux::CallPlan plan;
+  translate_value_errors([&] { plan = workspace.state->plan(plan_index); });
+  Workspace& runs = workspace.for_stream(stream);
+  check_usable(runs, kind, x, op);
+  return {runs, plan, stream};
+}
+
+// Enqueues a checked call: its epoch is taken only now (nothing rejects the call any more), and the watchdog
+// watches it unless it is being captured.
+template <class Args>
+void enqueue(flux::WorkspaceState& st, cudaStream_t stream, Args& a, void (*launch)(const Args&)) {
+  a.epoch = st.next_epoch();
+  translate_errors([&] {
+    launch(a);
+    if (!st.config().graph_protocol) st.watch_call(stream, a.epoch);
+  });
+}
+
 std::tuple<Tensor, Tensor> ag_gemm(const Tensor& x_shard_m, const Tensor& w, const std::optional<Tensor>& bias,
                                    int64_t workspace_handle, int64_t plan_index, bool weight_nn, bool return_gathered,
                                    bool run_gemm) {
   auto s = check_operands(x_shard_m, w, bias, weight_nn);
   c10::cuda::CUDAGuard guard(x_shard_m.device());
-  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream();
-  flux::CallPlan plan;  // registered with the workspace; its CUDA-graph twin runs the same plans
-  Workspace& workspace = registry().find(workspace_handle);
-  translate_value_errors([&] { plan = workspace.state->plan(plan_index); });
-  Workspace& runs = workspace.for_stream(stream);
+  CallStart call = start_call(workspace_handle, plan_index, flux::WorkspaceKind::kAllGather, x_shard_m, "ag_gemm");
+  Workspace& runs = call.runs;
   flux::WorkspaceState& st = *runs.state;
-  check_usable(runs, flux::WorkspaceKind::kAllGather, x_shard_m, "ag_gemm");
+  flux::CallPlan const& plan = call.plan;
   auto const& c = st.config();
   int64_t const m = c.tp * s.m;
   TORCH_CHECK_VALUE(m <= c.max_m && s.k == c.inner, "ag_gemm: call needs M=", m, ", K=", s.k,
@@ -375,17 +403,13 @@ std::tuple<Tensor, Tensor> ag_gemm(const Tensor& x_shard_m, const Tensor& w, con
   a.timeout_ns = c.timeout_ns;
   a.error_record = c.error_record;
   a.error_claim = c.error_claim;
-  a.compute = stream;
+  a.compute = call.stream;
   a.num_comm = int(c.comm.size());
   for (size_t i = 0; i < c.comm.size(); ++i) a.comm[i] = c.comm[i];
   a.events = st.events();
   a.run_gemm = run_gemm;
   a.launch = launch_options(x_shard_m, plan, st.sm_count(), run_gemm, runs.split_scratch);
-  a.epoch = st.next_epoch();  // nothing below rejects the call
-  translate_errors([&] {
-    flux::ag_gemm(a);
-    if (!c.graph_protocol) st.watch_call(stream, a.epoch);
-  });
+  enqueue(st, call.stream, a, flux::ag_gemm);
   return {out, gathered};
 }
 
@@ -393,13 +417,10 @@ Tensor gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bi
                int64_t plan_index, bool weight_nn) {
   auto s = check_operands(x, w, bias, weight_nn);
   c10::cuda::CUDAGuard guard(x.device());
-  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream();
-  flux::CallPlan plan;  // registered with the workspace; its CUDA-graph twin runs the same plans
-  Workspace& workspace = registry().find(workspace_handle);
-  translate_value_errors([&] { plan = workspace.state->plan(plan_index); });
-  Workspace& runs = workspace.for_stream(stream);
+  CallStart call = start_call(workspace_handle, plan_index, flux::WorkspaceKind::kReduceScatter, x, "gemm_rs");
+  Workspace& runs = call.runs;
   flux::WorkspaceState& st = *runs.state;
-  check_usable(runs, flux::WorkspaceKind::kReduceScatter, x, "gemm_rs");
+  flux::CallPlan const& plan = call.plan;
   auto const& c = st.config();
   TORCH_CHECK_VALUE(s.m % c.tp == 0, "gemm_rs: M=", s.m, " rows are not divisible by the group size ", c.tp);
   TORCH_CHECK_VALUE(s.m <= c.max_m && s.n == c.inner, "gemm_rs: call needs M=", s.m, ", N=", s.n,
@@ -442,13 +463,9 @@ Tensor gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bi
   a.timeout_ns = c.timeout_ns;
   a.error_record = c.error_record;
   a.error_claim = c.error_claim;
-  a.compute = stream;
+  a.compute = call.stream;
   a.launch = launch_options(x, plan, st.sm_count(), true, runs.split_scratch);
-  a.epoch = st.next_epoch();  // nothing below rejects the call
-  translate_errors([&] {
-    flux::gemm_rs(a);
-    if (!c.graph_protocol) st.watch_call(stream, a.epoch);
-  });
+  enqueue(st, call.stream, a, flux::gemm_rs);
   return out;
 }
 

@@ -99,29 +99,20 @@ def _raise_workspace_error(exc: RuntimeError):
 
 
 class _FusedAgGemm:
-    """ops.ag_gemm on the fused path: the op, the workspace and the plan registered with it."""
-    __slots__ = ("group", "dtype", "m", "k", "n", "weight_nn", "ws", "handle", "plan", "op")
+    """ops.ag_gemm on the fused path: the op, the workspace (kept alive here) and the plan registered with it. A
+    workspace outgrown by a larger call drops the calls bound to it (_drop_calls_on): they are decided anew."""
+    __slots__ = ("ws", "handle", "plan", "weight_nn", "op")
 
     def __init__(self, x_shard_m, weight, group, weight_layout):
-        rows, k, n = check_matmul_args("ag_gemm", x_shard_m, weight, None, weight_layout)
-        for what, t in (("x_shard_m", x_shard_m), ("weight", weight)):
-            check_fused_tensor("ag_gemm", what, t)
-        self.group, self.dtype = group, x_shard_m.dtype
-        self.m, self.k, self.n = rows * dist.get_world_size(group), k, n
-        self.weight_nn = weight_layout == "nn"
-        self._bind()
-
-    def _bind(self):
         from flux_layers.ops import fused_ag_gemm
         from flux_layers.runtime import workspace
-        self.ws = workspace.get_ag_workspace(self.group, self.dtype, self.m, self.k)
-        self.handle = self.ws.handle
-        self.plan = fused_ag_gemm.plan_call(self.ws, m=self.m, k=self.k, n=self.n)
+        m, k, n = fused_ag_gemm.check_args(x_shard_m, weight, None, weight_layout, group)
+        self.ws = workspace.get_ag_workspace(group, x_shard_m.dtype, m, k)
+        self.handle, self.plan = self.ws.handle, fused_ag_gemm.plan_call(self.ws, m=m, k=k, n=n)
+        self.weight_nn = weight_layout == "nn"
         self.op = torch.ops.flux_layers.ag_gemm.default
 
     def __call__(self, x_shard_m, weight, bias, return_gathered):
-        if self.ws.retired:  # outgrown by a larger call: that call's workspace serves this shape too
-            self._bind()
         try:
             out, gathered = self.op(x_shard_m, weight, bias, self.handle, self.plan, self.weight_nn, return_gathered,
                                     True)
@@ -131,31 +122,19 @@ class _FusedAgGemm:
 
 
 class _FusedGemmRs:
-    """ops.gemm_rs on the fused path: the op, the workspace and the plan registered with it."""
-    __slots__ = ("group", "dtype", "m", "k", "n", "weight_nn", "ws", "handle", "plan", "op")
+    """ops.gemm_rs on the fused path: as :class:`_FusedAgGemm`."""
+    __slots__ = ("ws", "handle", "plan", "weight_nn", "op")
 
     def __init__(self, x, weight, group, weight_layout):
-        m, k, n = check_matmul_args("gemm_rs", x, weight, None, weight_layout)
-        for what, t in (("x", x), ("weight", weight)):
-            check_fused_tensor("gemm_rs", what, t)
-        tp = dist.get_world_size(group)
-        if m % tp != 0:
-            raise ValueError(f"gemm_rs: M={m} rows are not divisible by the group size {tp}")
-        self.group, self.dtype, self.m, self.k, self.n = group, x.dtype, m, k, n
-        self.weight_nn = weight_layout == "nn"
-        self._bind()
-
-    def _bind(self):
         from flux_layers.ops import fused_gemm_rs
         from flux_layers.runtime import workspace
-        self.ws = workspace.get_rs_workspace(self.group, self.dtype, self.m, self.n)
-        self.handle = self.ws.handle
-        self.plan = fused_gemm_rs.plan_call(self.ws, m=self.m, k=self.k, n=self.n)
+        m, k, n = fused_gemm_rs.check_args(x, weight, None, weight_layout, group)
+        self.ws = workspace.get_rs_workspace(group, x.dtype, m, n)
+        self.handle, self.plan = self.ws.handle, fused_gemm_rs.plan_call(self.ws, m=m, k=k, n=n)
+        self.weight_nn = weight_layout == "nn"
         self.op = torch.ops.flux_layers.gemm_rs.default
 
     def __call__(self, x, weight, bias):
-        if self.ws.retired:  # outgrown by a larger call: that call's workspace serves this shape too
-            self._bind()
         try:
             return self.op(x, weight, bias, self.handle, self.plan, self.weight_nn)
         except RuntimeError as exc:

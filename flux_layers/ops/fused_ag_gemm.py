@@ -38,6 +38,17 @@ def _rows_per_chunk(ws: workspace.AgWorkspace, rows_per_shard: int, row_bytes: i
     return rows
 
 
+def check_args(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_layout: str,
+               group) -> tuple[int, int, int]:
+    """The fused path's checks of a call (the op library checks strides and alignment again per call); returns
+    (M, K, N) with M the gathered rows."""
+    _library.require()
+    rows, k, n = check_matmul_args("ag_gemm", x_shard_m, weight, bias, weight_layout)
+    for what, t in (("x_shard_m", x_shard_m), ("weight", weight)):
+        check_fused_tensor("ag_gemm", what, t)
+    return rows * dist.get_world_size(group), k, n
+
+
 def plan_call(ws: workspace.AgWorkspace, *, m: int, k: int, n: int, tile: int | None = None,
               swizzle: int | None = None, stream_k: bool | int | None = None, sm_count: int = 0,
               mode: str | None = None, order: str | None = None, chunk_rows: int | None = None) -> int:
@@ -82,12 +93,7 @@ def ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     measured default); ``stream_k``: split a last, partial wave of tiles along K (None: FLUX_LAYERS_STREAM_K; an
     int: the fill limit, see tuning.stream_k_fill); ``sm_count``: SMs the persistent GEMM may hold (0: all);
     ``mode``, ``order``, ``chunk_rows``: the transfers (None: the settings)."""
-    _library.require()
-    rows, k, n = check_matmul_args("ag_gemm", x_shard_m, weight, bias, weight_layout)
-    for what, t in (("x_shard_m", x_shard_m), ("weight", weight)):
-        check_fused_tensor("ag_gemm", what, t)
-    tp = dist.get_world_size(group)
-    m = rows * tp
+    m, k, n = check_args(x_shard_m, weight, bias, weight_layout, group)
     if ws is None:
         ws = workspace.get_ag_workspace(group, x_shard_m.dtype, m, k)
     elif m > ws.max_m or ws.k != k or ws.dtype != x_shard_m.dtype:

@@ -24,6 +24,19 @@ from flux_layers.ops._checks import check_fused_tensor, check_matmul_args
 from flux_layers.runtime import tuning, workspace
 
 
+def check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_layout: str,
+               group) -> tuple[int, int, int]:
+    """The fused path's checks of a call (the op library checks strides and alignment again per call); (M, K, N)."""
+    _library.require()
+    m, k, n = check_matmul_args("gemm_rs", x, weight, bias, weight_layout)
+    for what, t in (("x", x), ("weight", weight)):
+        check_fused_tensor("gemm_rs", what, t)
+    tp = dist.get_world_size(group)
+    if m % tp != 0:
+        raise ValueError(f"gemm_rs: M={m} rows are not divisible by the group size {tp}")
+    return m, k, n
+
+
 def plan_call(ws: workspace.RsWorkspace, *, m: int, k: int, n: int, tile: int | None = None,
               swizzle: int | None = None, stream_k: bool | int | None = None, sm_count: int = 0,
               transport: str | None = None, chunk_cols: int | None = None) -> int:
@@ -69,13 +82,7 @@ def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         tuning.check_rs_transport(transport)  # before anything else, so that bad arguments fail anywhere
     if chunk_cols is not None and chunk_cols < 0:
         raise ValueError(f"gemm_rs: chunk_cols must be >= 0 (0: default), got {chunk_cols}")
-    _library.require()
-    m, k, n = check_matmul_args("gemm_rs", x, weight, bias, weight_layout)
-    for what, t in (("x", x), ("weight", weight)):
-        check_fused_tensor("gemm_rs", what, t)
-    tp = dist.get_world_size(group)
-    if m % tp != 0:
-        raise ValueError(f"gemm_rs: M={m} rows are not divisible by the group size {tp}")
+    m, k, n = check_args(x, weight, bias, weight_layout, group)
     if ws is None:
         ws = workspace.get_rs_workspace(group, x.dtype, m, n)
     elif m > ws.max_m or ws.n != n or ws.dtype != x.dtype:
