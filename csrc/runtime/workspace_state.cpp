@@ -122,6 +122,9 @@ void WorkspaceState::watch_call(cudaStream_t compute, uint32_t epoch) {
 
 void WorkspaceState::poll() {
   std::lock_guard<std::mutex> lock(watch_mu_);
+  if (watched_.empty()) return;
+  // The watchdog's thread serves every workspace of the process: make this one's device current first.
+  if (cudaSetDevice(cfg_.device) != cudaSuccess) return;
   while (!watched_.empty()) {
     cudaError_t const status = cudaEventQuery(watched_.front().done);
     if (status == cudaErrorNotReady) break;
@@ -162,9 +165,6 @@ std::string WorkspaceState::lagging_peer(const std::vector<uint32_t>& f, uint32_
 
 void WorkspaceState::release(uint32_t epoch) {
   released_ = true;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || (device != cfg_.device && cudaSetDevice(cfg_.device) != cudaSuccess))
-    return;
   int64_t const words = flag_words();
   std::vector<uint32_t> flags(size_t(words), 0);
   std::string waits_for = "its peers";
