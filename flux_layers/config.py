@@ -82,15 +82,22 @@ class OverlapConfig:
     def rs_dgrad_enabled(self) -> bool:
         return self.rs_enabled and self.tp_comm_overlap_rs_dgrad
 
+    # The switches that must all be on for a GEMM kind to be fused, master switch first.
+    _SWITCHES = {"ag_gemm": ("tp_comm_overlap", "tp_comm_overlap_ag"),
+                 "gemm_rs": ("tp_comm_overlap", "tp_comm_overlap_rs"),
+                 "gemm_rs_dgrad": ("tp_comm_overlap", "tp_comm_overlap_rs", "tp_comm_overlap_rs_dgrad")}
+
+    def off_switch(self, op: str) -> str | None:
+        """The first switch that turns GEMM kind ``op`` ('ag_gemm', 'gemm_rs', 'gemm_rs_dgrad': the column dgrad's
+        GEMM+RS) off, or None when it may be fused."""
+        if op not in self._SWITCHES:
+            raise ValueError(f"backend_for: op must be 'ag_gemm', 'gemm_rs' or 'gemm_rs_dgrad', got {op!r}")
+        return next((switch for switch in self._SWITCHES[op] if not getattr(self, switch)), None)
+
     def backend_for(self, op: str) -> str | None:
-        """The ``backend=`` to pass to ``ops.ag_gemm`` / ``ops.gemm_rs``: 'reference' where the switch is off."""
-        if op == "ag_gemm":
-            return self.backend if self.ag_enabled else "reference"
-        if op == "gemm_rs":
-            return self.backend if self.rs_enabled else "reference"
-        if op == "gemm_rs_dgrad":
-            return self.backend if self.rs_dgrad_enabled else "reference"
-        raise ValueError(f"backend_for: op must be 'ag_gemm', 'gemm_rs' or 'gemm_rs_dgrad', got {op!r}")
+        """The ``backend=`` a layer passes for GEMM kind ``op`` (see :meth:`off_switch`): 'reference' where a switch
+        is off, else :attr:`backend`."""
+        return "reference" if self.off_switch(op) is not None else self.backend
 
     @classmethod
     def from_megatron(cls, config, tp_comm_buffer_name: str | None = None, **overrides) -> "OverlapConfig":

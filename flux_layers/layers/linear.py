@@ -150,22 +150,14 @@ class _ParallelLinear(torch.nn.Module):
         """The path of one sequence-parallel GEMM (``mkn`` as ``ops.plan`` counts it: M the gathered rows): the
         reference path where this layer's overlap switch is off, else what ops' dispatch decides. ``dgrad``:
         the column dgrad's GEMM+RS, which has its own switch."""
-        if op == "ag_gemm":
-            enabled, switch = self.overlap.ag_enabled, "tp_comm_overlap_ag"
-        elif dgrad:
-            enabled, switch = self.overlap.rs_dgrad_enabled, "tp_comm_overlap_rs_dgrad"
-        else:
-            enabled, switch = self.overlap.rs_enabled, "tp_comm_overlap_rs"
-        if not enabled:
-            if not self.overlap.tp_comm_overlap:
-                switch = "tp_comm_overlap"
-            elif not self.overlap.rs_enabled and op == "gemm_rs":
-                switch = "tp_comm_overlap_rs"
+        kind = "gemm_rs_dgrad" if dgrad else op
+        switch = self.overlap.off_switch(kind)
+        if switch is not None:
             return Choice("reference", f"overlap switch {switch}=False")
         # NOTE: the path may depend on the shape (tuning table), so under torch.compile with dynamic shapes
         # guard_scalar specialises M, K, N: one graph per shape, each with its own path.
         m, k, n = (guard_scalar(d) for d in mkn)
-        return Choice(*_choose(op, x.device, x.dtype, m, k, n, self.tp_group, self.overlap.backend))
+        return Choice(*_choose(op, x.device, x.dtype, m, k, n, self.tp_group, self.overlap.backend_for(kind)))
 
     def _local_paths(self, reason: str) -> None:
         local = Choice("local", reason)
