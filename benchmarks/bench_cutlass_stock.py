@@ -16,7 +16,8 @@ from statistics import median
 
 import torch
 
-from benchmarks.harness import environment, parse_shapes, print_table, time_interleaved, write_json
+from benchmarks.harness import parse_shapes, print_table, time_interleaved
+from flux_layers.devtools.records import environment, write_json
 
 DEFAULT_SHAPES = "8192x8192x8192,4096x8192x4096,8192x8192x14336,8192x28672x8192"
 DEFAULT_LIB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "cutlass_stock",

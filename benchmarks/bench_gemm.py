@@ -13,7 +13,8 @@ from statistics import median
 
 import torch
 
-from benchmarks.harness import cuda_kernels_of, environment, parse_shapes, print_table, time_interleaved, write_json
+from benchmarks.harness import cuda_kernels_of, parse_shapes, print_table, time_interleaved
+from flux_layers.devtools.records import environment, write_json
 from flux_layers.runtime.schedules import DEFAULT_STREAM_K_FILL, SPLIT_TILE_CONFIGS
 
 DEFAULT_SHAPES = "8192x8192x8192,4096x8192x4096,8192x8192x14336,8192x28672x8192"

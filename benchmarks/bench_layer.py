@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks.gpu_monitor import GpuSampler
-from benchmarks.harness import env_override, environment, spawn_ranks, time_interleaved, write_json
+from benchmarks.harness import env_override, spawn_ranks, time_interleaved
+from flux_layers.devtools.gpu_monitor import GpuSampler
 from flux_layers.devtools.no_comm import megatron_collectives_as_local_copies
+from flux_layers.devtools.records import environment, write_json
 
 
 def build_block(args, baseline: bool, rs_dgrad: bool = False):

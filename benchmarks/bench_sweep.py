@@ -18,7 +18,8 @@ import os
 import torch
 
 from benchmarks.bench_layer import METHOD, measure, setup_ranks
-from benchmarks.harness import environment, spawn_ranks, write_json
+from benchmarks.harness import spawn_ranks
+from flux_layers.devtools.records import environment, write_json
 
 # (model, hidden, ffn, heads, seq, layers): the shapes of the model-size sweep.
 SHAPES = (

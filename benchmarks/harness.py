@@ -11,12 +11,7 @@
 from __future__ import annotations
 
 import contextlib
-import datetime
-import json
 import os
-import platform
-import socket
-import subprocess
 import sys
 import time
 from statistics import median
@@ -24,20 +19,7 @@ from statistics import median
 import torch
 import torch.distributed as dist
 
-
-def commit() -> str:
-    env = os.environ.get("FLUX_LAYERS_COMMIT")
-    if env:
-        return env
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        sha = subprocess.check_output(["git", "-C", root, "rev-parse", "HEAD"], text=True,
-                                      stderr=subprocess.DEVNULL).strip()
-        dirty = subprocess.check_output(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-                                        text=True, stderr=subprocess.DEVNULL).strip()
-        return sha + ("-dirty" if dirty else "")
-    except Exception:
-        return "unknown"
+from flux_layers.devtools.records import environment, write_json
 
 
 def time_ms(fn, *, reps: int = 30, warmup: int = 5, group=None, sleep_cycles: int = 2_000_000) -> float:
@@ -105,7 +87,7 @@ def time_interleaved(variants: dict, *, reps: int, rounds: int, warmup: int = 5,
     repetitions (:func:`time_samples_ms`), the order rotated so that the rounds start at evenly spread
     variants; the machine's drift over the run then falls on all variants alike. ``on_round(r, samples)`` is
     called after each round; ``windows`` receives (key, start, end) wall-clock times of each variant's repetitions,
-    warm-up included (for benchmarks.gpu_monitor)."""
+    warm-up included (for flux_layers.devtools.gpu_monitor)."""
     samples = {key: [] for key in variants}
     keys = list(variants)
     for r in range(rounds):
@@ -134,28 +116,6 @@ def cuda_kernels_of(fn) -> list[str]:
         return names or ["unknown: no CUDA kernel recorded"]
     except Exception as exc:  # the figure stays useful without the name
         return [f"unknown: {type(exc).__name__}: {exc}"]
-
-
-def environment(gpu_count: int) -> dict:
-    return {
-        "commit": commit(),
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-        "gpu_count": gpu_count,
-        "torch": torch.__version__,
-        "host": socket.gethostname(),
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "env": {k: v for k, v in os.environ.items()
-                if k.startswith(("FLUX_LAYERS_", "NCCL_", "TORCH_SYMM", "NVSHMEM_", "CUDA_DEVICE_MAX"))},
-    }
-
-
-def write_json(path: str, payload: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=2)
-    print(f"wrote {path}", flush=True)
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:

@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.bench_layer import add_shape_args, build_block, setup_ranks, step_tensors
-from benchmarks.harness import environment, spawn_ranks, write_json
+from benchmarks.harness import spawn_ranks
 from flux_layers.devtools.no_comm import megatron_collectives_as_local_copies
+from flux_layers.devtools.records import environment, write_json
 
 CATEGORIES = (  # first match wins
     ("flux_gemm", re.compile(r"flux.*gemm_kernel|gemm_kernel.*flux")),

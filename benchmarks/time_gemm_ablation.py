@@ -14,7 +14,8 @@ from statistics import median
 
 import torch
 
-from benchmarks.harness import environment, parse_shapes, time_interleaved, write_json
+from benchmarks.harness import parse_shapes, time_interleaved
+from flux_layers.devtools.records import environment, write_json
 
 
 def main():

@@ -5,7 +5,7 @@
 #
 # Steps (default: all, in this order): env gemm_test ag_test rs_test graph_test layers_test gemm_bench ag_bench rs_bench
 # layer_bench layer_bench_conn1. Also: split_tests (only the stream-K tail's GPU tests), layer_ops_bench
-# (benchmarks/bench_layer_ops.py), e2e_ceiling (benchmarks/e2e_ceiling.py), layer_profile
+# (benchmarks/bench_layer_ops.py), e2e_ceiling (examples/gpt/ceiling.py), layer_profile
 # (benchmarks/profile_layer.py), stock_bench (benchmarks/bench_cutlass_stock.py). GRAPH_TEST_K / LAYERS_TEST_K
 # narrow graph_test / layers_test to a pytest -k expression. Each step runs under its own
 # time limit; a failing step does not stop the others. Logs and JSON go to a work folder, packed at the end into
@@ -92,7 +92,7 @@ flux_layers._library.path(), flux_layers._library.unavailable_reason())'" ;;
       step layer_profile 300 env CUDA_DEVICE_MAX_CONNECTIONS=1 $PY -m benchmarks.profile_layer \
         --out "$WORK/results/layer_profile_${GPU_TAG}.json" --trace-dir "$WORK/traces" ;;
     e2e_ceiling)  # the example's training: megatron-core's linears, flux's, megatron-core's without communication (not default)
-      step e2e_ceiling 400 $PY -m benchmarks.e2e_ceiling --model h8192 --train-iters ${E2E_CEILING_ITERS:-40} \
+      step e2e_ceiling 400 $PY -m examples.gpt.ceiling --model h8192 --train-iters ${E2E_CEILING_ITERS:-40} \
         --out "$WORK/results/e2e_ceiling_$GPU_TAG.json" ;;
     stock_bench)  # stock CUTLASS kernel schedules beside cuBLAS and ours (not in the default steps)
       [ -f build/cutlass_stock/libstock_gemm.so ] || step stock_build 300 env PYTHON=$PY bash benchmarks/cutlass_stock/build.sh

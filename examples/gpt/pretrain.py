@@ -2,7 +2,7 @@
 for comparison, from megatron-core), on a learnable synthetic token stream.
 
 The example's driver: flags, process start-up (spawn or torchrun), the single run and ``--compare``. Run it as
-``python examples/pretrain_gpt.py`` (see that file and examples/README.md). ``benchmarks/e2e_ceiling.py`` runs its
+``python examples/pretrain_gpt.py`` (see that file and examples/README.md). ``examples/gpt/ceiling.py`` runs its
 own trainings through :func:`spawn`, :func:`run_rank` and :func:`train_fresh`.
 """
 from __future__ import annotations
@@ -214,7 +214,7 @@ def run_compare(args, cfg: GPTRunConfig, device: torch.device) -> None:
 
 def run_rank(args, cfg: GPTRunConfig, body=None) -> None:
     """Body of every process: join the groups, train (or compare), leave. ``body(args, cfg, device)`` replaces
-    the training (benchmarks/e2e_ceiling.py runs its own set of trainings this way)."""
+    the training (examples/gpt/ceiling.py runs its own set of trainings this way)."""
     warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine|transformer_engine).*")
     os.environ["FLUX_LAYERS_BACKEND"] = args.backend
     from .model import init_distributed

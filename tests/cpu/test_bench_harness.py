@@ -34,7 +34,7 @@ def test_gpu_sampler_averages_inside_the_windows():
     import datetime
     import sys
 
-    from benchmarks.gpu_monitor import GpuSampler
+    from flux_layers.devtools.gpu_monitor import GpuSampler
     base = datetime.datetime(2026, 1, 2, 3, 4, 5)
 
     def at(seconds):

@@ -60,12 +60,12 @@ def test_megatron_linears_move_nothing_inside_the_context(tp):
 
 
 def test_e2e_ceiling_runs_the_three_trainings(tmp_path):
-    """benchmarks/e2e_ceiling.py on the tiny CPU model: the three runs train and the JSON holds the ceiling."""
+    """examples/gpt/ceiling.py on the tiny CPU model: the three runs train and the JSON holds the ceiling."""
     import json
     import subprocess
     import sys
     out = tmp_path / "ceiling.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.e2e_ceiling", "--device", "cpu", "--model", "tiny",
+    proc = subprocess.run([sys.executable, "-m", "examples.gpt.ceiling", "--device", "cpu", "--model", "tiny",
                            "--train-iters", "6", "--timing-warmup", "1", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

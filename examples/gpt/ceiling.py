@@ -3,7 +3,7 @@ collectives as local copies (flux_layers/devtools/no_comm.py), back to back in o
 can get when the linears' communication costs nothing and their GEMMs run at cuBLAS speed, and how much of that flux
 gets.
 
-    python -m benchmarks.e2e_ceiling --model h8192 --train-iters 40 --out benchmarks/results/e2e_ceiling_h200x2.json
+    python -m examples.gpt.ceiling --model h8192 --train-iters 40 --out benchmarks/results/e2e_ceiling_h200x2.json
 
 Takes the example's options (examples/pretrain_gpt.py); --linear-impl, --compare, --save and --load are not
 allowed (each run takes its own). The no-communication run's losses are meaningless (each rank trains on its own
@@ -21,10 +21,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.gpu_monitor import GpuSampler
-from benchmarks.harness import environment, write_json
-from examples.gpt import pretrain
+from flux_layers.devtools.gpu_monitor import GpuSampler
 from flux_layers.devtools.no_comm import megatron_collectives_as_local_copies
+from flux_layers.devtools.records import environment, write_json
+
+from . import pretrain
 
 # (name, --linear-impl, context): in this order, each from the same seed.
 RUNS = (("megatron", "megatron", contextlib.nullcontext), ("flux", "flux", contextlib.nullcontext),
@@ -63,7 +64,7 @@ def _ceiling_runs(args, cfg, device) -> None:
           + (f", flux takes {100 * share:.0f}% of it" if share is not None else ""), flush=True)
     if args.ceiling_out:
         write_json(args.ceiling_out, {
-            **environment(args.tp), "command": "python -m benchmarks.e2e_ceiling " + " ".join(sys.argv[1:]),
+            **environment(args.tp), "command": "python -m examples.gpt.ceiling " + " ".join(sys.argv[1:]),
             "model": args.model, "config": dataclasses.asdict(cfg), "timing_warmup_iters": args.timing_warmup,
             "method": "median wall-clock step time after the timing warm-up, each run from the same seed, back to "
                       "back in one launch",
