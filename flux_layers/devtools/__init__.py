@@ -1,11 +1,13 @@
 """Helpers for the project's own tests, benchmarks and examples; not part of the library's API.
 
 ``tests/``, ``benchmarks/`` and ``examples/`` do not import each other's helpers: what more than one of them needs
-lives here.
+lives here (tests import the benchmark and example modules they test, nothing else of theirs).
 
 - :mod:`~flux_layers.devtools.launch`: start N local processes with torch.distributed initialised (gloo or nccl),
   re-raise a rank's failure in the parent; a free TCP port for a rendezvous.
 - :mod:`~flux_layers.devtools.no_comm`: megatron-core's tensor-parallel collectives replaced by local copies, the
   ceiling of the layer and end-to-end benchmarks.
+- :mod:`~flux_layers.devtools.records`: what every result JSON records (commit, command, GPU, settings) and writing it.
+- :mod:`~flux_layers.devtools.gpu_monitor`: SM clock and power sampled by nvidia-smi, per variant's time windows.
 - :mod:`~flux_layers.devtools.plot`: the figure of an end-to-end comparison record (needs matplotlib).
 """
