@@ -1,7 +1,7 @@
 """Helpers for the project's own tests, benchmarks and examples; not part of the library's API.
 
 ``tests/``, ``benchmarks/`` and ``examples/`` do not import each other's helpers: what more than one of them needs
-lives here (tests import the benchmark and example modules they test, nothing else of theirs).
+lives here. The tests of benchmark and example code sit beside it (``benchmarks/tests``, ``examples/tests``).
 
 - :mod:`~flux_layers.devtools.launch`: start N local processes with torch.distributed initialised (gloo or nccl),
   re-raise a rank's failure in the parent; a free TCP port for a rendezvous.
