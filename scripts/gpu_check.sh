@@ -3,8 +3,9 @@
 #
 #   scripts/gpu_check.sh OUTDIR [STEP ...]
 #
-# Steps (default: all, in this order): env gemm_test ag_test rs_test graph_test layers_test gemm_bench ag_bench rs_bench
-# layer_bench layer_bench_conn1. Also: split_tests (only the stream-K tail's GPU tests), layer_ops_bench
+# Steps (default: all, in this order): env gemm_test ag_test rs_test graph_test reliability_test layers_test gemm_bench
+# ag_bench rs_bench overhead_bench layer_bench layer_bench_conn1. Also: sweep_bench (benchmarks/bench_sweep.py),
+# split_tests (only the stream-K tail's GPU tests), layer_ops_bench
 # (benchmarks/bench_layer_ops.py), e2e_ceiling (examples/gpt/ceiling.py), layer_profile
 # (benchmarks/profile_layer.py), stock_bench (benchmarks/bench_cutlass_stock.py). GRAPH_TEST_K / LAYERS_TEST_K
 # narrow graph_test / layers_test to a pytest -k expression. Each step runs under its own
@@ -16,7 +17,7 @@
 set -u
 OUTDIR=${1:?usage: scripts/gpu_check.sh OUTDIR [STEP ...]}
 shift
-STEPS=${*:-env gemm_test ag_test rs_test graph_test layers_test gemm_bench ag_bench rs_bench layer_bench layer_bench_conn1}
+STEPS=${*:-env gemm_test ag_test rs_test graph_test reliability_test layers_test gemm_bench ag_bench rs_bench overhead_bench layer_bench layer_bench_conn1}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WORK=$(mktemp -d)
 mkdir -p "$OUTDIR" "$WORK/results"
@@ -77,11 +78,16 @@ flux_layers._library.path(), flux_layers._library.unavailable_reason())'" ;;
     rs_test) step rs_test 300 $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_gemm_rs_gpu.py ;;
     graph_test) step graph_test 300 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_graph_ops_gpu.py \
       tests/gpu/test_layers_gpu.py -k "${GRAPH_TEST_K:-graph}" ;;
+    reliability_test) step reliability_test 200 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_reliability_gpu.py ;;
     split_tests) step split_tests 300 $PY -m pytest -q -x -p no:cacheprovider tests/gpu -k stream_k ;;
     layers_test) step layers_test 300 $PY -m pytest -q -p no:cacheprovider tests/gpu -k "${LAYERS_TEST_K:-layer or spec or norm}" ;;
     gemm_bench) step gemm_bench 300 $PY -m benchmarks.bench_gemm --out "$WORK/results/gemm_h200.json" ;;
     ag_bench) step ag_bench 400 $PY -m benchmarks.bench_ag_gemm --out "$WORK/results/ag_gemm_$GPU_TAG.json" ;;
     rs_bench) step rs_bench 400 $PY -m benchmarks.bench_gemm_rs --out "$WORK/results/gemm_rs_$GPU_TAG.json" ;;
+    overhead_bench) step overhead_bench 400 $PY -m benchmarks.bench_overhead --breakdown \
+        --out "$WORK/results/op_overhead_$GPU_TAG.json" ;;
+    sweep_bench) step sweep_bench 560 env CUDA_DEVICE_MAX_CONNECTIONS=1 $PY -m benchmarks.bench_sweep \
+        --out "$WORK/results/layer_sweep_$GPU_TAG.json" ;;
     layer_bench) step layer_bench 400 $PY -m benchmarks.bench_layer --out "$WORK/results/layer_$GPU_TAG.json" ;;
     layer_bench_conn1)  # megatron-core's recommended setting for its SP overlap, one hardware queue per GPU
       step layer_bench_conn1 400 env CUDA_DEVICE_MAX_CONNECTIONS=1 $PY -m benchmarks.bench_layer \
