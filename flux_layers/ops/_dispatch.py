@@ -98,6 +98,22 @@ def _raise_workspace_error(exc: RuntimeError):
     raise failed from None
 
 
+def check_same_call(group, signature: tuple) -> None:
+    """Every rank of ``group`` makes the same call (a collective): raises ValueError on every rank, naming each rank's
+    call, where they differ. Run once per decision of a fused call (before its workspace is found or grown), so
+    that ranks calling with different shapes, dtypes, layouts or transports, or in a different order, stop here
+    instead of timing out in the op or hanging in the workspace's collective. Not under CUDA-graph capture (a
+    collective cannot be captured; the eager warm-up checked the same calls)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return
+    signatures = [None] * dist.get_world_size(group)
+    dist.all_gather_object(signatures, signature, group=group)
+    if any(other != signature for other in signatures):
+        calls = "; ".join(f"rank {r}: {s}" for r, s in enumerate(signatures))
+        raise ValueError(f"the ranks of the group made different fused calls ({calls}); every rank must make the "
+                         "same calls in the same order")
+
+
 class _FusedAgGemm:
     """ops.ag_gemm on the fused path: the op, the workspace (kept alive here) and the plan registered with it. A
     workspace outgrown by a larger call drops the calls bound to it (_drop_calls_on): they are decided anew."""
@@ -107,6 +123,7 @@ class _FusedAgGemm:
         from flux_layers.ops import fused_ag_gemm
         from flux_layers.runtime import workspace
         m, k, n = fused_ag_gemm.check_args(x_shard_m, weight, None, weight_layout, group)
+        check_same_call(group, ("ag_gemm", m, k, n, str(x_shard_m.dtype), weight_layout))
         self.ws = workspace.get_ag_workspace(group, x_shard_m.dtype, m, k)
         self.handle, self.plan = self.ws.handle, fused_ag_gemm.plan_call(self.ws, m=m, k=k, n=n)
         self.weight_nn = weight_layout == "nn"
@@ -127,8 +144,10 @@ class _FusedGemmRs:
 
     def __init__(self, x, weight, group, weight_layout):
         from flux_layers.ops import fused_gemm_rs
-        from flux_layers.runtime import workspace
+        from flux_layers.runtime import tuning, workspace
         m, k, n = fused_gemm_rs.check_args(x, weight, None, weight_layout, group)
+        transport = tuning.rs_transport(dtype=x.dtype, tp=dist.get_world_size(group), mkn=(m, k, n))
+        check_same_call(group, ("gemm_rs", m, k, n, str(x.dtype), weight_layout, transport))
         self.ws = workspace.get_rs_workspace(group, x.dtype, m, n)
         self.handle, self.plan = self.ws.handle, fused_gemm_rs.plan_call(self.ws, m=m, k=k, n=n)
         self.weight_nn = weight_layout == "nn"

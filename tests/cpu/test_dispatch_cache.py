@@ -67,3 +67,19 @@ def test_group_of_one_runs_the_plain_gemm(counted_choose):
     torch.testing.assert_close(out, x @ w.t() + b)
     assert gathered is x
     torch.testing.assert_close(ops.gemm_rs(x, w, group=None), x @ w.t())
+
+
+def _same_call(rank, tp, differ):
+    import torch.distributed as dist
+    signature = ("ag_gemm", 2048 * (1 + (differ and rank == 1)), 4096, 4096, "torch.bfloat16", "nt")
+    if not differ:
+        _dispatch.check_same_call(dist.group.WORLD, signature)
+        return
+    with pytest.raises(ValueError, match=r"rank 0: \('ag_gemm', 2048, .*rank 1: \('ag_gemm', 4096, "):
+        _dispatch.check_same_call(dist.group.WORLD, signature)
+
+
+@pytest.mark.parametrize("differ", [False, True])
+def test_ranks_making_different_calls_raise_on_every_rank(differ):
+    from flux_layers.devtools.launch import run_distributed
+    run_distributed(_same_call, 2, differ)
