@@ -8,7 +8,13 @@
 # split_tests (only the stream-K tail's GPU tests), layer_ops_bench
 # (benchmarks/bench_layer_ops.py), e2e_ceiling (examples/gpt/ceiling.py), layer_profile
 # (benchmarks/profile_layer.py), stock_bench (benchmarks/bench_cutlass_stock.py). GRAPH_TEST_K / LAYERS_TEST_K
-# narrow graph_test / layers_test to a pytest -k expression. Each step runs under its own
+# narrow graph_test / layers_test to a pytest -k expression.
+# On a machine with ONE GPU: env gemm_test shared_tests shared_overhead baseline_overhead. shared_tests runs the
+# fused ops' GPU tests with their ranks as processes sharing the GPU (FLUX_LAYERS_TEST_SHARED_GPU=1; results checked,
+# timings meaningless; SHARED_TESTS_K narrows it); shared_overhead times the host cost per call that way
+# (benchmarks/bench_overhead.py --shared-gpu $OVERHEAD_ARGS), baseline_overhead the same for a prebuilt older tree
+# in .baseline/ (its flux_layers package and configs). Set FLUX_LAYERS_COMMIT where the repository is: a copy of the
+# tree on the GPU machine may report another commit. Each step runs under its own
 # time limit; a failing step does not stop the others. Logs and JSON go to a work folder, packed at the end into
 # OUTDIR/gpu_check.tgz (plus OUTDIR/summary.txt).
 #
@@ -79,6 +85,20 @@ flux_layers._library.path(), flux_layers._library.unavailable_reason())'" ;;
     graph_test) step graph_test 300 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_graph_ops_gpu.py \
       tests/gpu/test_layers_gpu.py -k "${GRAPH_TEST_K:-graph}" ;;
     reliability_test) step reliability_test 200 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_reliability_gpu.py ;;
+    shared_tests) step shared_tests 420 env FLUX_LAYERS_TEST_SHARED_GPU=1 FLUX_LAYERS_TIMEOUT_S=${SHARED_TIMEOUT_S:-60} \
+      $PY -m pytest -q -p no:cacheprovider tests/gpu/test_ag_gemm_gpu.py tests/gpu/test_gemm_rs_gpu.py \
+      tests/gpu/test_cuda_graph_ops_gpu.py tests/gpu/test_reliability_gpu.py ${SHARED_TESTS_K:+-k "$SHARED_TESTS_K"} ;;
+    shared_overhead) step shared_overhead 200 $PY -m benchmarks.bench_overhead --shared-gpu ${OVERHEAD_ARGS:-} \
+      --out "$WORK/results/op_overhead_shared.json" ;;
+    baseline_overhead)
+      if [ -d .baseline/flux_layers ]; then
+        mkdir -p .baseline/benchmarks && cp benchmarks/bench_overhead.py .baseline/benchmarks/ \
+          && touch .baseline/benchmarks/__init__.py
+        step baseline_overhead 200 bash -c "cd .baseline && PYTHONPATH=. FLUX_LAYERS_COMMIT=baseline $PY -m \
+benchmarks.bench_overhead --shared-gpu ${OVERHEAD_ARGS:-} --out $WORK/results/op_overhead_shared_baseline.json"
+      else
+        echo "baseline_overhead skipped (no .baseline/flux_layers)" | tee -a "$summary"
+      fi ;;
     split_tests) step split_tests 300 $PY -m pytest -q -x -p no:cacheprovider tests/gpu -k stream_k ;;
     layers_test) step layers_test 300 $PY -m pytest -q -p no:cacheprovider tests/gpu -k "${LAYERS_TEST_K:-layer or spec or norm}" ;;
     gemm_bench) step gemm_bench 300 $PY -m benchmarks.bench_gemm --out "$WORK/results/gemm_h200.json" ;;

@@ -106,9 +106,9 @@ void check_out(const Tensor& out, const Tensor& x, int64_t rows, int64_t cols, c
 }
 
 // The persistent grid's options of one launch. stream_k_fill > 0: split a last wave that keeps at most that
-// percentage of the clusters busy (the stream-K tail); `scratch` then receives the tail's workspace,
-// from the caching allocator on the current stream (so launches on different streams never share it); it must
-// outlive the launch call.
+// percentage of the clusters busy (the stream-K tail), using `scratch` for the tail's partials: allocated here if
+// undefined, from the caching allocator on the current stream, and kept by the caller for as long as it wants it
+// (a plain GEMM: the launch; a workspace: its lifetime, as its calls are ordered on the GPU).
 flux::LaunchOptions launch_options(const Tensor& like, int sms, int sm_count, int swizzle, int stream_k_fill,
                                    Tensor& scratch) {
   flux::LaunchOptions o;
@@ -116,29 +116,11 @@ flux::LaunchOptions launch_options(const Tensor& like, int sms, int sm_count, in
   o.swizzle_m = swizzle;
   o.split_max_fill_pct = stream_k_fill;
   if (stream_k_fill > 0) {
-    scratch = at::empty({flux::split_workspace_bytes(sms)}, like.options().dtype(at::kByte));
+    if (!scratch.defined()) scratch = at::empty({flux::split_workspace_bytes(sms)}, like.options().dtype(at::kByte));
     o.split_workspace = scratch.data_ptr();
     o.split_workspace_bytes = scratch.numel();
   }
   return o;
-}
-
-// A fused call's options: the scratch is the workspace's (allocated once, at the first call with a stream-K tail).
-flux::LaunchOptions launch_options(const Tensor& like, const flux::CallPlan& plan, int sms, bool run_gemm,
-                                   Tensor& kept_scratch) {
-  int const fill = run_gemm ? plan.stream_k_fill : 0;
-  if (fill == 0 || kept_scratch.defined()) {
-    flux::LaunchOptions o;
-    o.sm_count = plan.sm_count;
-    o.swizzle_m = plan.swizzle;
-    o.split_max_fill_pct = fill;
-    if (fill > 0) {
-      o.split_workspace = kept_scratch.data_ptr();
-      o.split_workspace_bytes = kept_scratch.numel();
-    }
-    return o;
-  }
-  return launch_options(like, sms, plan.sm_count, plan.swizzle, fill, kept_scratch);
 }
 
 void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, Tensor out, bool weight_nn, int64_t tile,
@@ -408,7 +390,8 @@ std::tuple<Tensor, Tensor> ag_gemm(const Tensor& x_shard_m, const Tensor& w, con
   for (size_t i = 0; i < c.comm.size(); ++i) a.comm[i] = c.comm[i];
   a.events = st.events();
   a.run_gemm = run_gemm;
-  a.launch = launch_options(x_shard_m, plan, st.sm_count(), run_gemm, runs.split_scratch);
+  a.launch = launch_options(x_shard_m, st.sm_count(), plan.sm_count, plan.swizzle, run_gemm ? plan.stream_k_fill : 0,
+                            runs.split_scratch);
   enqueue(st, call.stream, a, flux::ag_gemm);
   return {out, gathered};
 }
@@ -464,7 +447,7 @@ Tensor gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bi
   a.error_record = c.error_record;
   a.error_claim = c.error_claim;
   a.compute = call.stream;
-  a.launch = launch_options(x, plan, st.sm_count(), true, runs.split_scratch);
+  a.launch = launch_options(x, st.sm_count(), plan.sm_count, plan.swizzle, plan.stream_k_fill, runs.split_scratch);
   enqueue(st, call.stream, a, flux::gemm_rs);
   return out;
 }

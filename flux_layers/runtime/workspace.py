@@ -122,7 +122,7 @@ class Workspace:
             raise ValueError(f"FLUX_LAYERS_TIMEOUT_S must be positive, got {self._timeout_s:g}")
         self.what = what + (" (CUDA-graph twin)" if graph_protocol else "")
         self.graph_twin: Workspace | None = None
-        self.retired = False  # replaced by a larger workspace (calls planned on this one re-plan on that)
+        self.retired = False  # replaced by a larger workspace (the calls decided on this one were dropped)
         self._plans: dict[tuple, int] = {}
         self._plans_lock = threading.Lock()
         self.native = torch.classes.flux_layers.Workspace(
