@@ -323,13 +323,15 @@ CallStart start_call(int64_t workspace_handle, int64_t plan_index, flux::Workspa
 }
 
 // Enqueues a checked call: its epoch is taken only now (nothing rejects the call any more), and the watchdog
-// watches it unless it is being captured.
+// watches it unless it is being captured (a CUDA-graph twin: replays run no host code to watch them).
 template <class Args>
-void enqueue(flux::WorkspaceState& st, cudaStream_t stream, Args& a, void (*launch)(const Args&)) {
+void enqueue(flux::WorkspaceState& st, Args& a, void (*launch)(const Args&)) {
   a.epoch = st.next_epoch();
+  bool const watched = !st.config().graph_protocol;
+  a.completion = watched ? st.completion_ring() : nullptr;
   translate_errors([&] {
     launch(a);
-    if (!st.config().graph_protocol) st.watch_call(stream, a.epoch);
+    if (watched) st.watch_call(a.epoch);
   });
 }
 
@@ -392,7 +394,7 @@ std::tuple<Tensor, Tensor> ag_gemm(const Tensor& x_shard_m, const Tensor& w, con
   a.run_gemm = run_gemm;
   a.launch = launch_options(x_shard_m, st.sm_count(), plan.sm_count, plan.swizzle, run_gemm ? plan.stream_k_fill : 0,
                             runs.split_scratch);
-  enqueue(st, call.stream, a, flux::ag_gemm);
+  enqueue(st, a, flux::ag_gemm);
   return {out, gathered};
 }
 
@@ -448,7 +450,7 @@ Tensor gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bi
   a.error_claim = c.error_claim;
   a.compute = call.stream;
   a.launch = launch_options(x, st.sm_count(), plan.sm_count, plan.swizzle, plan.stream_k_fill, runs.split_scratch);
-  enqueue(st, call.stream, a, flux::gemm_rs);
+  enqueue(st, a, flux::gemm_rs);
   return out;
 }
 

@@ -49,24 +49,29 @@ struct AgPlan {
   bool graph() const { return a.protocol == FlagProtocol::kCudaGraph; }
 
   // Start of a call on stream s: every peer finished its previous call (stopped reading its buffer, which we
-  // are about to write, and writing ours).
+  // are about to write, and writing ours). One batch of waits (and of clears) for all peers.
   void wait_peers_done(cudaStream_t s) const {
-    for (int q = 0; q < a.tp; ++q) {
-      if (q == a.rank) continue;
-      if (graph()) {
-        stream_wait_u32_geq(s, my(flags.done(q)), 1);
-        stream_write_u32(s, my(flags.done(q)), 0);
-      } else if (a.epoch > 1) {
-        stream_wait_u32_geq(s, my(flags.done(q)), a.epoch - 1);
-      }
-    }
+    if (!graph() && a.epoch <= 1) return;
+    FlagOp ops[kMaxFlagOps];
+    int n = 0;
+    for (int q = 0; q < a.tp; ++q)
+      if (q != a.rank) ops[n++] = {my(flags.done(q)), graph() ? 1u : a.epoch - 1};
+    stream_wait_u32_geq_all(s, ops, n);
+    if (!graph()) return;
+    for (int i = 0; i < n; ++i) ops[i].value = 0;
+    stream_write_u32_all(s, ops, n);
   }
 
-  // End of a call on stream s, after everything that reads our flags: release the peers' next call.
+  // End of a call on stream s, after everything that reads our flags: release the peers' next call, and mark the
+  // call complete for the watchdog, in one batch of writes.
   void signal_done(cudaStream_t s) const {
     if (graph()) FLUX_CUDA_CHECK(cudaMemsetAsync(my(0), 0, size_t(flags.data_words()) * 4, s));
+    FlagOp ops[kMaxFlagOps];
+    int n = 0;
     for (int q = 0; q < a.tp; ++q)
-      if (q != a.rank) stream_write_u32(s, flag(q, flags.done(a.rank)), a.epoch);
+      if (q != a.rank) ops[n++] = {flag(q, flags.done(a.rank)), a.epoch};
+    if (a.completion != nullptr) ops[n++] = {CompletionRing::word(a.completion, a.epoch), a.epoch};
+    stream_write_u32_all(s, ops, n);
   }
 
   const char* x_rows(int row) const { return static_cast<const char*>(a.x) + size_t(row) * a.ldx * (row_bytes / a.k); }

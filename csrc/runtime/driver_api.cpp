@@ -1,6 +1,6 @@
 // CUDA driver entry points, each resolved once through cudaGetDriverEntryPointByVersion, so the library needs no
 // libcuda at link time (the build machine has none) and a call pays no symbol lookup:
-//   * cuStreamWriteValue32 / cuStreamWaitValue32 (the copy-engine flags);
+//   * cuStreamWriteValue32 / cuStreamWaitValue32 / cuStreamBatchMemOp (the copy-engine flags and handshakes);
 //   * cuTensorMapEncodeTiled, which CUTLASS calls for every TMA descriptor. The library is compiled with
 //     CUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL, so CUTLASS calls this symbol directly; defined here (hidden) it
 //     forwards to the driver's entry point. Without it CUTLASS looks the entry point up by name for every
@@ -16,6 +16,7 @@ namespace {
 
 using WriteFn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 using WaitFn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+using BatchFn = CUresult (*)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int);
 using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                    const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                                    CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
@@ -39,6 +40,32 @@ WaitFn wait_fn() {
   return fn;
 }
 
+BatchFn batch_fn() {
+  static BatchFn const fn = entry_point<BatchFn>("cuStreamBatchMemOp");
+  return fn;
+}
+
+void batch(cudaStream_t stream, const FlagOp* ops, int count, bool wait) {
+  FLUX_CHECK(count >= 0 && count <= kMaxFlagOps, count, " flag operations in one batch (at most ", kMaxFlagOps, ")");
+  CUstreamBatchMemOpParams params[kMaxFlagOps] = {};
+  for (int i = 0; i < count; ++i) {
+    if (wait) {
+      params[i].waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
+      params[i].waitValue.address = reinterpret_cast<CUdeviceptr>(ops[i].address);
+      params[i].waitValue.value = ops[i].value;
+      params[i].waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+    } else {
+      params[i].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
+      params[i].writeValue.address = reinterpret_cast<CUdeviceptr>(ops[i].address);
+      params[i].writeValue.value = ops[i].value;
+      params[i].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+    }
+  }
+  CUresult const r = batch_fn()(reinterpret_cast<CUstream>(stream), unsigned(count), params, 0);
+  FLUX_CHECK(r == CUDA_SUCCESS, "cuStreamBatchMemOp (", count, wait ? " waits" : " writes", ") failed with CUresult ",
+             int(r));
+}
+
 void check_driver(CUresult r, const char* what) {
   FLUX_CHECK(r == CUDA_SUCCESS, what, " failed with CUresult ", int(r));
 }
@@ -56,6 +83,16 @@ void stream_wait_u32_geq(cudaStream_t stream, const uint32_t* address, uint32_t 
   check_driver(wait_fn()(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address), value,
                          CU_STREAM_WAIT_VALUE_GEQ),
                "cuStreamWaitValue32");
+}
+
+void stream_write_u32_all(cudaStream_t stream, const FlagOp* writes, int count) {
+  if (count == 1) return stream_write_u32(stream, writes[0].address, writes[0].value);
+  if (count > 1) batch(stream, writes, count, false);
+}
+
+void stream_wait_u32_geq_all(cudaStream_t stream, const FlagOp* waits, int count) {
+  if (count == 1) return stream_wait_u32_geq(stream, waits[0].address, waits[0].value);
+  if (count > 1) batch(stream, waits, count, true);
 }
 
 }  // namespace flux

@@ -110,8 +110,13 @@ void gemm_rs(const GemmRsArgs& a) {
     FLUX_CUDA_CHECK(cudaMemsetAsync(counts, 0, size_t(a.tp) * fps * 4, a.compute));
     FLUX_CUDA_CHECK(cudaEventRecord(ev[0], a.compute));
   } else if (graph) {
+    FlagOp waits[kMaxFlagOps];
+    int n = 0;
     for (int d = 0; d < a.tp; ++d)
-      if (d != r) wait_consumed(a.compute, d);
+      if (d != r) waits[n++] = {consumed(r) + d, 1};
+    stream_wait_u32_geq_all(a.compute, waits, n);
+    for (int i = 0; i < n; ++i) waits[i].value = 0;
+    stream_write_u32_all(a.compute, waits, n);
   }
   // The kernel goes first: its counts are what the copy streams wait on, and with a single hardware queue
   // (CUDA_DEVICE_MAX_CONNECTIONS=1) a wait queued ahead of it would never be released.
@@ -148,8 +153,13 @@ void gemm_rs(const GemmRsArgs& a) {
   }
 
   if (graph) FLUX_CUDA_CHECK(cudaMemsetAsync(a.flags[r], 0, size_t(a.tp) * fps * 4, a.compute));
+  // Our receive slots are free again (at every peer), and the call is complete (for the watchdog): one batch.
+  FlagOp done[kMaxFlagOps];
+  int n = 0;
   for (int q = 0; q < a.tp; ++q)
-    if (q != r) stream_write_u32(a.compute, consumed(q) + r, a.epoch);
+    if (q != r) done[n++] = {consumed(q) + r, a.epoch};
+  if (a.completion != nullptr) done[n++] = {CompletionRing::word(a.completion, a.epoch), a.epoch};
+  stream_write_u32_all(a.compute, done, n);
 }
 
 }  // namespace flux

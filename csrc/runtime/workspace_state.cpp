@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <sstream>
 #include <thread>
@@ -88,7 +89,13 @@ WorkspaceState::WorkspaceState(WorkspaceConfig config) : cfg_(std::move(config))
   FLUX_CUDA_CHECK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, cfg_.device));
   for (auto& e : events_) FLUX_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   FLUX_CUDA_CHECK(cudaStreamCreateWithFlags(&release_stream_, cudaStreamNonBlocking));
-  if (!cfg_.graph_protocol) Watchdog::instance().add(this);
+  if (!cfg_.graph_protocol) {
+    size_t const bytes = CompletionRing::kSlots * sizeof(uint32_t);
+    FLUX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&completion_host_), bytes, cudaHostAllocMapped));
+    std::memset(completion_host_, 0, bytes);
+    FLUX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&completion_device_), completion_host_, 0));
+    Watchdog::instance().add(this);
+  }
 }
 
 WorkspaceState::~WorkspaceState() {
@@ -96,8 +103,7 @@ WorkspaceState::~WorkspaceState() {
   // No throw from a destructor: a failure here leaks an event or a stream.
   for (auto& e : events_)
     if (e != nullptr) cudaEventDestroy(e);
-  for (auto& w : watched_) cudaEventDestroy(w.done);
-  for (auto& e : spare_events_) cudaEventDestroy(e);
+  if (completion_host_ != nullptr) cudaFreeHost(completion_host_);
   if (release_stream_ != nullptr) cudaStreamDestroy(release_stream_);
 }
 
@@ -107,37 +113,35 @@ int64_t WorkspaceState::flag_words() const {
   return 2 * int64_t(cfg_.tp) * cfg_.capacity + cfg_.tp;
 }
 
-void WorkspaceState::watch_call(cudaStream_t compute, uint32_t epoch) {
+void WorkspaceState::watch_call(uint32_t epoch) {
   std::lock_guard<std::mutex> lock(watch_mu_);
-  cudaEvent_t done = nullptr;
-  if (!spare_events_.empty()) {
-    done = spare_events_.back();
-    spare_events_.pop_back();
-  } else {
-    FLUX_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-  }
-  FLUX_CUDA_CHECK(cudaEventRecord(done, compute));
-  watched_.push_back({done, epoch, now_ns()});
+  watched_.push_back({epoch, now_ns()});
+}
+
+bool WorkspaceState::completed(uint32_t epoch) const {
+  uint32_t const mark = *static_cast<volatile uint32_t*>(CompletionRing::word(completion_host_, epoch));
+  return static_cast<int32_t>(mark - epoch) >= 0;  // its own epoch, or a call CompletionRing::kSlots later
 }
 
 void WorkspaceState::poll() {
   std::lock_guard<std::mutex> lock(watch_mu_);
-  if (watched_.empty()) return;
-  // The watchdog's thread serves every workspace of the process: make this one's device current first.
-  if (cudaSetDevice(cfg_.device) != cudaSuccess) return;
-  while (!watched_.empty()) {
-    cudaError_t const status = cudaEventQuery(watched_.front().done);
-    if (status == cudaErrorNotReady) break;
-    if (status != cudaSuccess) return;  // the context is failing or being torn down: nothing to watch
-    spare_events_.push_back(watched_.front().done);
+  while (!watched_.empty() && completed(watched_.front().epoch)) {
     watched_.pop_front();
     if (!watched_.empty()) watched_.front().since_ns = std::max(watched_.front().since_ns, now_ns());
   }
-  if (watched_.empty() || released_) return;
+  if (released_) return;
+  // A kernel wait that timed out: its call ended (the kernel gave up), but stream waits of the same call on comm
+  // streams that the compute stream did not join may still wait for the peer. Release them too.
+  bool const kernel_timed_out = static_cast<volatile int*>(cfg_.error_record)[0] != 0;
+  if (watched_.empty() && !kernel_timed_out) return;
   // The kernels' own waits time out at timeout_ns and say precisely what they waited for; the grace leaves them
   // the first word. The stream waits have no bound but this one.
   int64_t const grace_ns = 2'000'000'000;
-  if (now_ns() - watched_.front().since_ns > int64_t(cfg_.timeout_ns) + grace_ns) release(watched_.front().epoch);
+  bool const overdue = !watched_.empty() && now_ns() - watched_.front().since_ns > int64_t(cfg_.timeout_ns) + grace_ns;
+  if (!kernel_timed_out && !overdue) return;
+  // The watchdog's thread serves every workspace of the process: make this one's device current first.
+  if (cudaSetDevice(cfg_.device) != cudaSuccess) return;
+  release(watched_.empty() ? epoch_.load() : watched_.front().epoch);
 }
 
 std::string WorkspaceState::lagging_peer(const std::vector<uint32_t>& f, uint32_t epoch) const {

@@ -79,6 +79,9 @@ struct AgGemmArgs {
   int num_comm = 0;
   cudaEvent_t* events = nullptr;  // kEventsPerCall events of the workspace
   bool run_gemm = true;           // false: the transfers alone (benchmarks time the copy-engine all-gather this way)
+  // Host-mapped words (CompletionRing) the end of the call writes its epoch to: the watchdog's view of completion.
+  // Null: the call is not watched (CUDA-graph twin).
+  uint32_t* completion = nullptr;
 };
 
 // out = all_gather(x) @ op(w) + bias with copy-engine transfers overlapped with the GEMM.
@@ -120,7 +123,8 @@ struct GemmRsArgs {
   int* error_claim = nullptr;
   LaunchOptions launch;
   cudaStream_t compute = nullptr;
-  cudaEvent_t* events = nullptr;  // kEventsPerCall events of the workspace
+  cudaEvent_t* events = nullptr;   // kEventsPerCall events of the workspace
+  uint32_t* completion = nullptr;  // as AgGemmArgs::completion
 };
 
 // out = reduce_scatter(x @ op(w)) + bias: tiles reach the owning rank's receive slot (stored there by the
@@ -134,5 +138,24 @@ void rs_group_order(int rank, int tp, int* group_order);
 // Stream memory operations through driver entry points (no link against libcuda).
 void stream_write_u32(cudaStream_t stream, uint32_t* address, uint32_t value);
 void stream_wait_u32_geq(cudaStream_t stream, const uint32_t* address, uint32_t value);
+
+// Several flag writes (or waits, each for a value >= its own) in one driver call (cuStreamBatchMemOp): a call
+// costs the host about as much as one stream memory operation, so a call's handshake with all its peers costs
+// one. Each is ordered after all prior work of the stream, as the single operations above.
+struct FlagOp {
+  uint32_t* address;
+  uint32_t value;
+};
+constexpr int kMaxFlagOps = kMaxGroups + 1;
+void stream_write_u32_all(cudaStream_t stream, const FlagOp* writes, int count);
+void stream_wait_u32_geq_all(cudaStream_t stream, const FlagOp* waits, int count);
+
+// Where the end of each call of a workspace writes its epoch (host-mapped memory, read by the watchdog without a
+// CUDA call): word epoch % kSlots, so calls that complete out of order (on different streams) each leave their
+// own mark, and a call is complete once its word holds its epoch or a later one.
+struct CompletionRing {
+  static constexpr int kSlots = 256;
+  static uint32_t* word(uint32_t* ring, uint32_t epoch) { return ring + epoch % kSlots; }
+};
 
 }  // namespace flux

@@ -58,10 +58,12 @@ struct WorkspaceConfig {
 
 // Every wait of a fused call is bounded. The kernels bound their own (device-side timeout, error record). The
 // stream waits (cuStreamWaitValue32) cannot be bounded by the driver, so a watchdog thread watches each call's
-// completion: a call that has not finished timeout_ns after it could start (its enqueue, or the end of the
-// workspace's previous call, whichever is later) is taken as hung: the watchdog names the peer this rank waits
-// for, records the failure, and sets this rank's flags to their maximum so that every wait returns and the process
-// can shut down (outputs of that call are garbage; the workspace refuses further calls).
+// completion (the epoch its last operation writes into a host-mapped CompletionRing, no CUDA call on either
+// side): a call that has not finished timeout_ns after it could start (its enqueue, or the end of the workspace's
+// previous call, whichever is later), or a kernel wait that timed out, is taken as hung: the watchdog names the
+// peer this rank waits for, records the failure, and sets this rank's flags to their maximum so that every wait
+// returns, including stream waits on comm streams the compute stream no longer waits for, and the process can
+// shut down (outputs of that call are garbage; the workspace refuses further calls).
 class WorkspaceState {
  public:
   explicit WorkspaceState(WorkspaceConfig config);
@@ -87,8 +89,10 @@ class WorkspaceState {
   char* stage() const { return stage_; }
   cudaEvent_t* events() { return events_.data(); }
 
-  // After a call's work is enqueued on `compute` (not under capture: replays are not watched).
-  void watch_call(cudaStream_t compute, uint32_t epoch);
+  // The host-mapped CompletionRing the end of each eager call writes its epoch to (device address).
+  uint32_t* completion_ring() const { return completion_device_; }
+  // After a call's work is enqueued (not under capture: replays are not watched).
+  void watch_call(uint32_t epoch);
   // The watchdog's check (its thread): retire finished calls, release a hung one.
   void poll();
 
@@ -98,14 +102,16 @@ class WorkspaceState {
   void release(uint32_t epoch);
   int64_t flag_words() const;
 
+  bool completed(uint32_t epoch) const;
+
   struct Watched {
-    cudaEvent_t done;
     uint32_t epoch;
     int64_t since_ns;  // when the call could start: its enqueue or the end of the previous call
   };
   std::mutex watch_mu_;
   std::deque<Watched> watched_;
-  std::vector<cudaEvent_t> spare_events_;
+  uint32_t* completion_host_ = nullptr;  // CompletionRing::kSlots words, host-mapped
+  uint32_t* completion_device_ = nullptr;
   cudaStream_t release_stream_ = nullptr;  // non-blocking: not held up by the streams it unblocks
   bool released_ = false;
 
