@@ -87,18 +87,27 @@ def enable_megatron_on_cpu() -> None:
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
-def seed_everything(seed: int) -> None:
-    """Same seed on every rank for the replicated parts; megatron's tracker gives each TP rank its own stream."""
+def seed_everything(seed: int, cuda_graphs: bool = False) -> None:
+    """Same seed on every rank for the replicated parts; megatron's tracker gives each TP rank its own stream
+    (graph-safe generators where the layers are captured as CUDA graphs: megatron-core requires them)."""
     from megatron.core import tensor_parallel
     torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    # NOTE: force_reset only where the tracker's kind changes: on the CPU it would replace the CPU tracker that
+    # enable_megatron_on_cpu installed.
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cuda_graphs,
+                                                    force_reset_rng=cuda_graphs)
 
 
-def build_model(cfg, linear_impl: str, device: torch.device, tp_comm_overlap: bool = True):
+def build_model(cfg, linear_impl: str, device: torch.device, tp_comm_overlap: bool = True,
+                cuda_graphs: bool = False):
     """A GPTModel on ``device`` (bf16 on CUDA, fp32 on CPU), TP over the whole world, SP when tp > 1.
 
     ``tp_comm_overlap`` is megatron's master overlap switch, which the flux linears read: off, they take the
-    sequential path (collective, then GEMM) everywhere. megatron-core's own linears ignore it."""
+    sequential path (collective, then GEMM) everywhere. megatron-core's own linears ignore it.
+    ``cuda_graphs``: megatron-core's local CUDA graphs, one per transformer layer's forward and backward, recorded
+    in the first iteration and captured after it (:func:`examples.gpt.train.train_step` calls
+    ``create_cudagraphs``); the flux linears then make their workspaces' CUDA-graph twins
+    (flux_layers.runtime.workspace)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -121,6 +130,7 @@ def build_model(cfg, linear_impl: str, device: torch.device, tp_comm_overlap: bo
         # 0.6-1.0% faster per layer-stack step than the GEMM with an NCCL reduce-scatter under the wgrad GEMM in
         # the last four runs (docs/experiments.md).
         tp_comm_overlap=tp_comm_overlap, tp_comm_overlap_rs_dgrad=tp_comm_overlap, cuda_graph_scope=[],
+        cuda_graph_impl="local" if cuda_graphs else "none",
     )
     if linear_impl not in LINEAR_IMPLS:
         raise ValueError(f"linear_impl must be one of {LINEAR_IMPLS}, got {linear_impl!r}")

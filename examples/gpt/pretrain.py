@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-tp-comm-overlap", dest="tp_comm_overlap", action="store_false",
                    help="turn megatron's tp_comm_overlap switch off: the flux linears then take the sequential path "
                         "(collective, then GEMM) instead of the fused kernels")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="capture each transformer layer's forward and backward as CUDA graphs after the first "
+                        "iteration (megatron-core's local CUDA graphs; both linears in --compare), so that the "
+                        "layers' calls cost no host time; shapes must stay static (CUDA only)")
     p.add_argument("--save", metavar="DIR", help="write checkpoints here")
     p.add_argument("--save-interval", type=int, default=0, metavar="N",
                    help="checkpoint every N iterations (always at the end and at --exit-interval)")
@@ -96,6 +100,8 @@ def resolve_args(parser: argparse.ArgumentParser, argv=None) -> tuple[argparse.N
     args.backend = args.backend or ("auto" if args.device == "cuda" else "reference")
     if args.backend == "fused" and args.device == "cpu":
         parser.error("--backend fused needs CUDA GPUs; the CPU run uses the reference backend")
+    if args.cuda_graphs and args.device != "cuda":
+        parser.error("--cuda-graphs needs --device cuda")
     if args.compare and (args.linear_impl or args.save or args.load):
         parser.error("--compare trains both implementations from scratch: drop --linear-impl, --save and --load")
     args.linear_impl = args.linear_impl or "flux"
@@ -136,7 +142,8 @@ def describe_run(args, cfg: GPTRunConfig, device: torch.device) -> str:
         f"{cfg.num_attention_heads} heads ({cfg.query_groups} KV groups), seq {cfg.seq_length}, vocab "
         f"{cfg.vocab_size}: {(layer_params + embed_params) / 1e6:,.1f}M parameters",
         f"TP={args.tp}{' + SP' if args.tp > 1 else ''} on {where}; FLUX_LAYERS_BACKEND={args.backend}; "
-        f"linears: {'megatron then flux (--compare)' if args.compare else args.linear_impl}",
+        f"linears: {'megatron then flux (--compare)' if args.compare else args.linear_impl}"
+        f"{'; layers as CUDA graphs from iteration 2' if args.cuda_graphs else ''}",
         f"{cfg.micro_batch_size} x {cfg.num_microbatches} micro-batches x {cfg.seq_length} = {cfg.tokens_per_iter:,} "
         f"tokens/iteration; {cfg.train_iters} iterations; lr {cfg.lr:g} (warm-up {cfg.lr_warmup_iters}, cosine to "
         f"{cfg.min_lr:g}); clip {cfg.clip_grad:g}",
@@ -156,11 +163,11 @@ def describe_run(args, cfg: GPTRunConfig, device: torch.device) -> str:
 def run_single(args, cfg: GPTRunConfig, device: torch.device) -> None:
     from .model import build_model, seed_everything
     from .train import RunOptions, train
-    seed_everything(cfg.seed)
-    model = build_model(cfg, args.linear_impl, device, args.tp_comm_overlap)
+    seed_everything(cfg.seed, args.cuda_graphs)
+    model = build_model(cfg, args.linear_impl, device, args.tp_comm_overlap, args.cuda_graphs)
     opts = RunOptions(linear_impl=args.linear_impl, save=args.save, save_interval=args.save_interval, load=args.load,
                       ckpt_step=args.ckpt_step, exit_interval=args.exit_interval, log_interval=args.log_interval,
-                      peak_tflops=args.peak_tflops)
+                      peak_tflops=args.peak_tflops, cuda_graphs=args.cuda_graphs)
     history = train(model, cfg, opts, device)
     if dist.get_rank() != 0:
         return
@@ -168,6 +175,7 @@ def run_single(args, cfg: GPTRunConfig, device: torch.device) -> None:
         print(f"peak memory allocated: {history.peak_memory_bytes / 2 ** 30:.1f} GiB", flush=True)
     if args.metrics_out:
         record = {"model": args.model, "linear_impl": args.linear_impl, "tp": args.tp, "device": args.device,
+                  "cuda_graphs": args.cuda_graphs,
                   "iterations": history.iterations, "losses": history.losses, "lrs": history.lrs,
                   "grad_norms": history.grad_norms, "step_times_ms": [1e3 * t for t in history.step_times_s]}
         with open(args.metrics_out, "w") as f:
@@ -186,12 +194,16 @@ def train_fresh(args, cfg: GPTRunConfig, impl: str, device: torch.device, peak: 
     from .model import build_model, linear_paths, seed_everything
     from .report import summarize
     from .train import RunOptions, train
-    seed_everything(cfg.seed)
-    model = build_model(cfg, impl, device, args.tp_comm_overlap)
-    opts = RunOptions(linear_impl=impl, log_interval=args.log_interval, peak_tflops=peak)
+    seed_everything(cfg.seed, args.cuda_graphs)
+    model = build_model(cfg, impl, device, args.tp_comm_overlap, args.cuda_graphs)
+    opts = RunOptions(linear_impl=impl, log_interval=args.log_interval, peak_tflops=peak, cuda_graphs=args.cuda_graphs)
     history = train(model, cfg, opts, device)
     result = summarize(history, cfg, args.timing_warmup, args.tp, peak, linear_paths(model))
     del model
+    if args.cuda_graphs:
+        # megatron-core keeps "graphs created" process-wide: the next model records and captures its own.
+        from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+        delete_cuda_graphs()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -209,7 +221,7 @@ def run_compare(args, cfg: GPTRunConfig, device: torch.device) -> None:
     if dist.get_rank() == 0:
         write_compare(results, cfg, model=args.model, tag=args.tag, results_dir=args.results_dir,
                       device=args.device, device_name=name, gpus=args.tp, backend=args.backend,
-                      timing_warmup=args.timing_warmup)
+                      timing_warmup=args.timing_warmup, cuda_graphs=args.cuda_graphs)
 
 
 def run_rank(args, cfg: GPTRunConfig, body=None) -> None:

@@ -68,7 +68,8 @@ def format_table(results: dict, speedup: float) -> str:
 
 
 def write_compare(results: dict, cfg: GPTRunConfig, *, model: str, tag: str, results_dir: str, device: str,
-                  device_name: str, gpus: int, backend: str, timing_warmup: int) -> tuple[str, str | None]:
+                  device_name: str, gpus: int, backend: str, timing_warmup: int,
+                  cuda_graphs: bool = False) -> tuple[str, str | None]:
     """Print the table, write the JSON and the plot; returns (json path, png path or None without matplotlib)."""
     on_gpu = device == "cuda"
     speedup = results["megatron"]["median_step_ms"] / results["flux"]["median_step_ms"]
@@ -80,7 +81,7 @@ def write_compare(results: dict, cfg: GPTRunConfig, *, model: str, tag: str, res
         "git_commit": git_commit(),
         "device": device, "gpu_model": device_name if on_gpu else None, "gpu_count": gpus if on_gpu else 0,
         "processes": gpus, "tensor_parallel": gpus, "sequence_parallel": gpus > 1,
-        "backend": backend, "model": model, "config": dataclasses.asdict(cfg),
+        "backend": backend, "cuda_graphs": cuda_graphs, "model": model, "config": dataclasses.asdict(cfg),
         "timing_warmup_iters": timing_warmup, "speedup": speedup, "results": results,
         "note": None if on_gpu else CPU_NOTE,
     }

@@ -223,6 +223,7 @@ class RunOptions:
     exit_interval: int = 0
     log_interval: int = 10
     peak_tflops: float | None = None
+    cuda_graphs: bool = False  # the model was built with megatron-core's local CUDA graphs (model.build_model)
 
 
 class Progress:
@@ -257,8 +258,10 @@ class Progress:
 
 
 def train_step(model, optimizer, data: SyntheticCycleWalk, cfg: GPTRunConfig, it: int,
-               position_ids: torch.Tensor) -> tuple[float, float]:
-    """One optimizer step on iteration ``it``'s micro-batches; returns (mean loss, grad norm)."""
+               position_ids: torch.Tensor, cuda_graphs: bool = False) -> tuple[float, float]:
+    """One optimizer step on iteration ``it``'s micro-batches; returns (mean loss, grad norm). With
+    ``cuda_graphs``, the layers' forward and backward passes of the first step are recorded and captured at its end
+    (as megatron-core's schedules do); later steps replay them."""
     optimizer.zero_grad()
     total = torch.zeros((), device=position_ids.device)
     for micro in range(cfg.num_microbatches):
@@ -268,6 +271,9 @@ def train_step(model, optimizer, data: SyntheticCycleWalk, cfg: GPTRunConfig, it
         loss = per_token.float().mean() / cfg.num_microbatches
         loss.backward()
         total += loss.detach()
+    if cuda_graphs:
+        from megatron.core.transformer.cuda_graphs import create_cudagraphs
+        create_cudagraphs()  # a no-op once the graphs exist
     grad_norm = optimizer.step()
     loss_value = total.item()
     if not math.isfinite(loss_value):
@@ -298,9 +304,12 @@ def train(model, cfg: GPTRunConfig, opts: RunOptions, device: torch.device) -> R
     for it in range(start + 1, cfg.train_iters + 1):
         began = time.perf_counter()
         scheduler.step(1)  # the schedule's value at iteration it: the first step already has a non-zero lr
-        loss, grad_norm = train_step(model, optimizer, data, cfg, it, position_ids)
+        loss, grad_norm = train_step(model, optimizer, data, cfg, it, position_ids, opts.cuda_graphs)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        if opts.cuda_graphs and opts.linear_impl == "flux":
+            from flux_layers.runtime.workspace import check_graph_replays
+            check_graph_replays()  # a fused op's timeout inside a replay surfaces here (no host code ran)
         step_s = time.perf_counter() - began
         lr = optimizer.param_groups[0]["lr"]
         for name, value in (("iterations", it), ("losses", loss), ("step_times_s", step_s),
