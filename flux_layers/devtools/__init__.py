@@ -10,4 +10,6 @@ lives here. The tests of benchmark and example code sit beside it (``benchmarks/
 - :mod:`~flux_layers.devtools.records`: what every result JSON records (commit, command, GPU, settings) and writing it.
 - :mod:`~flux_layers.devtools.gpu_monitor`: SM clock and power sampled by nvidia-smi, per variant's time windows.
 - :mod:`~flux_layers.devtools.plot`: the figure of an end-to-end comparison record (needs matplotlib).
+- :mod:`~flux_layers.devtools.oracle`: when a fused op's low-precision output is right (within 1.5x cuBLAS's error
+  against fp32 on the same inputs).
 """

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from flux_layers.devtools.launch import run_distributed
-from tests.gpu.gpu_support import assert_close_rel, global_inputs, needs_gpus, poison_outputs
+from tests.gpu.gpu_support import assert_close_rel, global_inputs, needs_gpus, poison_outputs, references
 
 pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 
@@ -23,7 +23,7 @@ def _ag_call(rank, tp, seed, ws, m=256, k=256, n=128):
     x, w, _ = global_inputs(seed, m * tp, k, n * tp, torch.bfloat16, "nt")
     w_shard_n = w.chunk(tp)[rank].contiguous()
     out = fused_ag_gemm.ag_gemm(x.chunk(tp)[rank], w_shard_n, group=dist.group.WORLD, ws=ws)
-    return out, x.float() @ w_shard_n.float().t()
+    return out, *references(x, w_shard_n, None, "nt")
 
 
 def _peer_death(rank, tp, seed):
@@ -31,8 +31,7 @@ def _peer_death(rank, tp, seed):
     ws = AgWorkspace(dist.group.WORLD, torch.bfloat16, 256 * tp, 256)
     ws.timeout_s = TIMEOUT_S
     for i in range(2):
-        out, ref = _ag_call(rank, tp, seed + i, ws)
-        assert_close_rel(out, ref, torch.bfloat16, f"rank {rank} call {i} before the peer died")
+        assert_close_rel(*_ag_call(rank, tp, seed + i, ws), f"rank {rank} call {i} before the peer died")
     torch.cuda.synchronize()
     dist.barrier()
     if rank == tp - 1:
@@ -75,12 +74,12 @@ def _rejected_then_valid(rank, tp, seed):
                                   group=dist.group.WORLD, ws=ag)
     assert empty.shape == (0, 128) and (ag.epoch, rs.epoch) == epochs == (0, 0), "M = 0 must be a no-op"
     for i in range(3):  # every rank in step: valid calls are right
-        out, ref = _ag_call(rank, tp, seed + i, ag)
-        assert_close_rel(out, ref, torch.bfloat16, f"rank {rank} ag_gemm call {i} after rejected calls")
+        assert_close_rel(*_ag_call(rank, tp, seed + i, ag), f"rank {rank} ag_gemm call {i} after rejected calls")
         xg, wg, bg = global_inputs(seed + 100 + i, 256 * tp, 128 * tp, 256, torch.bfloat16, "nt")
         y = fused_gemm_rs.gemm_rs(xg.chunk(tp, dim=1)[rank].contiguous(), wg.chunk(tp, dim=1)[rank].contiguous(),
                                   bg, group=dist.group.WORLD, ws=rs)
-        assert_close_rel(y, (xg.float() @ wg.float().t() + bg.float()).chunk(tp)[rank], torch.bfloat16,
+        ref, cublas = references(xg, wg, bg, "nt")
+        assert_close_rel(y, ref.chunk(tp)[rank], cublas.chunk(tp)[rank],
                          f"rank {rank} gemm_rs call {i} after rejected calls")
     assert (ag.epoch, rs.epoch) == (3, 3)
     torch.cuda.synchronize()
