@@ -14,4 +14,6 @@ lives here. The tests of benchmark and example code sit beside it (``benchmarks/
   against fp32 on the same inputs).
 - :mod:`~flux_layers.devtools.bad_inputs`: a catalogue of bad inputs to the ops, the fused functions and the layers,
   each with the rule its error must state, and a valid call after each.
+- :mod:`~flux_layers.devtools.stress`: many pipelined fused calls (both ops and layouts, M changing, eager and
+  CUDA-graph replays, a late rank) checked in batches.
 """
