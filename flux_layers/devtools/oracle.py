@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 RATIO = 1.5
-FLOOR = {torch.bfloat16: 2.0**-10, torch.float16: 2.0**-13}
+FLOOR = {torch.bfloat16: 2.0**-10, torch.float16: 2.0**-13, torch.float32: 2.0**-22}
 
 
 def matmul_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:

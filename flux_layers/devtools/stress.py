@@ -11,7 +11,8 @@ transfer. A late rank sleeps on the GPU (``torch.cuda._sleep``) before its call,
 peer's kernels wait in their flags.
 
 CUDA graphs must be enabled (``workspace.enable_cuda_graphs()``) before the first call of the run, so that the
-workspaces come with their twins; :func:`run` does that.
+workspaces come with their twins; :func:`run` does that. Without a GPU the same run takes the reference backend on
+CPU tensors, with neither graphs nor late ranks (the CPU tests check its bookkeeping that way).
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class StressConfig:
     dtype: torch.dtype = torch.bfloat16
     ops: tuple[str, ...] = ("ag_gemm", "gemm_rs")
     layouts: tuple[str, ...] = ("nt", "nn")
+    device: str = "cuda"            # "cpu": the reference backend, no graphs, no late rank (a dry run)
 
 
 @dataclass
@@ -55,10 +57,10 @@ def _make_problem(cfg: StressConfig, rank: int, tp: int, op: str, layout: str, r
     p = _Problem(op, layout, rows)
     m = rows * tp
     for s in range(cfg.input_sets):
-        gen = torch.Generator(device="cuda").manual_seed(seed * 64 + s)
+        gen = torch.Generator(device=cfg.device).manual_seed(seed * 64 + s)
 
         def rand(*shape):
-            return torch.randn(*shape, generator=gen, device="cuda").to(cfg.dtype)
+            return torch.randn(*shape, generator=gen, device=cfg.device).to(cfg.dtype)
         x = rand(m, cfg.k)
         w = rand(cfg.n, cfg.k) if layout == "nt" else rand(cfg.k, cfg.n)
         b = rand(cfg.n) if s % 2 == 0 else None
@@ -77,10 +79,10 @@ def _make_problem(cfg: StressConfig, rank: int, tp: int, op: str, layout: str, r
     return p
 
 
-def _call(op: str, layout: str, group):
+def _call(op: str, layout: str, group, backend: str):
     from flux_layers import ops
     fn = ops.ag_gemm if op == "ag_gemm" else ops.gemm_rs
-    return lambda x, w, b: fn(x, w, b, group=group, weight_layout=layout, backend="fused")
+    return lambda x, w, b: fn(x, w, b, group=group, weight_layout=layout, backend=backend)
 
 
 def cycles_per_ms() -> float:
@@ -115,14 +117,17 @@ class _Graph:
 def run(rank: int, tp: int, group, cfg: StressConfig, progress: Callable[[str], None] | None = None) -> dict:
     """The stress run on this rank (every rank of ``group`` runs it with the same ``cfg``); its record."""
     from flux_layers.runtime import workspace
-    workspace.enable_cuda_graphs()
+    cuda = cfg.device == "cuda"
+    if cuda:
+        workspace.enable_cuda_graphs()
     group = group if group is not None else dist.group.WORLD
     problems = []
     for op in cfg.ops:
         for layout in cfg.layouts:
             for rows in sorted(cfg.rows, reverse=True):  # the largest first: workspaces made once, at full size
                 problems.append(_make_problem(cfg, rank, tp, op, layout, rows, cfg.seed + len(problems)))
-    fns = {(op, layout): _call(op, layout, group) for op in cfg.ops for layout in cfg.layouts}
+    fns = {(op, layout): _call(op, layout, group, "fused" if cuda else "reference") for op in cfg.ops
+           for layout in cfg.layouts}
     bounds = torch.stack([s[4] for p in problems for s in p.sets]).tolist()
     bound_of = {}
     i = 0
@@ -132,11 +137,13 @@ def run(rank: int, tp: int, group, cfg: StressConfig, progress: Callable[[str], 
             i += 1
     for p in problems:  # warm-up: every call decided (the cross-rank check), the workspaces and twins made
         fns[(p.op, p.layout)](*p.sets[0][:3])
-    torch.cuda.synchronize()
     rng = random.Random(cfg.seed)
-    graphs = [_Graph(rng.choice([p for p in problems if (p.op, p.layout) == key]), fns[key]) for key in fns]
-    torch.cuda.synchronize()
-    sleep_cycles = int(cfg.late_ms * cycles_per_ms()) if cfg.late_every else 0
+    graphs = []
+    if cuda:
+        torch.cuda.synchronize()
+        graphs = [_Graph(rng.choice([p for p in problems if (p.op, p.layout) == key]), fns[key]) for key in fns]
+        torch.cuda.synchronize()
+    sleep_cycles = int(cfg.late_ms * cycles_per_ms()) if cfg.late_every and cuda else 0
     bias_sets = list(range(0, cfg.input_sets, 2))
     counts = {"eager": 0, "graph": 0, "late": 0}
     mismatches, worst, examples = 0, 0.0, []
@@ -162,9 +169,9 @@ def run(rank: int, tp: int, group, cfg: StressConfig, progress: Callable[[str], 
     for i in range(cfg.calls):
         if cfg.late_every and i % cfg.late_every == cfg.late_every - 1:
             counts["late"] += 1
-            if rank == (i // cfg.late_every) % tp:
+            if rank == (i // cfg.late_every) % tp and sleep_cycles:
                 torch.cuda._sleep(sleep_cycles)
-        if rng.random() < cfg.graph_share:
+        if graphs and rng.random() < cfg.graph_share:
             g = graphs[rng.randrange(len(graphs))]
             s = rng.choice(bias_sets)
             pending.append((i, g.replay(s), g.problem, s))
@@ -179,8 +186,9 @@ def run(rank: int, tp: int, group, cfg: StressConfig, progress: Callable[[str], 
             if progress is not None and (i + 1) % max(cfg.batch, cfg.calls // 10 // cfg.batch * cfg.batch) == 0:
                 progress(f"{i + 1} calls, {mismatches} mismatches, {time.monotonic() - began:.1f} s")
     check()
-    torch.cuda.synchronize()
-    workspace.check_graph_replays()
+    if cuda:
+        torch.cuda.synchronize()
+        workspace.check_graph_replays()
     seconds = time.monotonic() - began
     return {"calls": cfg.calls, "mismatches": mismatches, "seconds": round(seconds, 2),
             "eager_calls": counts["eager"], "graph_replays": counts["graph"], "late_calls": counts["late"],
