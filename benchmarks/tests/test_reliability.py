@@ -80,3 +80,26 @@ def test_an_overrunning_scenario_is_stopped_at_its_limit(cpu_runner):
     record = reliability.run_scenario("stress", 2, cpu_runner)
     assert "did not finish within 3" in record["error"] and record["wall_s"] < 30
     assert not [p for p in os.listdir("/tmp") if p.startswith("reliability_stress_")], "scratch folder left behind"
+
+
+def test_main_writes_the_record_after_every_scenario(tmp_path, monkeypatch):
+    import json
+
+    import torch
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    ran = []
+
+    def fake(name, world, opts, launch=None):
+        ran.append((name, world, os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")))
+        return {"ok": True, "wall_s": 0.0}
+    monkeypatch.setattr(reliability, "run_scenario", fake)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "unset")  # recorded, so that main's setting is undone after
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    out = tmp_path / "reliability.json"
+    reliability.main(["--scenarios", "bad_inputs,stress", "--out", str(out), "--stress-calls", "500"])
+    record = json.loads(out.read_text())
+    assert ran == [("bad_inputs", 2, "1"), ("stress", 2, "1")]
+    for key in ("command", "commit", "gpu", "gpu_count", "torch", "settings", "bad_inputs", "stress"):
+        assert key in record, key
+    assert record["command"].endswith("--stress-calls 500") and record["settings"]["stress_calls"] == 500
+    assert record["tp"] == 2 and record["shared_gpu"] is False
