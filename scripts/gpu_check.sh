@@ -5,13 +5,14 @@
 #
 # Steps (default: all, in this order): env gemm_test ag_test rs_test graph_test reliability_test layers_test gemm_bench
 # ag_bench rs_bench overhead_bench layer_bench layer_bench_conn1. Also: sweep_bench (benchmarks/bench_sweep.py),
-# split_tests (only the stream-K tail's GPU tests), layer_ops_bench
+# split_tests (only the stream-K tail's GPU tests), reliability_bench (benchmarks/reliability.py: every reliability
+# scenario in its own process group, $RELIABILITY_ARGS added; with one GPU its two ranks share it), layer_ops_bench
 # (benchmarks/bench_layer_ops.py), e2e_ceiling (examples/gpt/ceiling.py), layer_profile
 # (benchmarks/profile_layer.py), stock_bench (benchmarks/bench_cutlass_stock.py). GRAPH_TEST_K / LAYERS_TEST_K
 # narrow graph_test / layers_test to a pytest -k expression.
-# On a machine with ONE GPU: env gemm_test shared_tests shared_overhead baseline_overhead. shared_tests runs the
-# fused ops' GPU tests with their ranks as processes sharing the GPU (FLUX_LAYERS_TEST_SHARED_GPU=1; results checked,
-# timings meaningless; SHARED_TESTS_K narrows it); shared_overhead times the host cost per call that way
+# On a machine with ONE GPU: env gemm_test shared_tests shared_overhead baseline_overhead reliability_bench.
+# shared_tests runs the fused ops' GPU tests with their ranks as processes sharing the GPU
+# (FLUX_LAYERS_TEST_SHARED_GPU=1; results checked, timings meaningless; SHARED_TESTS_K narrows it); shared_overhead times the host cost per call that way
 # (benchmarks/bench_overhead.py --shared-gpu $OVERHEAD_ARGS), baseline_overhead the same for a prebuilt older tree
 # in .baseline/ (its flux_layers package and configs). Set FLUX_LAYERS_COMMIT where the repository is: a copy of the
 # tree on the GPU machine may report another commit. Each step runs under its own
@@ -84,10 +85,18 @@ flux_layers._library.path(), flux_layers._library.unavailable_reason())'" ;;
     rs_test) step rs_test 300 $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_gemm_rs_gpu.py ;;
     graph_test) step graph_test 300 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_graph_ops_gpu.py \
       tests/gpu/test_layers_gpu.py -k "${GRAPH_TEST_K:-graph}" ;;
-    reliability_test) step reliability_test 200 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_reliability_gpu.py ;;
-    shared_tests) step shared_tests 420 env FLUX_LAYERS_TEST_SHARED_GPU=1 FLUX_LAYERS_TIMEOUT_S=${SHARED_TIMEOUT_S:-60} \
+    reliability_test) step reliability_test 360 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_reliability_gpu.py ;;
+    shared_tests) step shared_tests 540 env FLUX_LAYERS_TEST_SHARED_GPU=1 FLUX_LAYERS_TIMEOUT_S=${SHARED_TIMEOUT_S:-60} \
       $PY -m pytest -q -p no:cacheprovider tests/gpu/test_ag_gemm_gpu.py tests/gpu/test_gemm_rs_gpu.py \
       tests/gpu/test_cuda_graph_ops_gpu.py tests/gpu/test_reliability_gpu.py ${SHARED_TESTS_K:+-k "$SHARED_TESTS_K"} ;;
+    reliability_bench)  # one GPU: two ranks sharing it (--shared-gpu), results checked, times not TP times
+      if [ "$GPUS" -ge 2 ]; then
+        step reliability_bench 540 $PY -m benchmarks.reliability ${RELIABILITY_ARGS:-} \
+          --out "$WORK/results/reliability_$GPU_TAG.json"
+      else
+        step reliability_bench 540 $PY -m benchmarks.reliability --shared-gpu ${RELIABILITY_ARGS:-} \
+          --out "$WORK/results/reliability_shared.json"
+      fi ;;
     shared_overhead) step shared_overhead 200 $PY -m benchmarks.bench_overhead --shared-gpu ${OVERHEAD_ARGS:-} \
       --out "$WORK/results/op_overhead_shared.json" ;;
     baseline_overhead)

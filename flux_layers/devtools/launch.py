@@ -72,8 +72,9 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout_s
         if not (any(_PORT_TAKEN in tb for _, tb in failures) and attempt + 1 < port_attempts):
             break
     if failures:
-        rank, tb = sorted(failures)[0]
-        raise AssertionError(f"rank {rank} of {world_size} failed:\n{tb}")
+        (rank, tb), *others = sorted(failures)
+        also = "".join(f"\nrank {r} failed too: {t.strip().splitlines()[-1]}" for r, t in others)
+        raise AssertionError(f"rank {rank} of {world_size} failed:\n{tb}{also}")
     if hung:
         raise AssertionError(f"ranks {hung} did not finish within {timeout_s} s")
     bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]

@@ -43,15 +43,27 @@ def check_matmul_args(name: str, x: torch.Tensor, weight: torch.Tensor, bias: to
         raise ValueError(f"{name}: x {tuple(x.shape)} and weight {tuple(weight.shape)} (layout "
                          f"{weight_layout!r}) disagree on K: {k} vs {k_w}")
     if x.dtype != weight.dtype:
-        raise ValueError(f"{name}: x dtype {x.dtype} != weight dtype {weight.dtype}")
+        raise ValueError(f"{name}: x dtype {x.dtype} != weight dtype {weight.dtype}; x and weight must have the "
+                         "same dtype")
     if x.device != weight.device:
-        raise ValueError(f"{name}: x is on {x.device} but weight on {weight.device}")
+        raise ValueError(f"{name}: x is on {x.device} but weight on {weight.device}; x and weight must be on the "
+                         "same device")
     if bias is not None:
         if bias.shape != (n,):
             raise ValueError(f"{name}: bias must have shape ({n},), got {tuple(bias.shape)}")
         if bias.dtype != x.dtype or bias.device != x.device:
-            raise ValueError(f"{name}: bias is {bias.dtype} on {bias.device}; expected {x.dtype} on {x.device}")
+            raise ValueError(f"{name}: bias is {bias.dtype} on {bias.device}; expected {x.dtype} on {x.device} "
+                             "(the dtype and device of x)")
     return m, k, n
+
+
+def check_fused_dims(name: str, k: int, n: int) -> None:
+    """Sizes the fused kernels need (TMA rows of 16 bytes): K and N multiples of 8, K positive."""
+    if k <= 0 or k % 8 != 0:
+        raise ValueError(f"{name}: K = {k} (x's columns) must be a positive multiple of 8 for the fused kernels")
+    if n % 8 != 0:
+        raise ValueError(f"{name}: N = {n} (the weight's output features) must be a multiple of 8 for the fused "
+                         "kernels")
 
 
 def check_fused_tensor(name: str, what: str, t: torch.Tensor) -> None:

@@ -98,6 +98,14 @@ def _raise_workspace_error(exc: RuntimeError):
     raise failed from None
 
 
+def call_signature(op: str, m: int, k: int, n: int, dtype: torch.dtype, weight_layout: str,
+                   transport: str | None = None) -> tuple:
+    """What :func:`check_same_call` compares: (op, M, K, N, dtype, layout), and the GEMM+ReduceScatter transport
+    (both sides of a transfer must use the same). M counts the gathered rows for ag_gemm, x's rows for gemm_rs."""
+    signature = (op, m, k, n, str(dtype), weight_layout)
+    return signature if transport is None else signature + (transport,)
+
+
 def check_same_call(group, signature: tuple) -> None:
     """Every rank of ``group`` makes the same call (a collective): raises ValueError on every rank, naming each rank's
     call, where they differ. Run once per decision of a fused call (before its workspace is found or grown), so
@@ -123,7 +131,7 @@ class _FusedAgGemm:
         from flux_layers.ops import fused_ag_gemm
         from flux_layers.runtime import workspace
         m, k, n = fused_ag_gemm.check_args(x_shard_m, weight, None, weight_layout, group)
-        check_same_call(group, ("ag_gemm", m, k, n, str(x_shard_m.dtype), weight_layout))
+        check_same_call(group, call_signature("ag_gemm", m, k, n, x_shard_m.dtype, weight_layout))
         self.ws = workspace.get_ag_workspace(group, x_shard_m.dtype, m, k)
         self.handle, self.plan = self.ws.handle, fused_ag_gemm.plan_call(self.ws, m=m, k=k, n=n)
         self.weight_nn = weight_layout == "nn"
@@ -147,7 +155,7 @@ class _FusedGemmRs:
         from flux_layers.runtime import tuning, workspace
         m, k, n = fused_gemm_rs.check_args(x, weight, None, weight_layout, group)
         transport = tuning.rs_transport(dtype=x.dtype, tp=dist.get_world_size(group), mkn=(m, k, n))
-        check_same_call(group, ("gemm_rs", m, k, n, str(x.dtype), weight_layout, transport))
+        check_same_call(group, call_signature("gemm_rs", m, k, n, x.dtype, weight_layout, transport))
         self.ws = workspace.get_rs_workspace(group, x.dtype, m, n)
         self.handle, self.plan = self.ws.handle, fused_gemm_rs.plan_call(self.ws, m=m, k=k, n=n)
         self.weight_nn = weight_layout == "nn"

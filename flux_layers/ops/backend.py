@@ -48,9 +48,9 @@ def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int,
     if reason is not None:
         blockers.append(reason)
     if device.type != "cuda":
-        blockers.append(f"tensors are on {device}, the fused kernels need CUDA tensors")
+        blockers.append(f"x and weight are on {device}, the fused kernels need CUDA tensors")
     if dtype not in FUSED_DTYPES:
-        blockers.append(f"dtype {dtype} is not bfloat16/float16")
+        blockers.append(f"x and weight have dtype {dtype}, the fused kernels need bfloat16 or float16")
     # Any process-group backend serves the fused path: its group only exchanges the workspaces' addresses when
     # they are made (the transfers are the op library's own), so gloo works too, e.g. for ranks sharing one GPU.
     if op != "gemm" and not blockers and group is not None:

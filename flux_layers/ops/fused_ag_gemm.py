@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from flux_layers import _env, _library
-from flux_layers.ops._checks import check_fused_tensor, check_matmul_args
+from flux_layers.ops._checks import check_fused_dims, check_fused_tensor, check_matmul_args
 from flux_layers.runtime import schedules, tuning, workspace
 
 _MODES = {"pull": 0, "push": 1}
@@ -44,6 +44,7 @@ def check_args(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     (M, K, N) with M the gathered rows."""
     _library.require()
     rows, k, n = check_matmul_args("ag_gemm", x_shard_m, weight, bias, weight_layout)
+    check_fused_dims("ag_gemm", k, n)
     for what, t in (("x_shard_m", x_shard_m), ("weight", weight)):
         check_fused_tensor("ag_gemm", what, t)
     return rows * dist.get_world_size(group), k, n
@@ -96,6 +97,8 @@ def ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     m, k, n = check_args(x_shard_m, weight, bias, weight_layout, group)
     if ws is None:
         ws = workspace.get_ag_workspace(group, x_shard_m.dtype, m, k)
+    elif not isinstance(ws, workspace.AgWorkspace):
+        raise TypeError(f"ag_gemm: ws must be an AgWorkspace or None, got {type(ws).__name__}")
     elif m > ws.max_m or ws.k != k or ws.dtype != x_shard_m.dtype:
         raise ValueError(f"ag_gemm: call needs M={m}, K={k}, {x_shard_m.dtype}; the workspace holds "
                          f"max_m={ws.max_m}, K={ws.k}, {ws.dtype}")

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from flux_layers import _env, _library
-from flux_layers.ops._checks import check_fused_tensor, check_matmul_args
+from flux_layers.ops._checks import check_fused_dims, check_fused_tensor, check_matmul_args
 from flux_layers.runtime import tuning, workspace
 
 
@@ -29,6 +29,7 @@ def check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """The fused path's checks of a call (the op library checks strides and alignment again per call); (M, K, N)."""
     _library.require()
     m, k, n = check_matmul_args("gemm_rs", x, weight, bias, weight_layout)
+    check_fused_dims("gemm_rs", k, n)
     for what, t in (("x", x), ("weight", weight)):
         check_fused_tensor("gemm_rs", what, t)
     tp = dist.get_world_size(group)
@@ -85,6 +86,8 @@ def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     m, k, n = check_args(x, weight, bias, weight_layout, group)
     if ws is None:
         ws = workspace.get_rs_workspace(group, x.dtype, m, n)
+    elif not isinstance(ws, workspace.RsWorkspace):
+        raise TypeError(f"gemm_rs: ws must be an RsWorkspace or None, got {type(ws).__name__}")
     elif m > ws.max_m or ws.n != n or ws.dtype != x.dtype:
         raise ValueError(f"gemm_rs: call needs M={m}, N={n}, {x.dtype}; the workspace holds "
                          f"max_m={ws.max_m}, N={ws.n}, {ws.dtype}")

@@ -403,6 +403,39 @@ def check_graph_replays() -> None:
             ws.graph_twin.raise_if_failed()
 
 
+def reset() -> None:
+    """The collective reset after a :class:`WorkspaceError` (a peer that stopped calling for longer than the timeout,
+    ranks whose calls went out of step): every rank of every group with a cached workspace calls it, outside capture.
+
+    Each cached workspace (its CUDA-graph twin, and outgrown workspaces kept for graphs, too) releases this rank's
+    stream waits, so that the device drains; the device is synchronized; the workspaces and the calls decided on them
+    are forgotten; then a barrier per group makes sure that no peer still writes into them before they are freed. The
+    next fused calls create fresh workspaces (collectively, as the first ones). CUDA graphs captured on the old
+    workspaces must be captured again. A reset cannot recover from a dead peer (the barrier needs every rank): restart
+    the job then.
+    """
+    _refuse_under_capture("reset")
+    with _cache_lock:
+        old = list(_cache.values()) + _retired
+        groups: list = []
+        for ws in old:
+            for w in (ws, ws.graph_twin):
+                if w is not None:
+                    w.release()
+            if not any(ws.group is g for g in groups):
+                groups.append(ws.group)
+        if old:
+            torch.cuda.synchronize()
+        _cache.clear()
+        _retired.clear()
+    for ws in old:
+        ws.retired = True
+        for callback in _on_retire:
+            callback(ws)
+    for group in groups:  # every peer is past its calls on the old workspaces before they are freed
+        dist.barrier(group=group)
+
+
 def clear_cache() -> None:
     """Forget the cached workspaces (the caller guarantees no call on them is in flight on any rank)."""
     with _cache_lock:

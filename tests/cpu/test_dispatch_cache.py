@@ -83,3 +83,31 @@ def _same_call(rank, tp, differ):
 def test_ranks_making_different_calls_raise_on_every_rank(differ):
     from flux_layers.devtools.launch import run_distributed
     run_distributed(_same_call, 2, differ)
+
+
+def test_call_signature_holds_every_field_a_peer_must_agree_on():
+    base = ("gemm_rs", 4096, 1024, 512, torch.bfloat16, "nn", "direct")
+    assert _dispatch.call_signature(*base) == ("gemm_rs", 4096, 1024, 512, "torch.bfloat16", "nn", "direct")
+    assert _dispatch.call_signature(*base[:6]) == ("gemm_rs", 4096, 1024, 512, "torch.bfloat16", "nn")
+    changed = ("ag_gemm", 2048, 2048, 1024, torch.float16, "nt", "copy_engine")
+    for i, value in enumerate(changed):
+        other = base[:i] + (value,) + base[i + 1:]
+        assert _dispatch.call_signature(*other) != _dispatch.call_signature(*base), f"field {i} is not compared"
+
+
+_OTHER = ("ag_gemm", 2048, 2048, 256, torch.float16, "nn", "copy_engine")  # every field differs from the base
+
+
+def _each_field(rank, tp):
+    import torch.distributed as dist
+    base = ("gemm_rs", 4096, 1024, 512, torch.bfloat16, "nt", "direct")
+    for i in range(len(base)):
+        mine = base if rank == 0 else base[:i] + (_OTHER[i],) + base[i + 1:]
+        with pytest.raises(ValueError, match=r"rank 0: \('gemm_rs', 4096.*; rank 1: \("):
+            _dispatch.check_same_call(dist.group.WORLD, _dispatch.call_signature(*mine))
+    _dispatch.check_same_call(dist.group.WORLD, _dispatch.call_signature(*base))  # still in step
+
+
+def test_a_difference_in_any_field_raises_on_every_rank():
+    from flux_layers.devtools.launch import run_distributed
+    run_distributed(_each_field, 2)

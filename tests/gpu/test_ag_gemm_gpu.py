@@ -9,7 +9,14 @@ import torch
 import torch.distributed as dist
 
 from flux_layers.devtools.launch import run_distributed
-from tests.gpu.gpu_support import assert_close_rel, global_inputs, needs_gpus, poison_outputs, split_sm_count
+from tests.gpu.gpu_support import (
+    assert_close_rel,
+    global_inputs,
+    needs_gpus,
+    poison_outputs,
+    references,
+    split_sm_count,
+)
 
 pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 
@@ -29,12 +36,10 @@ def _one_call(rank, tp, seed, m, k, n, dtype, layout, *, with_bias=True, ws=None
     out, gathered = fused_ag_gemm.ag_gemm(x_shard_m, w_shard_n, b_shard_n, group=dist.group.WORLD,
                                           weight_layout=layout, return_gathered=True, ws=ws, tile=tile,
                                           **kernel)
-    ref = x.float() @ (w_shard_n.float().t() if layout == "nt" else w_shard_n.float())
-    if with_bias:
-        ref = ref + b_shard_n.float()
+    ref, cublas = references(x, w_shard_n, b_shard_n, layout)
     tag = f"rank {rank} ag_gemm M={m} K={k} N={n} {dtype} {layout} mode={os.environ.get('FLUX_LAYERS_AG_MODE')} " \
           f"order={os.environ.get('FLUX_LAYERS_AG_ORDER')}"
-    assert_close_rel(out, ref, dtype, tag)
+    assert_close_rel(out, ref, cublas, tag)
     assert torch.equal(gathered, x), f"{tag}: gathered input differs from the global x"
 
 
@@ -86,7 +91,7 @@ def _late_and_many(rank, tp, seed):
         x_shard_m.copy_(x.chunk(tp)[rank])
         w_shard_n = w.chunk(tp)[rank].contiguous()
         out = fused_ag_gemm.ag_gemm(x_shard_m, w_shard_n, group=dist.group.WORLD, ws=ws)
-        assert_close_rel(out, x.float() @ w_shard_n.float().t(), torch.bfloat16, f"rank {rank} {mode} in-buffer x")
+        assert_close_rel(out, *references(x, w_shard_n, None, "nt"), f"rank {rank} {mode} in-buffer x")
     torch.cuda.synchronize()
 
 

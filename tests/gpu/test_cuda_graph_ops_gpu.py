@@ -3,7 +3,8 @@
 A graph holds two calls of one operator (two sizes of M, so that the workspace serves both); it is replayed
 back to back with fresh inputs copied into its static tensors in stream order, one rank starting some replays
 ~10 ms late, and with eager calls of the same operator (on the eager workspace) in between. Outputs are
-poisoned with NaN inside the captured op, so every replay must write every element. The AllGather cases enable
+poisoned with NaN inside the captured op, so every replay must write every element; each replay's outputs are
+bitwise equal to an eager call's on the same inputs (same kernels, same plans). The AllGather cases enable
 CUDA graphs before the warm-up (the twins come with the workspaces); the ReduceScatter cases add the twins after
 it (prepare_cuda_graphs).
 """
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 from flux_layers.devtools.launch import run_distributed
 from flux_layers.runtime.tuning import RS_TRANSPORTS
-from tests.gpu.gpu_support import assert_close_rel, needs_gpus, poison_outputs, random_matrix
+from tests.gpu.gpu_support import assert_close_rel, needs_gpus, poison_outputs, random_matrix, references
 
 pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 
@@ -28,7 +29,8 @@ ROWS = (512, 264)  # per-rank rows of the two captured calls (the second not a m
 
 
 def _replay_and_check(rank, tp, seed, make_inputs, call, reference, what, *, prepare_after_warmup=False):
-    """Capture call() on static inputs, replay it REPLAYS times back to back and compare each replay's outputs.
+    """Capture call() on static inputs, replay it REPLAYS times back to back and compare each replay's outputs with
+    the references ((fp32, cuBLAS) per output) and, bitwise, with an eager call on the same inputs.
     prepare_after_warmup: the warm-up runs without CUDA graphs enabled, prepare_cuda_graphs() adds the twins."""
     from flux_layers.runtime import workspace
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -55,12 +57,16 @@ def _replay_and_check(rank, tp, seed, make_inputs, call, reference, what, *, pre
         replayed.append([o.clone() for o in static_out])
         if i == 3:
             eager = call(inputs)  # an eager call between replays (eager workspace)
-            for j, (o, ref) in enumerate(zip(eager, reference(inputs))):
-                assert_close_rel(o, ref, torch.bfloat16, f"rank {rank} {what} eager call between replays, output {j}")
+            for j, (o, refs) in enumerate(zip(eager, reference(inputs))):
+                assert_close_rel(o, *refs, f"rank {rank} {what} eager call between replays, output {j}")
     torch.cuda.synchronize()
     for i, (inputs, outs) in enumerate(zip(trials, replayed)):
-        for j, (o, ref) in enumerate(zip(outs, reference(inputs))):
-            assert_close_rel(o, ref, torch.bfloat16, f"rank {rank} {what} replay {i}, output {j}")
+        for j, (o, refs) in enumerate(zip(outs, reference(inputs))):
+            assert_close_rel(o, *refs, f"rank {rank} {what} replay {i}, output {j}")
+        eager = call(inputs)
+        differing = [j for j, (o, e) in enumerate(zip(outs, eager)) if not torch.equal(o, e)]
+        assert not differing, f"rank {rank} {what} replay {i}: outputs {differing} differ bitwise from an eager call"
+    torch.cuda.synchronize()
 
 
 def _ag(rank, tp, seed, mode, order):
@@ -83,7 +89,7 @@ def _ag(rank, tp, seed, mode, order):
 
     def reference(inputs):
         *xs, w = inputs
-        return [x.float() @ w.float().t() for x in xs]
+        return [references(x, w, None, "nt") for x in xs]
 
     _replay_and_check(rank, tp, seed, make_inputs, call, reference, f"ag_gemm {mode} {order}")
 
@@ -111,7 +117,7 @@ def _rs(rank, tp, seed, transport):
 
     def reference(inputs):
         *xs, w = inputs
-        return [(x.float() @ w.float().t()).chunk(tp)[rank] for x in xs]
+        return [tuple(r.chunk(tp)[rank] for r in references(x, w, None, "nt")) for x in xs]
 
     _replay_and_check(rank, tp, seed, make_inputs, call, reference, f"gemm_rs {transport}", prepare_after_warmup=True)
 

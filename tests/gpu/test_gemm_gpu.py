@@ -4,7 +4,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.gpu_support import assert_close_rel, needs_gpus, poison_outputs, random_matrix, stream_k_active
+from tests.gpu.gpu_support import (
+    assert_close_rel,
+    needs_gpus,
+    poison_outputs,
+    random_matrix,
+    references,
+    stream_k_active,
+)
 
 pytestmark = [pytest.mark.gpu, needs_gpus(1)]
 
@@ -29,10 +36,7 @@ def test_gemm_matches_fp32_reference(mnk, dtype, layout, with_bias, tile):
     w = random_matrix(n, k, dtype, gen) if layout == "nt" else random_matrix(k, n, dtype, gen)
     b = random_matrix(1, n, dtype, gen)[0] if with_bias else None
     out = fused_gemm.gemm(x, w, b, weight_layout=layout, tile=tile)
-    ref = x.float() @ (w.float().t() if layout == "nt" else w.float())
-    if b is not None:
-        ref = ref + b.float()
-    assert_close_rel(out, ref, dtype, f"gemm {mnk} {dtype} {layout} bias={with_bias} tile={tile}")
+    assert_close_rel(out, *references(x, w, b, layout), f"gemm {mnk} {dtype} {layout} bias={with_bias} tile={tile}")
 
 
 def test_gemm_row_stride_and_views():
@@ -42,7 +46,7 @@ def test_gemm_row_stride_and_views():
     x = big[:, :512]  # row stride 1024 elements, not contiguous
     w = random_matrix(256, 512, torch.bfloat16, gen)
     out = fused_gemm.gemm(x, w)
-    assert_close_rel(out, x.float() @ w.float().t(), torch.bfloat16, "strided x")
+    assert_close_rel(out, *references(x, w, None, "nt"), "strided x")
 
 
 def test_bad_inputs_raise_and_later_calls_work():
@@ -67,7 +71,7 @@ def test_bad_inputs_raise_and_later_calls_work():
     with pytest.raises(ValueError, match="tile"):
         fused_gemm.gemm(x, w, tile=7)
     out = fused_gemm.gemm(x, w)
-    assert_close_rel(out, x.float() @ w.float().t(), torch.bfloat16, "valid call after bad ones")
+    assert_close_rel(out, *references(x, w, None, "nt"), "valid call after bad ones")
 
 
 # (M, N, K, tile, SMs, fill limit %): the persistent grid is limited so that the split of the last wave is known
@@ -88,10 +92,10 @@ def test_stream_k_tail_matches_reference_and_repeats_bitwise(case, layout):
     x = random_matrix(m, k, torch.bfloat16, gen)
     w = random_matrix(n, k, torch.bfloat16, gen) if layout == "nt" else random_matrix(k, n, torch.bfloat16, gen)
     b = random_matrix(1, n, torch.bfloat16, gen)[0]
-    ref = x.float() @ (w.float().t() if layout == "nt" else w.float()) + b.float()
+    ref, cublas = references(x, w, b, layout)
     first = fused_gemm.gemm(x, w, b, weight_layout=layout, tile=tile, sm_count=sms, stream_k=fill)
-    assert_close_rel(first, ref, torch.bfloat16, f"stream-K {case} {layout}")
+    assert_close_rel(first, ref, cublas, f"stream-K {case} {layout}")
     again = fused_gemm.gemm(x, w, b, weight_layout=layout, tile=tile, sm_count=sms, stream_k=fill)
     assert torch.equal(first, again), f"stream-K {case} {layout}: two runs differ bitwise"
     whole = fused_gemm.gemm(x, w, b, weight_layout=layout, tile=tile, sm_count=sms, stream_k=False)
-    assert_close_rel(whole, ref, torch.bfloat16, f"whole tiles {case} {layout}")
+    assert_close_rel(whole, ref, cublas, f"whole tiles {case} {layout}")

@@ -9,7 +9,14 @@ import torch.distributed as dist
 
 from flux_layers.devtools.launch import run_distributed, shared_gpu
 from flux_layers.runtime.tuning import RS_TRANSPORTS as TRANSPORTS
-from tests.gpu.gpu_support import assert_close_rel, global_inputs, needs_gpus, poison_outputs, split_sm_count
+from tests.gpu.gpu_support import (
+    assert_close_rel,
+    global_inputs,
+    needs_gpus,
+    poison_outputs,
+    references,
+    split_sm_count,
+)
 
 pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 
@@ -27,10 +34,9 @@ def _one_call(rank, tp, seed, m, k, n, dtype, layout, *, with_bias=True, ws=None
         time.sleep(0.010)
     out = fused_gemm_rs.gemm_rs(x_shard_k, w_shard_k, b if with_bias else None, group=dist.group.WORLD,
                                 weight_layout=layout, ws=ws, tile=tile, **kernel)
-    full = x.float() @ (w.float().t() if layout == "nt" else w.float())
-    if with_bias:
-        full = full + b.float()
-    assert_close_rel(out, full.chunk(tp)[rank], dtype, f"rank {rank} gemm_rs M={m} K={k} N={n} {dtype} {layout}")
+    full, cublas = references(x, w, b if with_bias else None, layout)
+    assert_close_rel(out, full.chunk(tp)[rank], cublas.chunk(tp)[rank],
+                     f"rank {rank} gemm_rs M={m} K={k} N={n} {dtype} {layout}")
     return out
 
 
@@ -136,8 +142,9 @@ def _repeatable_at_layer_shapes(rank, tp, seed):
             for _ in range(12):
                 outs.append(fused_gemm_rs.gemm_rs(x_shard_k, w_shard_k, b, group=dist.group.WORLD, transport=transport))
                 fused_ag_gemm.ag_gemm(x_other_shard_m, w_other, group=dist.group.WORLD)
-            full = x.float() @ w.float().t() + b.float()
-            assert_close_rel(outs[0], full.chunk(tp)[rank], torch.bfloat16, f"rank {rank} gemm_rs M={m} K={k} N={n}")
+            full, cublas = references(x, w, b, "nt")
+            assert_close_rel(outs[0], full.chunk(tp)[rank], cublas.chunk(tp)[rank],
+                             f"rank {rank} gemm_rs M={m} K={k} N={n}")
             differing = [j for j, out in enumerate(outs) if not torch.equal(out, outs[0])]
             assert not differing, f"rank {rank} {transport} M={m} K={k} N={n}: calls {differing} differ from the first"
     torch.cuda.synchronize()

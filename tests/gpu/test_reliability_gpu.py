@@ -1,16 +1,22 @@
-"""The fused ops when a peer misbehaves: a dead peer raises instead of hanging, a rejected call leaves the ranks
-in step, M = 0 is a no-op (2 GPUs, or one shared under FLUX_LAYERS_TEST_SHARED_GPU=1)."""
+"""The fused ops when a peer misbehaves or a caller errs (2 GPUs, or one shared under FLUX_LAYERS_TEST_SHARED_GPU=1):
+a dead peer raises instead of hanging; a rejected call leaves the ranks in step; M = 0 is a no-op; a graph replay
+that times out is reported; ranks making different calls raise on every rank; the bad-input catalogue
+(flux_layers/devtools/bad_inputs.py) is answered clearly; workspaces grow bounded and capped; a collective reset
+after a timeout; a short pipelined stress run (flux_layers/devtools/stress.py). Timeouts are short, so each test runs
+in seconds; benchmarks/reliability.py runs the long versions."""
 from __future__ import annotations
 
+import gc
 import os
 import time
+import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from flux_layers.devtools.launch import run_distributed
-from tests.gpu.gpu_support import assert_close_rel, global_inputs, needs_gpus, poison_outputs
+from flux_layers.devtools.launch import run_distributed, shared_gpu
+from tests.gpu.gpu_support import assert_close_rel, global_inputs, needs_gpus, poison_outputs, references
 
 pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 
@@ -18,12 +24,29 @@ TP = min(max(torch.cuda.device_count(), 2), 8)
 TIMEOUT_S = 2.0
 
 
-def _ag_call(rank, tp, seed, ws, m=256, k=256, n=128):
+def _seed() -> int:
+    return int(torch.randint(0, 2**30, ()).item())
+
+
+def _ag_call(rank, tp, seed, ws=None, m=256, k=256, n=128, backend="fused"):
+    """One AllGather+GEMM call (on ``ws``, else through ops) and its references."""
+    from flux_layers import ops
     from flux_layers.ops import fused_ag_gemm
     x, w, _ = global_inputs(seed, m * tp, k, n * tp, torch.bfloat16, "nt")
     w_shard_n = w.chunk(tp)[rank].contiguous()
-    out = fused_ag_gemm.ag_gemm(x.chunk(tp)[rank], w_shard_n, group=dist.group.WORLD, ws=ws)
-    return out, x.float() @ w_shard_n.float().t()
+    if ws is None:
+        out = ops.ag_gemm(x.chunk(tp)[rank], w_shard_n, group=dist.group.WORLD, backend=backend)
+    else:
+        out = fused_ag_gemm.ag_gemm(x.chunk(tp)[rank], w_shard_n, group=dist.group.WORLD, ws=ws)
+    return out, *references(x, w_shard_n, None, "nt")
+
+
+def _rs_call(rank, tp, seed, m=256, k=128, n=256):
+    from flux_layers import ops
+    xg, wg, bg = global_inputs(seed, m * tp, k * tp, n, torch.bfloat16, "nt")
+    out = ops.gemm_rs(xg.chunk(tp, dim=1)[rank].contiguous(), wg.chunk(tp, dim=1)[rank].contiguous(), bg,
+                      group=dist.group.WORLD, backend="fused")
+    return out, *(r.chunk(tp)[rank] for r in references(xg, wg, bg, "nt"))
 
 
 def _peer_death(rank, tp, seed):
@@ -31,8 +54,7 @@ def _peer_death(rank, tp, seed):
     ws = AgWorkspace(dist.group.WORLD, torch.bfloat16, 256 * tp, 256)
     ws.timeout_s = TIMEOUT_S
     for i in range(2):
-        out, ref = _ag_call(rank, tp, seed + i, ws)
-        assert_close_rel(out, ref, torch.bfloat16, f"rank {rank} call {i} before the peer died")
+        assert_close_rel(*_ag_call(rank, tp, seed + i, ws), f"rank {rank} call {i} before the peer died")
     torch.cuda.synchronize()
     dist.barrier()
     if rank == tp - 1:
@@ -52,7 +74,7 @@ def _peer_death(rank, tp, seed):
 
 
 def test_dead_peer_raises_instead_of_hanging():
-    run_distributed(_peer_death, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl", timeout_s=180)
+    run_distributed(_peer_death, TP, _seed(), backend="nccl", timeout_s=180)
 
 
 def _rejected_then_valid(rank, tp, seed):
@@ -63,7 +85,7 @@ def _rejected_then_valid(rank, tp, seed):
     rs = RsWorkspace(dist.group.WORLD, torch.bfloat16, 512 * tp, 256)
     x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     if rank == 0:  # rejected calls on one rank only: nothing may be enqueued and no epoch may advance
-        with pytest.raises(ValueError, match="N = 2044 must be a multiple of 8"):
+        with pytest.raises(ValueError, match="N = 2044 .* must be a multiple of 8"):
             fused_ag_gemm.ag_gemm(x, torch.randn(2044, 256, device="cuda", dtype=torch.bfloat16),
                                   group=dist.group.WORLD, ws=ag)
         with pytest.raises(ValueError, match="bias must be contiguous"):
@@ -75,16 +97,174 @@ def _rejected_then_valid(rank, tp, seed):
                                   group=dist.group.WORLD, ws=ag)
     assert empty.shape == (0, 128) and (ag.epoch, rs.epoch) == epochs == (0, 0), "M = 0 must be a no-op"
     for i in range(3):  # every rank in step: valid calls are right
-        out, ref = _ag_call(rank, tp, seed + i, ag)
-        assert_close_rel(out, ref, torch.bfloat16, f"rank {rank} ag_gemm call {i} after rejected calls")
+        assert_close_rel(*_ag_call(rank, tp, seed + i, ag), f"rank {rank} ag_gemm call {i} after rejected calls")
         xg, wg, bg = global_inputs(seed + 100 + i, 256 * tp, 128 * tp, 256, torch.bfloat16, "nt")
         y = fused_gemm_rs.gemm_rs(xg.chunk(tp, dim=1)[rank].contiguous(), wg.chunk(tp, dim=1)[rank].contiguous(),
                                   bg, group=dist.group.WORLD, ws=rs)
-        assert_close_rel(y, (xg.float() @ wg.float().t() + bg.float()).chunk(tp)[rank], torch.bfloat16,
+        ref, cublas = references(xg, wg, bg, "nt")
+        assert_close_rel(y, ref.chunk(tp)[rank], cublas.chunk(tp)[rank],
                          f"rank {rank} gemm_rs call {i} after rejected calls")
     assert (ag.epoch, rs.epoch) == (3, 3)
     torch.cuda.synchronize()
 
 
 def test_rejected_call_leaves_ranks_in_step():
-    run_distributed(_rejected_then_valid, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl")
+    run_distributed(_rejected_then_valid, TP, _seed(), backend="nccl")
+
+
+def _graph_timeout(rank, tp, seed, done):
+    from flux_layers.ops import _dispatch
+    from flux_layers.runtime import workspace
+    from flux_layers.runtime.workspace import WorkspaceError
+    os.environ["FLUX_LAYERS_TIMEOUT_S"] = str(TIMEOUT_S)  # read when the workspace and its twin are made
+    workspace.enable_cuda_graphs()
+    x, w, _ = global_inputs(seed, 256 * tp, 256, 128, torch.bfloat16, "nt")
+    x_shard_m = x.chunk(tp)[rank].contiguous()
+
+    def call():
+        from flux_layers import ops
+        return ops.ag_gemm(x_shard_m, w, group=dist.group.WORLD, backend="fused")
+    call()
+    torch.cuda.synchronize()
+    twin = _dispatch.ag_gemm_call(x_shard_m, w, dist.group.WORLD, "nt", "fused").ws.graph_twin
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close_rel(out, *references(x, w, None, "nt"), f"rank {rank} replay with every rank")
+    workspace.check_graph_replays()  # nothing recorded
+    dist.barrier()
+    if rank == 0:  # replays alone: the twin's waits time out on the device
+        graph.replay()
+        began = time.monotonic()
+        while True:
+            try:
+                workspace.check_graph_replays()
+            except WorkspaceError as exc:
+                assert "rank 0 timed out" in str(exc), str(exc)
+                break
+            assert time.monotonic() - began < TIMEOUT_S + 10, "the replay's timeout was not reported"
+            time.sleep(0.01)
+        with pytest.raises(WorkspaceError):  # the next eager call on the workspace reports it too
+            call()
+        twin.release()
+        torch.cuda.synchronize()  # the released twin lets the device drain
+        open(done, "w").close()
+    else:
+        deadline = time.monotonic() + 3 * TIMEOUT_S + 30
+        while not os.path.exists(done):
+            assert time.monotonic() < deadline, "rank 0 did not finish"
+            time.sleep(0.05)
+    os._exit(0)  # the twin is unusable: no collective shutdown
+
+
+def test_graph_replay_timeout_is_reported(tmp_path):
+    run_distributed(_graph_timeout, TP, _seed(), str(tmp_path / "done"), backend="nccl", timeout_s=120)
+
+
+def _mismatch(rank, tp, seed):
+    poison_outputs()
+    with pytest.raises(ValueError, match=r"rank 0: \('ag_gemm', 512,.*rank 1: \('ag_gemm', 256,"):
+        _ag_call(rank, tp, seed, m=256 if rank == 0 else 128)  # M (gathered) 512 on rank 0, 256 elsewhere
+    with pytest.raises(ValueError, match=r"rank 0: \('ag_gemm'.*rank 1: \('gemm_rs'"):
+        (_ag_call if rank == 0 else _rs_call)(rank, tp, seed)
+    for i in range(2):  # every rank in step again
+        assert_close_rel(*_ag_call(rank, tp, seed + 1 + i), f"rank {rank} ag_gemm after the mismatch")
+        assert_close_rel(*_rs_call(rank, tp, seed + 1 + i), f"rank {rank} gemm_rs after the mismatch")
+    torch.cuda.synchronize()
+
+
+def test_ranks_making_different_calls_raise_on_every_rank():
+    run_distributed(_mismatch, TP, _seed(), backend="nccl")
+
+
+def _bad_inputs(rank, tp, seed):
+    from flux_layers.devtools import bad_inputs
+    poison_outputs()
+    env = bad_inputs.Env.here(rank, tp, seed=seed)
+    rows = bad_inputs.run_cases(env)
+    assert len(rows) >= 25
+    unclear = [(r["case"], r["error_type"], r["message"]) for r in rows if not r["clear"]]
+    assert not unclear, f"rank {rank}: unclear or missing errors: {unclear}"
+    advanced = [r["case"] for r in rows if r["epoch_advanced"]]
+    assert not advanced, f"rank {rank}: rejected calls advanced an epoch: {advanced}"
+    wrong = [(r["case"], r["later_error"]) for r in rows if not r["later_ok"]]
+    assert not wrong, f"rank {rank}: calls after a rejected one were wrong: {wrong}"
+    torch.cuda.synchronize()
+
+
+def test_bad_inputs_are_rejected_clearly_and_later_calls_are_right():
+    run_distributed(_bad_inputs, TP, _seed(), backend="nccl")
+
+
+def _growth(rank, tp, seed):
+    from flux_layers.runtime import workspace
+    made = []
+    for i, rows in enumerate(range(128, 2048 + 1, 128)):
+        assert_close_rel(*_ag_call(rank, tp, seed + i, m=rows, k=512), f"rank {rank} ag_gemm rows {rows}")
+        torch.cuda.synchronize()
+        ws = next(iter(workspace._cache.values()))
+        if not any(ref() is ws for ref in made):
+            made.append(weakref.ref(ws))
+    del ws
+    gc.collect()
+    live = list(workspace._cache.values())
+    assert len(live) == 1 and live[0].max_m >= 2048 * tp
+    assert 4 <= len(made) <= 10, f"{len(made)} workspaces for 16 sizes: growth by 1.5x expected"
+    assert all(ref() is None for ref in made[:-1]), "an outgrown workspace is still alive"
+    assert live[0].max_m < 2048 * tp * 1.5 + 128 * tp, f"max_m {live[0].max_m} overshoots"
+    os.environ["FLUX_LAYERS_WORKSPACE_MAX_GIB"] = str(live[0].max_m * 512 * 2 / 2**30 * 1.2)
+    with pytest.raises(RuntimeError, match=r"needs .* GiB of symmetric memory, over FLUX_LAYERS_WORKSPACE_MAX_GIB"):
+        _ag_call(rank, tp, seed, m=live[0].max_m // tp + 128, k=512)
+    assert_close_rel(*_ag_call(rank, tp, seed, m=2048, k=512), f"rank {rank} ag_gemm after the cap")
+    torch.cuda.synchronize()
+
+
+def test_workspace_growth_is_bounded_and_capped():
+    run_distributed(_growth, TP, _seed(), backend="nccl")
+
+
+def _reset(rank, tp, seed):
+    from flux_layers.ops import _dispatch
+    from flux_layers.runtime import workspace
+    from flux_layers.runtime.workspace import WorkspaceError
+    poison_outputs()
+    assert_close_rel(*_ag_call(rank, tp, seed), f"rank {rank} before the timeout")
+    torch.cuda.synchronize()
+    x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    old = _dispatch.ag_gemm_call(x, w, dist.group.WORLD, "nt", "fused").ws
+    old.timeout_s = TIMEOUT_S
+    dist.barrier()
+    if rank == 0:  # the others never make this call
+        from flux_layers import ops
+        ops.ag_gemm(x, w, group=dist.group.WORLD, backend="fused")
+        with pytest.raises(WorkspaceError, match="rank 0 timed out"):
+            old.check()
+    dist.barrier()
+    workspace.reset()
+    assert not workspace._cache and _dispatch.ag_gemm_call(x, w, dist.group.WORLD, "nt", "fused").ws is not old
+    for i in range(2):
+        assert_close_rel(*_ag_call(rank, tp, seed + 1 + i), f"rank {rank} ag_gemm after the reset")
+        assert_close_rel(*_rs_call(rank, tp, seed + 1 + i), f"rank {rank} gemm_rs after the reset")
+    torch.cuda.synchronize()
+
+
+def test_reset_after_a_timeout_brings_the_ranks_back_in_step():
+    run_distributed(_reset, TP, _seed(), backend="nccl", timeout_s=120)
+
+
+def _stress(rank, tp, seed):
+    from flux_layers.devtools import stress
+    poison_outputs()
+    cfg = stress.StressConfig(calls=300, batch=25, rows=(8, 128, 264, 512), k=512, n=512, input_sets=4,
+                              graph_share=0.2, late_every=50, late_ms=10.0, seed=seed % 1000)
+    record = stress.run(rank, tp, dist.group.WORLD, cfg)
+    assert record["mismatches"] == 0, f"rank {rank}: {record['first_mismatches']}"
+    assert record["graph_replays"] > 20 and record["late_calls"] == 6, record
+    torch.cuda.synchronize()
+
+
+def test_short_stress_of_pipelined_mixed_calls():
+    run_distributed(_stress, TP, _seed(), backend="nccl", timeout_s=300 if shared_gpu() else 180)
