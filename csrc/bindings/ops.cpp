@@ -46,7 +46,9 @@ void check_matrix(const Tensor& t, const char* name, const Tensor& like) {
                     t.strides());
   TORCH_CHECK_VALUE(t.size(0) <= 1 || (t.stride(0) * t.element_size()) % 16 == 0, name, " row stride ", t.stride(0),
                     " is not a multiple of 16 bytes");
-  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " data pointer is not 16-byte aligned");
+  TORCH_CHECK_VALUE(
+      reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
+      " data pointer is not 16-byte aligned (address % 16 = ", reinterpret_cast<uintptr_t>(t.data_ptr()) % 16, ")");
 }
 
 struct MatmulShape {
@@ -61,14 +63,17 @@ MatmulShape check_operands(const Tensor& x, const Tensor& w, const std::optional
   int64_t n = weight_nn ? w.size(1) : w.size(0);
   TORCH_CHECK_VALUE(x.size(1) == k_w, "x ", x.sizes(), " and weight ", w.sizes(), " (", weight_nn ? "nn" : "nt",
                     " layout) disagree on K");
-  TORCH_CHECK_VALUE(k_w % 8 == 0 && k_w > 0, "K = ", k_w, " must be a positive multiple of 8");
-  TORCH_CHECK_VALUE(n % 8 == 0, "N = ", n, " must be a multiple of 8");
+  TORCH_CHECK_VALUE(k_w % 8 == 0 && k_w > 0, "K = ", k_w, " (x's columns) must be a positive multiple of 8");
+  TORCH_CHECK_VALUE(n % 8 == 0, "N = ", n, " (the weight's output features) must be a multiple of 8");
   if (bias.has_value()) {
     const Tensor& b = *bias;
-    TORCH_CHECK_VALUE(b.is_cuda() && b.device() == x.device(), "bias must be on ", x.device());
-    TORCH_CHECK_VALUE(b.scalar_type() == x.scalar_type(), "bias dtype ", b.scalar_type(), " != ", x.scalar_type());
-    TORCH_CHECK_VALUE(b.dim() == 1 && b.size(0) == n && b.stride(0) == 1, "bias must be contiguous [", n, "], got ",
-                      b.sizes());
+    TORCH_CHECK_VALUE(b.is_cuda() && b.device() == x.device(), "bias must be a CUDA tensor on ", x.device(),
+                      " (the device of x), got ", b.device());
+    TORCH_CHECK_VALUE(b.scalar_type() == x.scalar_type(), "bias dtype ", b.scalar_type(), " must match x dtype ",
+                      x.scalar_type());
+    TORCH_CHECK_VALUE(b.dim() == 1 && b.size(0) == n, "bias must have shape [", n,
+                      "] (N, the weight's output features), got ", b.sizes());
+    TORCH_CHECK_VALUE(b.stride(0) == 1, "bias must be contiguous, got stride ", b.stride(0));
   }
   return {x.size(0), k_w, n};
 }

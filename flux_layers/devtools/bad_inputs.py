@@ -129,8 +129,8 @@ def _bias_nc(e, n):
     return e.t(2 * n)[::2]
 
 
-# The Python check says "bias must have shape (N,)"; the op library's "bias must be contiguous [N], got [...]".
-_BIAS_SHAPE = ("must have shape", "must be contiguous [")
+# The Python check says "bias must have shape (N,)"; the op library's "bias must have shape [N] (...), got [...]".
+_BIAS_SHAPE = ("must have shape",)
 
 CASES: tuple[BadInput, ...] = (
     # ---- ops' shared argument checks (every backend)
@@ -154,7 +154,7 @@ CASES: tuple[BadInput, ...] = (
     BadInput("ag_x_on_cpu", lambda e: e.ag(e.t(ROWS, K, device="cpu"), e.t(N // e.tp, K)), ("x",),
              ("same device",), "args"),
     BadInput("ag_bias_on_cpu", lambda e: e.ag(e.t(ROWS, K), e.t(N // e.tp, K), e.t(N // e.tp, device="cpu")),
-             ("bias",), ("dtype and device of x", "must be on"), "op"),
+             ("bias",), ("dtype and device of x", "must be a CUDA tensor on"), "op"),
     BadInput("ag_mixed_gpus", lambda e: e.ag(e.t(ROWS, K, device="cuda:0"), e.t(N // e.tp, K, device="cuda:1")),
              ("x",), ("same device",), "args", min_devices=2),
     BadInput("rs_return_gathered", lambda e: e.rs(*e.rs_args(), return_gathered=True), ("return_gathered",),
