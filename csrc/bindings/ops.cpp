@@ -38,9 +38,10 @@ flux::DType to_dtype(const Tensor& t, const char* name) {
 // 2-D, unit stride along columns, 16-byte aligned rows: what TMA and the vector epilogue need.
 void check_matrix(const Tensor& t, const char* name, const Tensor& like) {
   TORCH_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device());
-  TORCH_CHECK_VALUE(t.device() == like.device(), name, " is on ", t.device(), " but x is on ", like.device());
-  TORCH_CHECK_VALUE(t.scalar_type() == like.scalar_type(), name, " dtype ", t.scalar_type(), " != x dtype ",
-                    like.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == like.device(), name, " is on ", t.device(), " but x is on ", like.device(),
+                    "; x and ", name, " must be on the same device");
+  TORCH_CHECK_VALUE(t.scalar_type() == like.scalar_type(), name, " dtype ", t.scalar_type(), " differs from x dtype ",
+                    like.scalar_type(), "; x and ", name, " must have the same dtype");
   TORCH_CHECK_VALUE(t.dim() == 2, name, " must be 2-D, got ", t.dim(), "-D with shape ", t.sizes());
   TORCH_CHECK_VALUE(t.stride(1) == 1 || t.size(1) <= 1, name, " must have unit stride along dim 1, got strides ",
                     t.strides());
