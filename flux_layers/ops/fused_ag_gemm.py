@@ -65,7 +65,7 @@ def plan_call(ws: workspace.AgWorkspace, *, m: int, k: int, n: int, tile: int | 
     elem = torch.tensor([], dtype=ws.dtype).element_size()
     rows_per_chunk = _rows_per_chunk(ws, m // ws.tp, k * elem, chunk_rows)
     return ws.plan_index((kc.tile, kc.swizzle, kc.stream_k_fill, kc.sm_count, _MODES[mode], _ORDERS[order],
-                          rows_per_chunk, False, 0))
+                          rows_per_chunk, False, 0, ()))
 
 
 def run(ws: workspace.AgWorkspace, plan: int, x_shard_m: torch.Tensor, weight: torch.Tensor,

@@ -146,7 +146,8 @@ class Workspace:
             with self._plans_lock:
                 index = self._plans.get(plan)
                 if index is None:
-                    index = self._plans[plan] = self.native.add_plan(*plan)
+                    args = [list(v) if isinstance(v, tuple) else v for v in plan]  # a shard order: int[]
+                    index = self._plans[plan] = self.native.add_plan(*args)
         return index
 
     @property
