@@ -8,6 +8,17 @@ all-gather alone, one peer-to-peer copy of a shard (copy-engine bandwidth refere
 torch.ops.symm_mem.fused_all_gather_matmul, and the fused operator. Derived: bound = max(GEMM alone,
 copy-engine all-gather alone), fused/bound, seq/fused, overlap efficiency E = 1 - (fused - gemm)/(seq - gemm),
 and the path the library's default dispatch takes for the shape.
+
+The transport is the library's choice for the group (FLUX_LAYERS_TRANSPORT, node layout, peer access); every row
+and the JSON say which ran. With the NCCL transport (e.g. across nodes, or emulated on one machine:
+
+    FLUX_LAYERS_TRANSPORT=nccl FLUX_LAYERS_NODE_SIZE=1 python -m benchmarks.bench_ag_gemm \
+        --out benchmarks/results/ag_gemm_internode_h200x2.json
+
+) the variants are: cuBLAS GEMM alone, our GEMM alone on all SMs and on the SMs the fused op leaves it beside
+NCCL, NCCL all-gather alone, the NCCL transport's transfers alone (its send/recv batches and flags), NCCL then
+cuBLAS, torch's fused op, and the fused operator at 1, 2 and 4 chunks per shard; bound = max(GEMM alone, NCCL
+all-gather alone).
 """
 from __future__ import annotations
 
@@ -112,7 +123,7 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
            "ce_ag_gbps": (tp - 1) * shard_bytes / t["ce_ag"] / 1e6,
            "p2p_gbps": shard_bytes / t["p2p_copy_one_shard"] / 1e6,
            "rel_err_vs_cublas": err,
-           "ag_mode": _env.get("AG_MODE"), "ag_order": ag_ws.order,
+           "transport": "copy_engine", "ag_mode": _env.get("AG_MODE"), "ag_order": ag_ws.order,
            "dispatch_auto": ops.plan("ag_gemm", xs[0], ws_[0], group=group).path,
            "fused_default_config": tuning.kernel_name(tuning.resolve_kernel("ag_gemm", dtype=dtype, tp=tp,
                                                                             mkn=(m, k, n))),
@@ -121,16 +132,109 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
     return row
 
 
+def bench_shape_nccl(rank, tp, m, k, n, dtype, reps, sets=2):
+    """bench_shape for the NCCL transport (the module docstring's variants)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from flux_layers import ops
+    from flux_layers.ops import fused_ag_gemm, fused_gemm
+    from flux_layers.runtime import tuning, workspace
+
+    group = dist.group.WORLD
+    n_local = n // tp
+    rows = m // tp
+    gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    xs = [torch.randn(rows, k, generator=gen, device="cuda").to(dtype) for _ in range(sets)]
+    ws_ = [torch.randn(n_local, k, generator=gen, device="cuda").to(dtype) for _ in range(sets)]
+    gathered = [torch.empty(m, k, device="cuda", dtype=dtype) for _ in range(sets)]
+    for i in range(sets):
+        dist.all_gather_into_tensor(gathered[i], xs[i], group=group)
+    ag_ws = workspace.get_ag_workspace(group, dtype, m, k, "nccl")
+
+    def fused(i, **cfg):
+        return fused_ag_gemm.ag_gemm(xs[i % sets], ws_[i % sets], group=group, ws=ag_ws, **cfg)
+
+    out = fused(0)
+    ref = (gathered[0] @ ws_[0].t()).float()
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    if not err < 1e-2:
+        raise RuntimeError(f"rank {rank}: fused ag_gemm (nccl) disagrees with NCCL+cuBLAS on {m}x{k}x{n}: {err}")
+    check_kernel_variants(lambda **cfg: fused(0, **cfg), ref, f"rank {rank}: fused ag_gemm (nccl) on {m}x{k}x{n}")
+
+    sms = fused_ag_gemm.gemm_sms_beside_nccl(ag_ws.device)
+    t = {}
+    t["gemm_cublas"] = time_ms(lambda i: gathered[i % sets] @ ws_[i % sets].t(), reps=reps, group=group)
+    t["gemm_flux"] = time_ms(lambda i: fused_gemm.gemm(gathered[i % sets], ws_[i % sets]), reps=reps, group=group)
+    t["gemm_flux_beside_nccl"] = time_ms(lambda i: fused_gemm.gemm(gathered[i % sets], ws_[i % sets], sm_count=sms),
+                                         reps=reps, group=group)
+    t["nccl_ag"] = time_ms(lambda i: dist.all_gather_into_tensor(gathered[i % sets], xs[i % sets], group=group),
+                           reps=reps, group=group)
+    t["nccl_p2p_ag"] = time_ms(lambda i: fused_ag_gemm.nccl_all_gather(xs[i % sets], group=group, ws=ag_ws),
+                               reps=reps, group=group)
+
+    def seq(i):
+        dist.all_gather_into_tensor(gathered[i % sets], xs[i % sets], group=group)
+        return gathered[i % sets] @ ws_[i % sets].t()
+    t["nccl_then_gemm"] = time_ms(seq, reps=reps, group=group)
+    try:
+        symm_mem.enable_symm_mem_for_group(group.group_name)
+        wts = [w.t() for w in ws_]
+        t["torch_symm_mem_fused"] = time_ms(
+            lambda i: torch.ops.symm_mem.fused_all_gather_matmul(xs[i % sets], [wts[i % sets]], 0,
+                                                                 group.group_name, return_A=False),
+            reps=reps, group=group)
+    except Exception as exc:  # report, do not hide (across real nodes it cannot map the peers' memory)
+        t["torch_symm_mem_fused"] = None
+        if rank == 0:
+            print(f"torch fused_all_gather_matmul failed on {m}x{k}x{n}: {exc}", flush=True)
+    t["fused"] = time_ms(fused, reps=reps, group=group)
+    for chunks in AG_CHUNK_COUNTS:
+        chunk_rows = -(-rows // (128 * chunks)) * 128
+        t[f"fused_{chunks}chunk"] = time_ms(lambda i, r=chunk_rows: fused(i, chunk_rows=r), reps=reps, group=group)
+    t.update(time_kernel_variants(fused, reps=reps, group=group))
+    ag_ws.check()
+
+    call = fused_ag_gemm.plan_nccl_call(ag_ws, m=m, k=k, n=n)
+    row = {"m": m, "k": k, "n": n, "n_local": n_local, "tp": tp, "dtype": str(dtype).replace("torch.", ""),
+           "times_ms": t, **overlap_figures(t, "nccl_ag", "nccl_then_gemm"),
+           "rel_err_vs_cublas": err, "transport": "nccl", "ag_order": call.executor.plan.order,
+           "node_of": list(ag_ws.layout.node_of), "gemm_sm_count": sms,
+           "rows_per_chunk": call.rows_per_chunk,
+           "dispatch_auto": ops.plan("ag_gemm", xs[0], ws_[0], group=group).path,
+           "fused_default_config": tuning.kernel_name(tuning.resolve_kernel("ag_gemm", dtype=dtype, tp=tp,
+                                                                            mkn=(m, k, n))),
+           "implementation": "fused = flux_layers._C ag_gemm in external-transfer mode + NCCL send/recv batches "
+                             "(torch.distributed) each followed by its chunk flag (flux_layers/runtime/"
+                             "nccl_transport.py)"}
+    return row
+
+
 def run(rank, tp, args):
+    from flux_layers.ops.backend import ag_transport
     dtype = getattr(torch, args.dtype)
+    transport = ag_transport(dist.group.WORLD)
     rows = []
     for (m, k, n) in parse_shapes(args.shapes):
-        r = bench_shape(rank, tp, m, k, n, dtype, args.reps)
+        bench = bench_shape_nccl if transport == "nccl" else bench_shape
+        r = bench(rank, tp, m, k, n, dtype, args.reps)
         rows.append(r)
         if rank == 0:
             tt = r["times_ms"]
-            print(f"  {m}x{k}x{n}: gemm {tt['gemm_cublas']:.3f} ce_ag {tt['ce_ag']:.3f} seq {tt['nccl_then_gemm']:.3f}"
-                  f" torch {tt['torch_symm_mem_fused']} fused {tt['fused']:.3f} ms", flush=True)
+            comm = "nccl_p2p_ag" if transport == "nccl" else "ce_ag"
+            print(f"  {m}x{k}x{n} [{transport}]: gemm {tt['gemm_cublas']:.3f} {comm} {tt[comm]:.3f} "
+                  f"seq {tt['nccl_then_gemm']:.3f} torch {tt['torch_symm_mem_fused']} fused {tt['fused']:.3f} ms",
+                  flush=True)
+    if transport == "nccl":
+        report_operator_rows(rank, tp, rows, [("m", "M", ""), ("k", "K", ""), ("n", "N", ""),
+                             ("gemm_cublas", "gemm", ".3f"), ("gemm_flux_beside_nccl", "gemm_sms", ".3f"),
+                             ("nccl_ag", "nccl_ag", ".3f"), ("nccl_p2p_ag", "p2p_ag", ".3f"),
+                             ("nccl_then_gemm", "seq", ".3f"), ("torch_symm_mem_fused", "torch", ".3f"),
+                             ("fused", "fused", ".3f"), ("fused_1chunk", "f_1ch", ".3f"),
+                             ("fused_2chunk", "f_2ch", ".3f"), ("fused_4chunk", "f_4ch", ".3f"),
+                             ("fused_over_bound", "fused/bound", ".3f"), ("seq_over_fused", "seq/fused", ".3f"),
+                             ("overlap_efficiency", "E", ".2f"), ("dispatch_auto", "auto", "")], args.out,
+                             extra={"transport": "nccl"})
+        return
     report_operator_rows(rank, tp, rows, [("m", "M", ""), ("k", "K", ""), ("n", "N", ""),
                            ("gemm_cublas", "gemm", ".3f"),
                            ("ce_ag", "ce_ag", ".3f"), ("nccl_ag", "nccl_ag", ".3f"), ("nccl_then_gemm", "seq", ".3f"),
@@ -140,7 +244,7 @@ def run(rank, tp, args):
                            ("fused_1chunk", "f_1ch", ".3f"), ("fused_2chunk", "f_2ch", ".3f"),
                            ("fused_over_bound", "fused/bound", ".3f"), ("seq_over_fused", "seq/fused", ".3f"),
                            ("overlap_efficiency", "E", ".2f"), ("ce_over_p2p", "ce/p2p", ".2f"),
-                           ("dispatch_auto", "auto", "")], args.out)
+                           ("dispatch_auto", "auto", "")], args.out, extra={"transport": "copy_engine"})
 
 
 def main():

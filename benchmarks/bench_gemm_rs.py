@@ -107,6 +107,12 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
 
 
 def run(rank, tp, args):
+    from flux_layers.runtime import topology
+    # The transport comes from the settings like the library's: the reduce-scatter's NCCL transport (across nodes,
+    # FLUX_LAYERS_TRANSPORT=nccl) is not built, and a run that would time another transport than asked says so.
+    blocker = topology.fused_path_blocker(tuple(range(tp)), topology.group_node_ids(dist.group.WORLD), op="gemm_rs")
+    if blocker is not None:
+        raise RuntimeError(f"bench_gemm_rs: {blocker}")
     dtype = getattr(torch, args.dtype)
     rows = []
     for (m, k, n) in parse_shapes(args.shapes):
@@ -125,7 +131,8 @@ def run(rank, tp, args):
                            ("fused_copy_engine_cols2048", "ce2048", ".3f"),
                            ("fused_copy_engine_cols4096", "ce4096", ".3f"), ("fused_over_bound", "fused/bound", ".3f"),
                            ("seq_over_fused", "seq/fused", ".3f"), ("overlap_efficiency", "E", ".2f"),
-                           ("dispatch_auto", "auto", "")], args.out)
+                           ("dispatch_auto", "auto", "")], args.out,
+                         extra={"transport": "epilogue stores / copy engine (peer-mapped; per shape: fused_transport)"})
 
 
 def main():

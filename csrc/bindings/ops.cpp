@@ -226,6 +226,9 @@ struct Workspace : torch::CustomClassHolder {
     c.capacity = int(capacity);
     for (int64_t p : data_ptrs) c.data.push_back(reinterpret_cast<char*>(p));
     for (int64_t p : flag_ptrs) c.flags.push_back(reinterpret_cast<uint32_t*>(p));
+    // Null peer pointers: a workspace in local memory (the NCCL transport moves its chunks).
+    for (size_t q = 0; q < data_ptrs.size(); ++q)
+      if (data_ptrs[q] == 0 || (q < flag_ptrs.size() && flag_ptrs[q] == 0)) c.peer_mapped = false;
     for (int64_t p : comm_streams) c.comm.push_back(reinterpret_cast<cudaStream_t>(p));
     c.error_record = reinterpret_cast<int*>(error_ptrs[0]);
     c.error_claim = reinterpret_cast<int*>(error_ptrs[1]);
@@ -241,9 +244,12 @@ struct Workspace : torch::CustomClassHolder {
 
   int64_t handle() const { return handle_; }
 
+  // group_order: the all-gather GEMM's shard order where the caller's transfers fix it (external mode), else empty.
   int64_t add_plan(int64_t tile, int64_t swizzle, int64_t stream_k_fill, int64_t sm_count, int64_t mode, int64_t order,
-                   int64_t rows_per_chunk, bool copy_engine, int64_t chunk_cols) {
-    TORCH_CHECK_VALUE(mode == 0 || mode == 1, "mode must be 0 (pull) or 1 (push), got ", mode);
+                   int64_t rows_per_chunk, bool copy_engine, int64_t chunk_cols, std::vector<int64_t> group_order) {
+    TORCH_CHECK_VALUE(mode >= 0 && mode <= 2, "mode must be 0 (pull), 1 (push) or 2 (external), got ", mode);
+    TORCH_CHECK_VALUE(group_order.empty() || int64_t(group_order.size()) == state->config().tp, "group_order names ",
+                      group_order.size(), " shards for a group of ", state->config().tp);
     TORCH_CHECK_VALUE(order == 0 || order == 1, "order must be 0 (mesh) or 1 (ring), got ", order);
     flux::CallPlan p;
     p.tile = to_tile(tile);
@@ -255,6 +261,8 @@ struct Workspace : torch::CustomClassHolder {
     p.rows_per_chunk = int(rows_per_chunk);
     p.copy_engine = copy_engine;
     p.chunk_cols = int(chunk_cols);
+    p.custom_group_order = !group_order.empty();
+    for (size_t i = 0; i < group_order.size(); ++i) p.group_order[i] = int(group_order[i]);
     int64_t index = 0;
     translate_value_errors([&] { index = state->add_plan(p); });
     return index;
@@ -357,6 +365,8 @@ std::tuple<Tensor, Tensor> ag_gemm(const Tensor& x_shard_m, const Tensor& w, con
   int64_t const chunks = (s.m + plan.rows_per_chunk - 1) / plan.rows_per_chunk;
   TORCH_CHECK_VALUE(chunks <= c.capacity, "ag_gemm: ", s.m, " rows per shard in chunks of ", plan.rows_per_chunk,
                     " rows need ", chunks, " chunk flags, the workspace holds ", c.capacity);
+  TORCH_CHECK_VALUE(!(return_gathered && plan.mode == flux::AgMode::kExternal),
+                    "ag_gemm: with external transfers the caller copies the gathered input out");
   Tensor out = at::empty({m, s.n}, x_shard_m.options());
   Tensor gathered = return_gathered ? at::empty({m, s.k}, x_shard_m.options()) : runs.no_gathered(x_shard_m);
   if (c.poison_outputs) {
@@ -389,6 +399,8 @@ std::tuple<Tensor, Tensor> ag_gemm(const Tensor& x_shard_m, const Tensor& w, con
   a.rows_per_chunk = plan.rows_per_chunk;
   a.mode = plan.mode;
   a.order = plan.order;
+  a.custom_group_order = plan.custom_group_order;
+  for (int i = 0; i < c.tp; ++i) a.group_order[i] = plan.group_order[size_t(i)];
   a.protocol = c.graph_protocol ? flux::FlagProtocol::kCudaGraph : flux::FlagProtocol::kEpoch;
   a.timeout_ns = c.timeout_ns;
   a.error_record = c.error_record;
@@ -460,6 +472,23 @@ Tensor gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bi
   return out;
 }
 
+// flags[index] = value on the current stream, once the work queued before it has run (cuStreamWriteValue32: no
+// kernel, no SM). The NCCL transport announces each received chunk to the GEMM this way.
+void write_flag(Tensor flags, int64_t index, int64_t value) {
+  TORCH_CHECK_VALUE(flags.is_cuda() && flags.scalar_type() == at::kInt && flags.dim() == 1 && flags.is_contiguous(),
+                    "write_flag: flags must be a contiguous 1-D int32 CUDA tensor, got ", flags.scalar_type(), " ",
+                    flags.sizes(), " on ", flags.device());
+  TORCH_CHECK_VALUE(index >= 0 && index < flags.numel(), "write_flag: index ", index, " outside [0, ", flags.numel(),
+                    ")");
+  TORCH_CHECK_VALUE(value >= 0 && value <= std::numeric_limits<int32_t>::max(), "write_flag: value ", value,
+                    " outside [0, 2^31)");
+  c10::cuda::CUDAGuard guard(flags.device());
+  translate_errors([&] {
+    flux::stream_write_u32(c10::cuda::getCurrentCUDAStream(),
+                           reinterpret_cast<uint32_t*>(flags.data_ptr<int32_t>()) + index, uint32_t(value));
+  });
+}
+
 // The fused ops' signature with nothing behind it: benchmarks/bench_overhead.py times it to separate the cost of
 // calling an op from Python (argument parsing, dispatch) from the op's own host work.
 void call_overhead_probe(const Tensor&, const Tensor&, const std::optional<Tensor>&, int64_t, int64_t, bool, bool,
@@ -488,6 +517,7 @@ TORCH_LIBRARY(flux_layers, m) {
       "ag_gemm(Tensor x_shard_m, Tensor weight, Tensor? bias, int workspace, int plan, bool weight_nn, "
       "bool return_gathered, bool run_gemm) -> (Tensor, Tensor)");
   m.def("gemm_rs(Tensor x, Tensor weight, Tensor? bias, int workspace, int plan, bool weight_nn) -> Tensor");
+  m.def("write_flag(Tensor(a!) flags, int index, int value) -> ()");
   m.def(
       "call_overhead_probe(Tensor x, Tensor weight, Tensor? bias, int workspace, int plan, bool weight_nn, "
       "bool return_gathered, bool run_gemm) -> ()");
@@ -497,5 +527,6 @@ TORCH_LIBRARY_IMPL(flux_layers, CUDA, m) {
   m.impl("gemm", &gemm);
   m.impl("ag_gemm", &ag_gemm);
   m.impl("gemm_rs", &gemm_rs);
+  m.impl("write_flag", &write_flag);
   m.impl("call_overhead_probe", &call_overhead_probe);
 }

@@ -13,6 +13,9 @@
 //                   comm streams and writes done[r] = e at every peer.
 // CUDA-graph protocol: done[p] is waited for >= 1 and cleared at once; chunk and avail are cleared after the
 // join, before done is written (a peer sets them again only after it saw that write).
+//   external      : the caller moves the chunks and sets chunk[g][c] = e in our flags (the NCCL transport); the
+//                   op launches the GEMM alone (local buffer, local flags; CUDA-graph protocol: the chunk flags
+//                   are cleared after it on the compute stream).
 #include <algorithm>
 
 #include "flux/check.h"
@@ -187,6 +190,43 @@ int comm_streams_used(const AgPlan& p) {
   return std::min(streams, a.num_comm);
 }
 
+// The persistent GEMM of a call: own shard from x at once, the others from our gathered buffer, each tile after
+// the flag of the chunk its A tile reads.
+GemmProblem gemm_problem(const AgPlan& p) {
+  const AgGemmArgs& a = p.a;
+  GemmProblem g;
+  g.rows_per_group = a.rows_per_group;
+  g.n = a.n;
+  g.k = a.k;
+  g.num_groups = a.tp;
+  if (a.custom_group_order) {
+    std::copy(a.group_order, a.group_order + a.tp, g.group_order);
+  } else {
+    ag_group_order(a.rank, a.tp, a.order, g.group_order);
+  }
+  g.own_group = a.rank;
+  g.a = a.buffers[a.rank];
+  g.lda = a.k;
+  g.a_group_stride = int64_t(a.rows_per_group) * a.k;
+  g.a_own = a.x;
+  g.lda_own = a.ldx;
+  g.b = a.w;
+  g.ldb = a.ldw;
+  g.bias = a.bias;
+  for (int q = 0; q < a.tp; ++q) g.d[q] = static_cast<char*>(a.out) + size_t(q) * a.rows_per_group * a.n * 2;
+  g.ldd = a.n;
+  g.chunk_flags = p.my(p.flags.chunk(0, 0));
+  g.rows_per_chunk = a.rows_per_chunk;
+  g.chunks_per_group = a.chunk_capacity;
+  g.epoch = a.epoch;
+  g.timeout_ns = a.timeout_ns;
+  g.error_record = a.error_record;
+  g.error_claim = a.error_claim;
+  g.rank = a.rank;
+  g.launch = a.launch;
+  return g;
+}
+
 }  // namespace
 
 void ag_gemm(const AgGemmArgs& a) {
@@ -203,6 +243,17 @@ void ag_gemm(const AgGemmArgs& a) {
   FLUX_CHECK(p.chunks <= a.chunk_capacity, "this call needs ", p.chunks, " chunks per shard, the workspace holds ",
              a.chunk_capacity);
 
+  if (a.mode == AgMode::kExternal) {
+    FLUX_CHECK(a.gathered_out == nullptr, "external transfers: the caller copies the gathered input out");
+    if (a.run_gemm) launch_gemm(gemm_problem(p), a.dtype, a.layout, a.tile, a.compute);
+    if (p.graph()) FLUX_CUDA_CHECK(cudaMemsetAsync(p.my(0), 0, size_t(p.flags.data_words()) * 4, a.compute));
+    // The watchdog sees the GEMM's end; transfers that never arrive make the GEMM's own waits time out.
+    if (a.completion != nullptr) stream_write_u32(a.compute, CompletionRing::word(a.completion, a.epoch), a.epoch);
+    return;
+  }
+  for (int q = 0; q < a.tp; ++q)
+    FLUX_CHECK(a.buffers[q] != nullptr && a.flags[q] != nullptr, "copy-engine transfers need rank ", q,
+               "'s buffer and flags mapped");
   FLUX_CHECK(a.events != nullptr, "the workspace's events are missing");
   cudaEvent_t* const ev = a.events;
   cudaEvent_t ready = ev[1];
@@ -226,33 +277,7 @@ void ag_gemm(const AgGemmArgs& a) {
     for (int i = 1; i < used; ++i) FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.comm[i], ready, 0));
   }
 
-  GemmProblem g;
-  g.rows_per_group = a.rows_per_group;
-  g.n = a.n;
-  g.k = a.k;
-  g.num_groups = a.tp;
-  ag_group_order(a.rank, a.tp, a.order, g.group_order);
-  g.own_group = a.rank;
-  g.a = a.buffers[a.rank];
-  g.lda = a.k;
-  g.a_group_stride = int64_t(a.rows_per_group) * a.k;
-  g.a_own = a.x;
-  g.lda_own = a.ldx;
-  g.b = a.w;
-  g.ldb = a.ldw;
-  g.bias = a.bias;
-  for (int q = 0; q < a.tp; ++q) g.d[q] = static_cast<char*>(a.out) + size_t(q) * a.rows_per_group * a.n * 2;
-  g.ldd = a.n;
-  g.chunk_flags = p.my(p.flags.chunk(0, 0));
-  g.rows_per_chunk = a.rows_per_chunk;
-  g.chunks_per_group = a.chunk_capacity;
-  g.epoch = a.epoch;
-  g.timeout_ns = a.timeout_ns;
-  g.error_record = a.error_record;
-  g.error_claim = a.error_claim;
-  g.rank = a.rank;
-  g.launch = a.launch;
-  if (a.run_gemm) launch_gemm(g, a.dtype, a.layout, a.tile, a.compute);
+  if (a.run_gemm) launch_gemm(gemm_problem(p), a.dtype, a.layout, a.tile, a.compute);
 
   if (a.mode == AgMode::kPull) {
     pull(p);

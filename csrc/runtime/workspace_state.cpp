@@ -76,7 +76,10 @@ WorkspaceState::WorkspaceState(WorkspaceConfig config) : cfg_(std::move(config))
   FLUX_CHECK(int(cfg_.data.size()) == cfg_.tp && int(cfg_.flags.size()) == cfg_.tp, "a workspace of ", cfg_.tp,
              " ranks needs as many data and flag pointers, got ", cfg_.data.size(), " and ", cfg_.flags.size());
   for (int q = 0; q < cfg_.tp; ++q)
-    FLUX_CHECK(cfg_.data[q] != nullptr && cfg_.flags[q] != nullptr, "rank ", q, "'s buffer or flags are null");
+    FLUX_CHECK(!(cfg_.peer_mapped || q == cfg_.rank) || (cfg_.data[q] != nullptr && cfg_.flags[q] != nullptr), "rank ",
+               q, "'s buffer or flags are null");
+  FLUX_CHECK(cfg_.peer_mapped || cfg_.kind == WorkspaceKind::kAllGather,
+             "a reduce-scatter workspace needs its peers' memory mapped");
   FLUX_CHECK(!cfg_.comm.empty() && cfg_.comm.size() <= size_t(kMaxGroups), "1 to ", kMaxGroups,
              " communication streams are needed, got ", cfg_.comm.size());
   FLUX_CHECK(cfg_.error_record != nullptr && cfg_.error_claim != nullptr, "the error record is missing");
@@ -149,7 +152,7 @@ std::string WorkspaceState::lagging_peer(const std::vector<uint32_t>& f, uint32_
   int64_t const tp = cfg_.tp, cap = cfg_.capacity;
   int64_t const handshake = cfg_.kind == WorkspaceKind::kAllGather ? 2 * tp * cap : tp * cap;
   for (int p = 0; p < cfg_.tp; ++p) {
-    if (p == cfg_.rank) continue;
+    if (p == cfg_.rank || !cfg_.peer_mapped) continue;  // local memory: no handshake words (external transfers)
     if (epoch > 1 && before(f[size_t(handshake + p)], epoch - 1)) {
       std::ostringstream os;
       os << "rank " << p << " to finish its previous call (epoch " << epoch - 1 << ")";
@@ -196,6 +199,18 @@ int WorkspaceState::add_plan(const CallPlan& plan) {
              kNumTileConfigs, ")");
   if (cfg_.kind == WorkspaceKind::kAllGather) {
     FLUX_CHECK(plan.rows_per_chunk > 0, "rows_per_chunk must be positive, got ", plan.rows_per_chunk);
+    FLUX_CHECK(cfg_.peer_mapped || plan.mode == AgMode::kExternal, cfg_.what,
+               ": a workspace in local memory only serves calls whose caller moves the chunks (external mode)");
+    if (plan.custom_group_order) {
+      std::array<bool, kMaxGroups> seen{};
+      bool ok = plan.group_order[0] == cfg_.rank;
+      for (int s = 0; s < cfg_.tp && ok; ++s) {
+        int const g = plan.group_order[size_t(s)];
+        ok = g >= 0 && g < cfg_.tp && !seen[size_t(g)];
+        if (ok) seen[size_t(g)] = true;
+      }
+      FLUX_CHECK(ok, "group_order must list the ", cfg_.tp, " shards once each, this rank's (", cfg_.rank, ") first");
+    }
   } else {
     FLUX_CHECK(plan.chunk_cols >= 0, "chunk_cols ", plan.chunk_cols, " must be >= 0 (0: default)");
     FLUX_CHECK(!plan.copy_engine || stage_ != nullptr, "the copy-engine transport needs the staging area");

@@ -100,8 +100,9 @@ def _raise_workspace_error(exc: RuntimeError):
 
 def call_signature(op: str, m: int, k: int, n: int, dtype: torch.dtype, weight_layout: str,
                    transport: str | None = None) -> tuple:
-    """What :func:`check_same_call` compares: (op, M, K, N, dtype, layout), and the GEMM+ReduceScatter transport
-    (both sides of a transfer must use the same). M counts the gathered rows for ag_gemm, x's rows for gemm_rs."""
+    """What :func:`check_same_call` compares: (op, M, K, N, dtype, layout), and the transport (copy engine or NCCL
+    for the all-gather, the GEMM+ReduceScatter's; both sides of a transfer must use the same). M counts the gathered
+    rows for ag_gemm, x's rows for gemm_rs."""
     signature = (op, m, k, n, str(dtype), weight_layout)
     return signature if transport is None else signature + (transport,)
 
@@ -131,7 +132,7 @@ class _FusedAgGemm:
         from flux_layers.ops import fused_ag_gemm
         from flux_layers.runtime import workspace
         m, k, n = fused_ag_gemm.check_args(x_shard_m, weight, None, weight_layout, group)
-        check_same_call(group, call_signature("ag_gemm", m, k, n, x_shard_m.dtype, weight_layout))
+        check_same_call(group, call_signature("ag_gemm", m, k, n, x_shard_m.dtype, weight_layout, "copy_engine"))
         self.ws = workspace.get_ag_workspace(group, x_shard_m.dtype, m, k)
         self.handle, self.plan = self.ws.handle, fused_ag_gemm.plan_call(self.ws, m=m, k=k, n=n)
         self.weight_nn = weight_layout == "nn"
@@ -143,6 +144,27 @@ class _FusedAgGemm:
                                     True)
         except RuntimeError as exc:
             _raise_workspace_error(exc)
+        return (out, gathered) if return_gathered else out
+
+
+class _FusedAgGemmNccl:
+    """ops.ag_gemm on the fused path with the NCCL transport (flux_layers/runtime/nccl_transport.py): the workspace
+    in local memory, the call plan and this rank's NCCL batches, as :class:`_FusedAgGemm`."""
+    __slots__ = ("ws", "call", "weight_nn")
+
+    def __init__(self, x_shard_m, weight, group, weight_layout):
+        from flux_layers.ops import fused_ag_gemm
+        from flux_layers.runtime import workspace
+        m, k, n = fused_ag_gemm.check_args(x_shard_m, weight, None, weight_layout, group)
+        check_same_call(group, call_signature("ag_gemm", m, k, n, x_shard_m.dtype, weight_layout, "nccl"))
+        self.ws = workspace.get_ag_workspace(group, x_shard_m.dtype, m, k, "nccl")
+        self.call = fused_ag_gemm.plan_nccl_call(self.ws, m=m, k=k, n=n)
+        self.weight_nn = weight_layout == "nn"
+
+    def __call__(self, x_shard_m, weight, bias, return_gathered):
+        from flux_layers.ops import fused_ag_gemm
+        out, gathered = fused_ag_gemm.run_nccl(self.ws, self.call, x_shard_m, weight, bias, self.weight_nn,
+                                               return_gathered)
         return (out, gathered) if return_gathered else out
 
 
@@ -226,7 +248,9 @@ def ag_gemm_call(x_shard_m: torch.Tensor, weight: torch.Tensor, group, weight_la
         path = choose("ag_gemm", device=x_shard_m.device, dtype=x_shard_m.dtype, mkn=(rows * tp, k, n), group=group,
                       backend=backend).path
         if path == "fused":
-            return _FusedAgGemm(x_shard_m, weight, group, weight_layout)
+            from flux_layers.ops.backend import ag_transport
+            fused = _FusedAgGemmNccl if ag_transport(group) == "nccl" else _FusedAgGemm
+            return fused(x_shard_m, weight, group, weight_layout)
         return _reference_ag_gemm(group, weight_layout)
     return _decide(key, make)
 

@@ -35,6 +35,15 @@ def _group_devices(tp: int) -> tuple[int, ...]:
     return tuple(range(tp)) if visible >= tp else (torch.cuda.current_device(),) * tp
 
 
+def ag_transport(group) -> str:
+    """How the fused all-gather of ``group`` moves its chunks, 'copy_engine' or 'nccl' (topology.ag_transport:
+    FLUX_LAYERS_TRANSPORT, else NCCL where the group spans nodes or its GPUs cannot map each other's memory).
+    Every rank resolves the same (same settings, same node layout, nodes alike)."""
+    from flux_layers.runtime import topology
+    tp = dist.get_world_size(group)
+    return topology.ag_transport(_group_devices(tp), topology.group_node_ids(group))
+
+
 def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int, int, int], group,
            backend: str | None = None) -> Choice:
     requested = backend if backend is not None else _env.get("BACKEND")
@@ -53,13 +62,24 @@ def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int,
         blockers.append(f"x and weight have dtype {dtype}, the fused kernels need bfloat16 or float16")
     # Any process-group backend serves the fused path: its group only exchanges the workspaces' addresses when
     # they are made (the transfers are the op library's own), so gloo works too, e.g. for ranks sharing one GPU.
+    nccl = False
     if op != "gemm" and not blockers and group is not None:
         from flux_layers.runtime import topology
         tp = dist.get_world_size(group)
-        reason = topology.fused_path_blocker(_group_devices(tp)) if tp > 1 else None
+        reason = None
+        if tp > 1:
+            reason = topology.fused_path_blocker(_group_devices(tp), topology.group_node_ids(group), op=op)
+            nccl = reason is None and op == "ag_gemm" and ag_transport(group) == "nccl"
         if reason is not None:
             blockers.append(reason)
-    if op != "gemm" and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        elif nccl and dist.get_backend(group) != "nccl":
+            blockers.append(f"the all-gather's transport is NCCL (the GPUs cannot map each other's memory, the group "
+                            f"spans nodes, or FLUX_LAYERS_TRANSPORT=nccl) but the group's backend is "
+                            f"{dist.get_backend(group)}")
+    if nccl and torch.cuda.is_current_stream_capturing():
+        from flux_layers.runtime.nccl_transport import CAPTURE_REFUSAL
+        blockers.append(CAPTURE_REFUSAL)
+    elif op != "gemm" and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         from flux_layers.runtime import workspace
         if not workspace.cuda_graphs_enabled():
             # Captured calls need the workspaces' CUDA-graph twins, which are created (collectively) with the

@@ -13,17 +13,26 @@ persistent GEMM starts on its own shard at once and, per tile, waits on the flag
 Direction (pull/push) from ``mode`` or FLUX_LAYERS_AG_MODE, order (mesh/ring) from ``order``, the topology or
 FLUX_LAYERS_AG_ORDER, chunk rows from ``chunk_rows``, FLUX_LAYERS_CHUNK_ROWS or schedules.default_rows_per_chunk.
 These are fixed in a call plan registered with the workspace (:func:`plan_call`); :func:`run` makes the call.
+
+Transport ``nccl`` (a group whose GPUs cannot map each other's memory, one that spans nodes, or
+FLUX_LAYERS_TRANSPORT=nccl): the workspace is local memory, the chunks arrive by NCCL send/recv driven from the
+host on the workspace's transfer stream, each followed by its flag, and the GEMM runs in external-transfer mode,
+in the plan's arrival order, on all SMs but FLUX_LAYERS_NCCL_SMS (flux_layers/runtime/nccl_transport.py;
+:func:`plan_nccl_call`, :func:`run_nccl`). Not under CUDA-graph capture.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from flux_layers import _env, _library
 from flux_layers.ops._checks import check_fused_dims, check_fused_tensor, check_matmul_args
-from flux_layers.runtime import schedules, tuning, workspace
+from flux_layers.runtime import nccl_transport, schedules, tuning, workspace
 
 _MODES = {"pull": 0, "push": 1}
+_EXTERNAL = 2  # AgMode::kExternal: the caller moves the chunks (the NCCL transport)
 _ORDERS = {"mesh": 0, "ring": 1}
 
 
@@ -66,7 +75,83 @@ def plan_call(ws: workspace.AgWorkspace, *, m: int, k: int, n: int, tile: int | 
     elem = torch.tensor([], dtype=ws.dtype).element_size()
     rows_per_chunk = _rows_per_chunk(ws, m // ws.tp, k * elem, chunk_rows)
     return ws.plan_index((kc.tile, kc.swizzle, kc.stream_k_fill, kc.sm_count, _MODES[mode], _ORDERS[order],
-                          rows_per_chunk, False, 0))
+                          rows_per_chunk, False, 0, ()))
+
+
+@dataclass(frozen=True)
+class NcclCall:
+    """A call's plan on a workspace of the NCCL transport: the op's call plan (external transfers, the GEMM's
+    shard order, the SMs it may hold), the chunking and this rank's part of the transfer plan."""
+    plan: int
+    rows_per_chunk: int
+    executor: nccl_transport.AgExecutor
+
+
+def gemm_sms_beside_nccl(device: torch.device) -> int:
+    """SMs the persistent GEMM may hold while NCCL's kernels run beside it: all but FLUX_LAYERS_NCCL_SMS, even (the
+    GEMM's clusters pair SMs). A grid on every SM would spin on flags that NCCL could never deliver."""
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    keep = _env.get_int("NCCL_SMS")
+    if not 0 < keep < total - 1:
+        raise ValueError(f"FLUX_LAYERS_NCCL_SMS={keep} must leave NCCL 1 to {total - 2} of the {total} SMs")
+    return (total - keep) // 2 * 2
+
+
+def plan_nccl_call(ws: workspace.AgWorkspace, *, m: int, k: int, n: int, tile: int | None = None,
+                   swizzle: int | None = None, stream_k: bool | int | None = None, sm_count: int = 0,
+                   order: str | None = None, chunk_rows: int | None = None) -> NcclCall:
+    """:func:`plan_call` for a workspace of the NCCL transport. ``order``: the transfer plan's (None:
+    FLUX_LAYERS_AG_ORDER, 'auto' choosing from the layout); ``sm_count`` 0: :func:`gemm_sms_beside_nccl`."""
+    if ws.transport != "nccl":
+        raise ValueError(f"plan_nccl_call: the workspace's transport is {ws.transport!r}")
+    order = _env.get("AG_ORDER") if order is None else order
+    elem = torch.tensor([], dtype=ws.dtype).element_size()
+    rows = m // ws.tp
+    rows_per_chunk = _rows_per_chunk(ws, rows, k * elem, chunk_rows)
+    plan = nccl_transport.nccl_plan(ws.layout, max(1, schedules.chunk_count(rows, rows_per_chunk)), order)
+    executor = nccl_transport.AgExecutor(plan, ws.rank, ws.group)
+    kc = tuning.resolve_kernel("ag_gemm", dtype=ws.dtype, tp=ws.tp, mkn=(m, k, n), tile=tile, swizzle=swizzle,
+                               stream_k=stream_k, sm_count=sm_count or gemm_sms_beside_nccl(ws.device))
+    index = ws.plan_index((kc.tile, kc.swizzle, kc.stream_k_fill, kc.sm_count, _EXTERNAL, 0, rows_per_chunk, False,
+                           0, executor.gemm_order))
+    return NcclCall(index, rows_per_chunk, executor)
+
+
+def run_nccl(ws: workspace.AgWorkspace, call: NcclCall, x_shard_m: torch.Tensor, weight: torch.Tensor,
+             bias: torch.Tensor | None, weight_nn: bool, return_gathered: bool,
+             run_gemm: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """One call on a workspace of the NCCL transport (module docstring): fork the transfer stream from the compute
+    stream, enqueue the GEMM (it waits per chunk on this rank's flags), then this rank's NCCL batches on the
+    transfer stream, each received chunk's flag set to the call's epoch after it, the gathered input copied out
+    there if asked for, and join. Returns (out, gathered or the op's [0, K] tensor). ``run_gemm`` False: the
+    transfers alone (benchmarks)."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"ag_gemm: {nccl_transport.CAPTURE_REFUSAL}")
+    x = x_shard_m if x_shard_m.is_contiguous() else x_shard_m.contiguous()  # NCCL sends contiguous memory
+    rows, tp, rpc = x.shape[0], ws.tp, call.rows_per_chunk
+    compute, stream = torch.cuda.current_stream(), ws.transfer_stream
+    stream.wait_stream(compute)  # fork before the GEMM: the transfers never wait on the GEMM they feed
+    out, gathered = run(ws, call.plan, x, weight, bias, weight_nn, False, run_gemm)
+    if rows == 0:
+        return out, (x.new_empty((0, x.shape[1])) if return_gathered else gathered)
+    epoch = ws.epoch  # the value this call's GEMM waits for
+    buffer, flags, capacity = ws.buffer[:rows * tp], ws.flags, ws.chunk_capacity
+    write_flag = torch.ops.flux_layers.write_flag.default
+
+    def region(g: int, c: int) -> torch.Tensor:
+        return buffer[g * rows + c * rpc:g * rows + min((c + 1) * rpc, rows)]
+
+    with torch.cuda.stream(stream):
+        call.executor.run(lambda c: x[c * rpc:(c + 1) * rpc], region,
+                          lambda g, c: write_flag(flags, g * capacity + c, epoch))
+        if return_gathered:
+            gathered = torch.empty((rows * tp, x.shape[1]), dtype=x.dtype, device=x.device)
+            gathered.copy_(buffer)
+            gathered[ws.rank * rows:(ws.rank + 1) * rows].copy_(x)
+    compute.wait_stream(stream)
+    if return_gathered:
+        gathered.record_stream(compute)
+    return out, gathered
 
 
 def run(ws: workspace.AgWorkspace, plan: int, x_shard_m: torch.Tensor, weight: torch.Tensor,
@@ -88,20 +173,29 @@ def ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             weight_layout: str = "nt", return_gathered: bool = False,
             ws: workspace.AgWorkspace | None = None, tile: int | None = None, swizzle: int | None = None,
             stream_k: bool | int | None = None, sm_count: int = 0, mode: str | None = None,
-            order: str | None = None, chunk_rows: int | None = None):
+            order: str | None = None, chunk_rows: int | None = None, transport: str | None = None):
     """See the module docstring: the fused op with every choice open (tests, benchmarks); ``ops.ag_gemm`` is the
     same call decided once per shape. ``tile``/``swizzle``: kernel configuration (None: tuning table or the
     measured default); ``stream_k``: split a last, partial wave of tiles along K (None: FLUX_LAYERS_STREAM_K; an
-    int: the fill limit, see tuning.stream_k_fill); ``sm_count``: SMs the persistent GEMM may hold (0: all);
-    ``mode``, ``order``, ``chunk_rows``: the transfers (None: the settings)."""
+    int: the fill limit, see tuning.stream_k_fill); ``sm_count``: SMs the persistent GEMM may hold (0: all, or all
+    but FLUX_LAYERS_NCCL_SMS on the NCCL transport); ``mode``, ``order``, ``chunk_rows``: the transfers (None: the
+    settings); ``transport``: 'copy_engine' or 'nccl' (None: ``ws``'s, else backend.ag_transport)."""
     m, k, n = check_args(x_shard_m, weight, bias, weight_layout, group)
-    if ws is None:
-        ws = workspace.get_ag_workspace(group, x_shard_m.dtype, m, k)
-    elif not isinstance(ws, workspace.AgWorkspace):
+    if ws is not None and not isinstance(ws, workspace.AgWorkspace):
         raise TypeError(f"ag_gemm: ws must be an AgWorkspace or None, got {type(ws).__name__}")
-    elif m > ws.max_m or ws.k != k or ws.dtype != x_shard_m.dtype:
-        raise ValueError(f"ag_gemm: call needs M={m}, K={k}, {x_shard_m.dtype}; the workspace holds "
-                         f"max_m={ws.max_m}, K={ws.k}, {ws.dtype}")
+    if transport is None:
+        from flux_layers.ops.backend import ag_transport
+        transport = ws.transport if ws is not None else ag_transport(group)
+    if ws is None:
+        ws = workspace.get_ag_workspace(group, x_shard_m.dtype, m, k, transport)
+    elif m > ws.max_m or ws.k != k or ws.dtype != x_shard_m.dtype or ws.transport != transport:
+        raise ValueError(f"ag_gemm: call needs M={m}, K={k}, {x_shard_m.dtype}, transport {transport}; the workspace "
+                         f"holds max_m={ws.max_m}, K={ws.k}, {ws.dtype}, transport {ws.transport}")
+    if transport == "nccl":
+        call = plan_nccl_call(ws, m=m, k=k, n=n, tile=tile, swizzle=swizzle, stream_k=stream_k, sm_count=sm_count,
+                              order=order, chunk_rows=chunk_rows)
+        out, gathered = run_nccl(ws, call, x_shard_m, weight, bias, weight_layout == "nn", return_gathered)
+        return (out, gathered) if return_gathered else out
     plan = plan_call(ws, m=m, k=k, n=n, tile=tile, swizzle=swizzle, stream_k=stream_k, sm_count=sm_count,
                      mode=mode, order=order, chunk_rows=chunk_rows)
     out, gathered = run(ws, plan, x_shard_m, weight, bias, weight_layout == "nn", return_gathered)
@@ -123,3 +217,17 @@ def copy_engine_all_gather(x_shard_m: torch.Tensor, *, group, ws: workspace.AgWo
     run(ws, plan, x_shard_m, x_shard_m.new_empty((8, k)), None, False, False, run_gemm=False)
     # The op leaves our own rows in the buffer only in pull mode; the view is for timing, not for reading.
     return workspace.for_current_stream(ws).buffer[:m]
+
+
+def nccl_all_gather(x_shard_m: torch.Tensor, *, group, ws: workspace.AgWorkspace | None = None) -> torch.Tensor:
+    """The NCCL transport's transfers alone (no GEMM): returns a view [M, K] of the workspace's gathered buffer (our
+    own rows not filled), valid until the next call on that workspace. Used to time what the fused op overlaps."""
+    _library.require()
+    check_fused_tensor("nccl_all_gather", "x_shard_m", x_shard_m)
+    rows, k = x_shard_m.shape
+    m = rows * dist.get_world_size(group)
+    if ws is None:
+        ws = workspace.get_ag_workspace(group, x_shard_m.dtype, m, k, "nccl")
+    call = plan_nccl_call(ws, m=m, k=k, n=8, tile=0, swizzle=0, stream_k=False)
+    run_nccl(ws, call, x_shard_m, x_shard_m.new_empty((8, k)), None, False, False, run_gemm=False)
+    return ws.buffer[:m]

@@ -52,7 +52,8 @@ def plan_call(ws: workspace.RsWorkspace, *, m: int, k: int, n: int, tile: int | 
     copy_engine = transport == "copy_engine"
     if copy_engine:
         ws.stage_buffer()
-    return ws.plan_index((kc.tile, kc.swizzle, kc.stream_k_fill, kc.sm_count, 0, 0, 0, copy_engine, chunk_cols))
+    return ws.plan_index((kc.tile, kc.swizzle, kc.stream_k_fill, kc.sm_count, 0, 0, 0, copy_engine, chunk_cols,
+                          ()))
 
 
 def run(ws: workspace.RsWorkspace, plan: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -7,12 +7,17 @@
 | several nodes, NVLink inside each | ``internode``: inter-node chunks (NCCL) overlapped with the intra-node exchange |
 | several nodes, PCIe inside each, two NUMA domains per node | ``numa2d``: inter-NUMA first, then intra-NUMA |
 
-The multi-node orders and the NCCL transport exist as plans (flux_layers/runtime/transfer_plan.py), not yet as
-executors: :func:`fused_path_blocker` names what keeps the fused kernels from serving a group.
+Transports (:func:`ag_transport`): the copy engine between peer-mapped GPUs of one node (orders ``mesh`` and
+``ring``; csrc/runtime/ag_gemm.cpp), and NCCL send/recv through the group's process group for a group that spans
+nodes or whose GPUs cannot map each other's memory, or when ``FLUX_LAYERS_TRANSPORT=nccl`` (every order of
+transfer_plan.py, every transfer on NCCL; flux_layers/runtime/nccl_transport.py). The reduce-scatter has the
+copy engine and the epilogue's stores only. :func:`fused_path_blocker` names what keeps the fused kernels from
+serving a group.
 
 Inputs, each detected unless given or forced (``FLUX_LAYERS_*``, flux_layers/_env.py):
-- node boundaries: ``FLUX_LAYERS_NODE_SIZE=N`` (rank // N is the node; emulates nodes on one machine), else ranks
-  sharing a hostname form one node (:func:`gather_hostnames`), else one node;
+- node boundaries (:func:`declared_node_size`): ``FLUX_LAYERS_NODE_SIZE=N`` (rank // N is the node; emulates
+  nodes on one machine), else torchrun's ``LOCAL_WORLD_SIZE`` where the job spans nodes, else one node;
+  :func:`gather_hostnames` gives the ranks sharing a hostname where a caller wants that instead (a collective);
 - peer access: ``torch.cuda.can_device_access_peer`` per pair of a node; NVLink: NVML (``nvidia-ml-py``) when
   present, else peer access stands for it (as before);
 - NUMA node of each GPU: ``FLUX_LAYERS_NUMA_MAP`` (one id per local rank), else NVML's
@@ -34,9 +39,9 @@ import torch
 from flux_layers import _env
 from flux_layers.runtime.transfer_plan import GroupLayout, choose_order, choose_transport
 
-# Orders and transports the fused kernels can execute today (csrc/runtime/ag_gemm.cpp, gemm_rs.cpp).
+# Orders the copy-engine all-gather executes (csrc/runtime/ag_gemm.cpp); the NCCL transport executes every order
+# of transfer_plan.py (flux_layers/runtime/nccl_transport.py).
 BUILT_ORDERS = ("mesh", "ring")
-BUILT_TRANSPORTS = ("copy_engine",)
 
 
 def _nvlink_pairs(devices: list[int]) -> bool | None:
@@ -133,10 +138,10 @@ def parse_numa_map(raw: str, node_size: int) -> tuple[int, ...] | None:
 def node_ids(tp: int, hostnames: Sequence[str] | None = None, node_size: int | None = None,
              ranks: Sequence[int] | None = None) -> tuple[int, ...]:
     """Node id of each of the `tp` ranks of a group, numbered 0.. by first appearance. ``node_size`` (None:
-    FLUX_LAYERS_NODE_SIZE; 0: detect) > 0: global rank // node_size is the node (``ranks``: the members' global
+    :func:`declared_node_size`; 0: detect) > 0: global rank // node_size is the node (``ranks``: the members' global
     ranks, default 0..tp-1, so a group smaller than a node sits in one); else ranks sharing a hostname form one
     node; else every rank is on node 0."""
-    size = _env.get_int("NODE_SIZE") if node_size is None else node_size
+    size = declared_node_size() if node_size is None else node_size
     if size < 0:
         raise ValueError(f"FLUX_LAYERS_NODE_SIZE={size} must be 0 (detect) or a positive number of ranks per node")
     if size > 0:
@@ -155,6 +160,28 @@ def node_ids(tp: int, hostnames: Sequence[str] | None = None, node_size: int | N
 
 
 _node_ids = node_ids  # fused_path_blocker's argument shadows the name
+
+
+def declared_node_size() -> int:
+    """Ranks per node as declared, without a collective: FLUX_LAYERS_NODE_SIZE when set (> 0); else torchrun's
+    LOCAL_WORLD_SIZE where it is smaller than its WORLD_SIZE (a job over several nodes; torchrun numbers the
+    ranks node by node); else 0 (nothing declared)."""
+    size = _env.get_int("NODE_SIZE")
+    if size != 0:
+        return size
+    try:
+        local, world = int(os.environ.get("LOCAL_WORLD_SIZE", "0")), int(os.environ.get("WORLD_SIZE", "0"))
+    except ValueError:
+        return 0
+    return local if 0 < local < world and world % local == 0 else 0
+
+
+def group_node_ids(group) -> tuple[int, ...]:
+    """Node id of each rank of `group` from the declared node size (:func:`declared_node_size`) and the members'
+    global ranks; every rank on node 0 where nothing is declared."""
+    import torch.distributed as dist
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return node_ids(len(ranks), ranks=ranks)
 
 
 def gather_hostnames(group) -> tuple[str, ...]:
@@ -211,7 +238,7 @@ def ag_order(group_devices: tuple[int, ...], node_of: Sequence[int] | None = Non
     forced = _env.get("AG_ORDER")
     if forced != "auto":
         return forced
-    if node_of is None and _env.get_int("NODE_SIZE") > 0:
+    if node_of is None and declared_node_size() > 0:
         node_of = node_ids(len(group_devices))
     if node_of is None or len(set(node_of)) <= 1:
         return detect_order(group_devices)
@@ -223,37 +250,60 @@ def transport_matrix(layout: GroupLayout) -> tuple[tuple[str | None, ...], ...]:
     return choose_transport(layout, _env.get("TRANSPORT"))
 
 
-def fused_path_blocker(devices: tuple[int, ...], node_ids: tuple[int, ...] | None = None) -> str | None:
-    """Why the fused kernels cannot serve a group on CUDA devices `devices` (rank r on devices[r]), or None.
-
-    They need one node (``node_ids``; None: FLUX_LAYERS_NODE_SIZE, else one node), every pair of GPUs able to map
-    each other's memory, and an order and transport they have an executor for ('mesh'/'ring', the copy engine):
-    FLUX_LAYERS_AG_ORDER=internode|numa2d and FLUX_LAYERS_TRANSPORT=nccl name plans that are not executed yet.
-    Pass ``node_ids`` from :func:`node_ids` with the members' global ranks or :func:`gather_hostnames`; without
-    them FLUX_LAYERS_NODE_SIZE is applied to the group ranks 0..tp-1 (right for Megatron's aligned TP groups).
-    Cheap after the first call for a group (the peer-access matrix is cached)."""
+def ag_transport(devices: Sequence[int], node_ids: Sequence[int] | None = None) -> str:
+    """How the fused all-gather of a group on CUDA devices `devices` (rank r on devices[r]) moves its chunks:
+    FLUX_LAYERS_TRANSPORT when forced, else ``nccl`` where the group spans nodes (``node_ids``; None:
+    :func:`node_ids` of ranks 0..tp-1) or two of its GPUs cannot map each other's memory, else ``copy_engine``.
+    (A forced ``copy_engine`` that cannot run is :func:`fused_path_blocker`'s to report.)"""
+    forced = _env.get("TRANSPORT")
+    if forced != "auto":
+        return forced
     devices = tuple(devices)
-    order = _env.get("AG_ORDER")
-    if order not in ("auto",) + BUILT_ORDERS:
-        return (f"FLUX_LAYERS_AG_ORDER={order}: the all-gather order is planned "
-                "(flux_layers/runtime/transfer_plan.py) but has no fused executor yet")
-    transport = _env.get("TRANSPORT")
-    if transport not in ("auto",) + BUILT_TRANSPORTS:
-        return (f"FLUX_LAYERS_TRANSPORT={transport}: the fused kernels move data by copy engine and epilogue "
-                "stores only; the NCCL transport has no executor yet")
     if node_ids is None and len(devices) > 1:
         node_ids = _node_ids(len(devices))
-    if node_ids is not None:
-        if len(node_ids) != len(devices):
-            raise ValueError(f"fused_path_blocker: {len(node_ids)} node ids for {len(devices)} devices")
-        nnodes = len(set(node_ids))
-        if nnodes > 1:
-            return (f"the TP group spans {nnodes} nodes ({len(devices) // nnodes} ranks each); the inter-node "
-                    "(NCCL) transport of the fused ops is not built yet")
+    if node_ids is not None and len(set(node_ids)) > 1:
+        return "nccl"
+    m = peer_access_matrix(devices)
+    return "copy_engine" if all(all(row) for row in m) else "nccl"
+
+
+def fused_path_blocker(devices: tuple[int, ...], node_ids: tuple[int, ...] | None = None, op: str = "ag_gemm"
+                       ) -> str | None:
+    """Why the fused kernels cannot serve `op` ('ag_gemm' or 'gemm_rs') for a group on CUDA devices `devices`
+    (rank r on devices[r]), or None.
+
+    The all-gather runs on the copy engine (one node, every pair peer-mapped, order 'mesh' or 'ring') or on NCCL
+    (:func:`ag_transport`: any group, every order of transfer_plan.py, all transfers by NCCL). The reduce-scatter
+    needs the copy engine's conditions (its NCCL transport is not built). Pass ``node_ids`` from :func:`node_ids`
+    with the members' global ranks or :func:`gather_hostnames`; without them the declared node size
+    (:func:`declared_node_size`) is applied to the group ranks 0..tp-1 (right for Megatron's aligned TP groups).
+    Cheap after the first call for a group (the peer-access matrix is cached)."""
+    devices = tuple(devices)
+    if node_ids is None and len(devices) > 1:
+        node_ids = _node_ids(len(devices))
+    if node_ids is not None and len(node_ids) != len(devices):
+        raise ValueError(f"fused_path_blocker: {len(node_ids)} node ids for {len(devices)} devices")
+    transport = _env.get("TRANSPORT")
+    if op == "ag_gemm":
+        if ag_transport(devices, node_ids) == "nccl":
+            return None
+        order = _env.get("AG_ORDER")
+        if order not in ("auto",) + BUILT_ORDERS:
+            return (f"FLUX_LAYERS_AG_ORDER={order}: the copy-engine all-gather runs the orders {BUILT_ORDERS}; "
+                    f"'{order}' runs on the NCCL transport (FLUX_LAYERS_TRANSPORT=nccl)")
+    elif transport == "nccl":
+        return (f"FLUX_LAYERS_TRANSPORT=nccl: the {op} fused kernel moves data by epilogue stores and the copy "
+                "engine only; its NCCL transport is not built")
+    nnodes = len(set(node_ids)) if node_ids is not None else 1
+    if nnodes > 1:
+        return (f"the TP group spans {nnodes} nodes ({len(devices) // nnodes} ranks each); {op}'s fused kernel "
+                "has no inter-node (NCCL) transport" + (" (FLUX_LAYERS_TRANSPORT=copy_engine)" if op == "ag_gemm"
+                                                        else ""))
     m = peer_access_matrix(devices)
     for a in range(len(devices)):
         for b in range(len(devices)):
             if a != b and not (m[a][b] and m[b][a]):
                 return (f"GPUs {devices[a]} and {devices[b]} (ranks {a} and {b}) cannot map each other's memory; "
-                        "the fused kernels need peer access between every pair (the NCCL transport is not built)")
+                        f"{op}'s copy-engine and epilogue transports need peer access between every pair"
+                        + (" (FLUX_LAYERS_TRANSPORT=copy_engine)" if op == "ag_gemm" else ""))
     return None

@@ -1,7 +1,8 @@
 """Transfer plans: which chunk moves from which rank to which, in which step, on which transport (issue #19).
 
 Plain Python, no CUDA and no torch.distributed: the plan is data that CPU tests check and that an executor
-(csrc/runtime) walks. Topology detection that feeds it lives in flux_layers/runtime/topology.py.
+walks (flux_layers/runtime/nccl_transport.py runs plans whose transfers are all NCCL; the copy-engine executor,
+csrc/runtime/ag_gemm.cpp, runs its own mesh and ring inside one node). Topology detection that feeds it lives in flux_layers/runtime/topology.py.
 
 Vocabulary (csrc/runtime/ag_gemm.cpp): a group of ``tp`` ranks; rank g owns shard g of the all-gathered
 operand; a shard is cut into ``chunks`` chunks; chunk (g, c) arriving at a rank is announced by one 32-bit flag.

@@ -6,7 +6,9 @@ workspace's ``max_m``; nothing is allocated or exchanged per call.
 
 Symmetric memory comes from ``torch.distributed._symmetric_memory`` (IPC mapping and pointer exchange).
 Each workspace makes one symmetric allocation holding its data buffer and its 32-bit flag words, so the
-offsets of both are identical on every rank.
+offsets of both are identical on every rank. An all-gather workspace of the NCCL transport (GPUs that cannot map
+each other's memory, or other nodes) makes one local allocation instead: its peers' pointers are null, NCCL moves
+the chunks (flux_layers/runtime/nccl_transport.py), and it has no CUDA-graph twin.
 
 Each workspace owns one long-lived C++ object, ``Workspace.native`` (``torch.classes.flux_layers.Workspace``,
 csrc/include/flux/workspace_state.h): the peers' buffer and flag pointers, the communication streams, the events of
@@ -80,7 +82,8 @@ class Workspace:
     """Common part: one symmetric allocation (data + flags), streams, epoch counter, error record."""
 
     def __init__(self, group, *, data_bytes: int, flag_words: int, handshake_words: slice, num_comm_streams: int,
-                 what: str, graph_protocol: bool, dtype: torch.dtype, max_m: int, inner: int, capacity: int):
+                 what: str, graph_protocol: bool, dtype: torch.dtype, max_m: int, inner: int, capacity: int,
+                 peer_mapped: bool = True):
         _library.require()  # the native object below is the op library's class
         if not dist.is_initialized():
             raise RuntimeError(f"{what}: torch.distributed is not initialised")
@@ -90,29 +93,37 @@ class Workspace:
         if not 2 <= self.tp <= MAX_TP:
             raise ValueError(f"{what}: the fused path supports TP groups of 2 to {MAX_TP} ranks, got {self.tp}")
         self.device = torch.device("cuda", torch.cuda.current_device())
-        import torch.distributed._symmetric_memory as symm_mem
+        self.peer_mapped = peer_mapped
 
         self._data_offset = 0
         self._flag_offset = _align(data_bytes)
         total = self._flag_offset + _align(flag_words * 4)
-        self._storage = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
+        if peer_mapped:
+            import torch.distributed._symmetric_memory as symm_mem
+            self._storage = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
+        else:  # local memory: the NCCL transport moves the chunks (no peer mapping, null peer pointers below)
+            self._storage = torch.empty(total, dtype=torch.uint8, device=self.device)
         self._storage[self._flag_offset:].zero_()
         self.graph_protocol = graph_protocol
         if graph_protocol:  # the handshake words start set: "the previous call finished"
             self._storage[self._flag_offset:].view(torch.int32)[handshake_words] = 1
         torch.cuda.current_stream().synchronize()
-        handle = symm_mem.rendezvous(self._storage, self.group)
-        my_base = handle.buffer_ptrs[self.rank]
-        offset = self._storage.data_ptr() - my_base
-        offsets = [None] * self.tp
-        dist.all_gather_object(offsets, offset, group=self.group)
-        if len(set(offsets)) != 1:
-            raise RuntimeError(f"{what}: symmetric allocations are not at the same offset on every rank "
-                               f"({offsets}); create workspaces in the same order on every rank")
-        self._handle = handle
-        self.base_ptrs = [p + offset for p in handle.buffer_ptrs]
-        self.data_ptrs = [p + self._data_offset for p in self.base_ptrs]
-        self.flag_ptrs = [p + self._flag_offset for p in self.base_ptrs]
+        if peer_mapped:
+            handle = symm_mem.rendezvous(self._storage, self.group)
+            my_base = handle.buffer_ptrs[self.rank]
+            offset = self._storage.data_ptr() - my_base
+            offsets = [None] * self.tp
+            dist.all_gather_object(offsets, offset, group=self.group)
+            if len(set(offsets)) != 1:
+                raise RuntimeError(f"{what}: symmetric allocations are not at the same offset on every rank "
+                                   f"({offsets}); create workspaces in the same order on every rank")
+            self._handle = handle
+            self.base_ptrs = [p + offset for p in handle.buffer_ptrs]
+        else:
+            self._handle = None
+            self.base_ptrs = [self._storage.data_ptr() if q == self.rank else 0 for q in range(self.tp)]
+        self.data_ptrs = [p + self._data_offset if p else 0 for p in self.base_ptrs]
+        self.flag_ptrs = [p + self._flag_offset if p else 0 for p in self.base_ptrs]
         self.flags = self._storage[self._flag_offset:self._flag_offset + flag_words * 4].view(torch.int32)
         self.comm_streams = [torch.cuda.Stream(device=self.device, priority=-1) for _ in range(num_comm_streams)]
         self.error_record = torch.zeros(5, dtype=torch.int32, pin_memory=True)
@@ -146,7 +157,8 @@ class Workspace:
             with self._plans_lock:
                 index = self._plans.get(plan)
                 if index is None:
-                    index = self._plans[plan] = self.native.add_plan(*plan)
+                    args = [list(v) if isinstance(v, tuple) else v for v in plan]  # a shard order: int[]
+                    index = self._plans[plan] = self.native.add_plan(*args)
         return index
 
     @property
@@ -203,23 +215,44 @@ class Workspace:
 
 
 class AgWorkspace(Workspace):
-    """AllGather+GEMM: a gathered-input buffer [max_m, k] per rank + chunk/avail/done flags (AgFlagLayout)."""
+    """AllGather+GEMM: a gathered-input buffer [max_m, k] per rank + chunk/avail/done flags (AgFlagLayout).
+
+    ``transport``: 'copy_engine' (symmetric memory, the op's copy-engine transfers) or 'nccl' (local memory; the
+    chunks arrive by NCCL, flux_layers/runtime/nccl_transport.py, driven from :attr:`transfer_stream`)."""
 
     def __init__(self, group, dtype: torch.dtype, max_m: int, k: int, *, chunk_capacity: int = 16,
-                 graph_protocol: bool = False):
+                 graph_protocol: bool = False, transport: str = "copy_engine"):
         tp = dist.get_world_size(group)
         if max_m <= 0 or max_m % tp != 0:
             raise ValueError(f"AgWorkspace: max_m={max_m} must be a positive multiple of the group size {tp}")
+        if transport not in ("copy_engine", "nccl"):
+            raise ValueError(f"AgWorkspace: transport must be 'copy_engine' or 'nccl', got {transport!r}")
+        if transport == "nccl" and graph_protocol:
+            raise ValueError("AgWorkspace: the NCCL transport has no CUDA-graph twin (captured calls are refused)")
         self.dtype, self.max_m, self.k, self.chunk_capacity = dtype, max_m, k, chunk_capacity
+        self.transport = transport
         elem = torch.tensor([], dtype=dtype).element_size()
         done = 2 * tp * chunk_capacity  # AgFlagLayout: chunk[tp][cap], avail[tp][cap], done[tp]
+        nccl = transport == "nccl"
         super().__init__(group, data_bytes=max_m * k * elem, flag_words=done + tp,
-                         handshake_words=slice(done, done + tp), num_comm_streams=tp, what="ag_gemm",
-                         graph_protocol=graph_protocol, dtype=dtype, max_m=max_m, inner=k, capacity=chunk_capacity)
+                         handshake_words=slice(done, done + tp), num_comm_streams=1 if nccl else tp, what="ag_gemm",
+                         graph_protocol=graph_protocol, dtype=dtype, max_m=max_m, inner=k, capacity=chunk_capacity,
+                         peer_mapped=not nccl)
         self.buffer = self._storage[:max_m * k * elem].view(dtype).view(max_m, k)
+        # The NCCL transfers' stream: forked from the compute stream before each call's GEMM, joined after.
+        self.transfer_stream = torch.cuda.Stream(device=self.device, priority=-1) if nccl else None
         devices = [None] * self.tp
         dist.all_gather_object(devices, torch.cuda.current_device(), group=self.group)
         self.devices = tuple(devices)
+        self._layout = None
+
+    @property
+    def layout(self):
+        """The group's transfer_plan.GroupLayout (nodes from the declared node size and the members' global ranks,
+        peer access and NUMA nodes from this host, by device index; nodes are taken to be alike)."""
+        if self._layout is None:
+            self._layout = topology.group_layout(self.devices, topology.group_node_ids(self.group))
+        return self._layout
 
     @property
     def order(self) -> str:
@@ -233,7 +266,9 @@ class AgWorkspace(Workspace):
         rows = m // self.tp
         return self.buffer[self.rank * rows:(self.rank + 1) * rows]
 
-    def new_graph_twin(self) -> AgWorkspace:
+    def new_graph_twin(self) -> AgWorkspace | None:
+        if self.transport == "nccl":
+            return None  # captured calls are refused (nccl_transport.CAPTURE_REFUSAL)
         return AgWorkspace(self.group, self.dtype, self.max_m, self.k, chunk_capacity=self.chunk_capacity,
                            graph_protocol=True)
 
@@ -295,7 +330,8 @@ def enable_cuda_graphs() -> None:
 
 def _make_twin(ws: Workspace) -> None:
     ws.graph_twin = ws.new_graph_twin()
-    ws.native.set_twin(ws.graph_twin.native)  # the op takes the twin's state while the stream is being captured
+    if ws.graph_twin is not None:  # None: the workspace's transport refuses captured calls
+        ws.native.set_twin(ws.graph_twin.native)  # the op takes the twin's state while the stream is being captured
 
 
 def prepare_cuda_graphs() -> None:
@@ -382,10 +418,13 @@ def _cached(op: str, group, dtype: torch.dtype, inner: int, m: int, make, tp: in
         return ws
 
 
-def get_ag_workspace(group, dtype: torch.dtype, m: int, k: int) -> AgWorkspace:
-    """The cached all-gather workspace for (group, dtype, k), grown if m exceeds it (M = 0 gets the smallest)."""
+def get_ag_workspace(group, dtype: torch.dtype, m: int, k: int, transport: str = "copy_engine") -> AgWorkspace:
+    """The cached all-gather workspace for (group, dtype, k, transport), grown if m exceeds it (M = 0 gets the
+    smallest)."""
     tp = dist.get_world_size(group)
-    return _cached("ag", group, dtype, k, max(m, tp), lambda max_m: AgWorkspace(group, dtype, max_m, k), tp)
+    op = "ag" if transport == "copy_engine" else f"ag_{transport}"
+    return _cached(op, group, dtype, k, max(m, tp),
+                   lambda max_m: AgWorkspace(group, dtype, max_m, k, transport=transport), tp)
 
 
 def get_rs_workspace(group, dtype: torch.dtype, m: int, n: int) -> RsWorkspace:

@@ -182,8 +182,11 @@ def test_graph_twin_has_its_workspace_shape(monkeypatch):
 
     ag = object.__new__(W.AgWorkspace)
     ag.group, ag.dtype, ag.max_m, ag.k, ag.chunk_capacity = "tp", torch.bfloat16, 256, 64, 4
+    ag.transport = "copy_engine"
     assert isinstance(ag.new_graph_twin(), W.AgWorkspace)
     assert built[-1] == ("AgWorkspace", "tp", torch.bfloat16, 256, 64, {"chunk_capacity": 4, "graph_protocol": True})
+    ag.transport = "nccl"  # captured calls on the NCCL transport are refused: no twin
+    assert ag.new_graph_twin() is None and len(built) == 1
     rs = object.__new__(W.RsWorkspace)
     rs.group, rs.dtype, rs.max_m, rs.n, rs.min_tile = "tp", torch.float16, 512, 96, 64
     assert isinstance(rs.new_graph_twin(), W.RsWorkspace)

@@ -502,27 +502,35 @@ def test_ag_order_keeps_single_node_behaviour_and_plans_multi_node(monkeypatch):
 
 
 def test_fused_path_blocker(monkeypatch):
+    # The reduce-scatter needs one node and peer access; the all-gather takes NCCL where they are missing
+    # (tests/cpu/test_nccl_transport.py).
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
-    assert topology.fused_path_blocker((0, 1, 2, 3)) is None
-    assert topology.fused_path_blocker((0, 1, 2, 3), (0, 0, 0, 0)) is None
-    assert "spans 2 nodes" in topology.fused_path_blocker((0, 1, 2, 3), (0, 0, 1, 1))
+    rs = dict(op="gemm_rs")
+    assert topology.fused_path_blocker((0, 1, 2, 3), **rs) is None
+    assert topology.fused_path_blocker((0, 1, 2, 3), (0, 0, 0, 0), **rs) is None
+    assert "spans 2 nodes" in topology.fused_path_blocker((0, 1, 2, 3), (0, 0, 1, 1), **rs)
+    assert topology.fused_path_blocker((0, 1, 2, 3), (0, 0, 1, 1)) is None
     monkeypatch.setenv("FLUX_LAYERS_NODE_SIZE", "2")
-    assert "spans 2 nodes" in topology.fused_path_blocker((0, 1, 2, 3))
+    assert "spans 2 nodes" in topology.fused_path_blocker((0, 1, 2, 3), **rs)
+    assert topology.ag_transport((0, 1, 2, 3)) == "nccl"
     monkeypatch.setenv("FLUX_LAYERS_NODE_SIZE", "4")
-    assert topology.fused_path_blocker((0, 1, 2, 3)) is None
+    assert topology.fused_path_blocker((0, 1, 2, 3), **rs) is None
     for order in ("internode", "numa2d"):
         monkeypatch.setenv("FLUX_LAYERS_AG_ORDER", order)
         assert f"AG_ORDER={order}" in topology.fused_path_blocker((0, 1, 2, 3))
+        assert topology.fused_path_blocker((0, 1, 2, 3), **rs) is None  # no order in the reduce-scatter
     monkeypatch.setenv("FLUX_LAYERS_AG_ORDER", "ring")
     assert topology.fused_path_blocker((0, 1, 2, 3)) is None
     monkeypatch.setenv("FLUX_LAYERS_TRANSPORT", "nccl")
-    assert "TRANSPORT=nccl" in topology.fused_path_blocker((0, 1, 2, 3))
+    assert "TRANSPORT=nccl" in topology.fused_path_blocker((0, 1, 2, 3), **rs)
+    assert topology.fused_path_blocker((0, 1, 2, 3)) is None
     monkeypatch.setenv("FLUX_LAYERS_TRANSPORT", "copy_engine")
     assert topology.fused_path_blocker((0, 1, 2, 3)) is None
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: {a, b} != {2, 3})
     topology.peer_access_matrix.cache_clear()
-    reason = topology.fused_path_blocker((0, 1, 2, 3))
-    assert "GPUs 2 and 3" in reason and "cannot map each other's memory" in reason
+    for op in ("ag_gemm", "gemm_rs"):
+        reason = topology.fused_path_blocker((0, 1, 2, 3), op=op)
+        assert "GPUs 2 and 3" in reason and "cannot map each other's memory" in reason
     assert topology.fused_path_blocker((0, 1)) is None
     with pytest.raises(ValueError, match="2 node ids for 4 devices"):
         topology.fused_path_blocker((0, 1, 2, 3), (0, 0))

@@ -13,11 +13,12 @@ import torch
 from flux_layers.devtools import oracle
 
 
-def needs_gpus(n: int):
-    """Skip unless ``n`` GPUs are visible (or one, where FLUX_LAYERS_TEST_SHARED_GPU=1 runs the ranks on it)."""
+def needs_gpus(n: int, shared: bool = True):
+    """Skip unless ``n`` GPUs are visible (or one, where FLUX_LAYERS_TEST_SHARED_GPU=1 runs the ranks on it and the
+    test can run that way: ``shared``; NCCL refuses two ranks on one GPU, so tests of the NCCL transport cannot)."""
     from flux_layers.devtools.launch import shared_gpu
     have = torch.cuda.device_count()
-    enough = have >= n or (shared_gpu() and have >= 1)
+    enough = have >= n or (shared and shared_gpu() and have >= 1)
     return pytest.mark.skipif(not enough, reason=f"needs {n} CUDA GPUs, {have} visible")
 
 

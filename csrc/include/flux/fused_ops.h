@@ -16,7 +16,12 @@ namespace flux {
 // the call that recorded it, and cudaStreamWaitEvent captures the event's state when it is called).
 constexpr int kEventsPerCall = 12;
 
-enum class AgMode : int { kPull = 0, kPush = 1 };
+// kExternal: the caller moves the chunks into this rank's gathered buffer and sets this rank's chunk flags (the
+// NCCL transport, flux_layers/runtime/nccl_transport.py, on a stream it forked from the compute stream before
+// the call). The op launches the GEMM on the local buffer and flags and enqueues no copy, no handshake and no
+// write to a peer: the workspace may hold local memory only (WorkspaceConfig::peer_mapped false), and the order
+// of calls on the buffer is the caller's streams' order.
+enum class AgMode : int { kPull = 0, kPush = 1, kExternal = 2 };
 enum class AgOrder : int { kMesh = 0, kRing = 1 };
 
 // Flag protocols (the workspace picks one for its lifetime; flux_layers/runtime/workspace.py):
@@ -52,7 +57,7 @@ struct AgGemmArgs {
   int64_t ldw = 0;
   const void* bias = nullptr;    // [N] or null
   void* out = nullptr;           // [tp * Mg, N] contiguous
-  void* gathered_out = nullptr;  // [tp * Mg, K] contiguous copy of the gathered input, or null
+  void* gathered_out = nullptr;  // [tp * Mg, K] contiguous copy of the gathered input, or null (kExternal: null)
   DType dtype = DType::kBF16;
   WeightLayout layout = WeightLayout::kNT;
   TileConfig tile = TileConfig::k256x128;
@@ -68,6 +73,10 @@ struct AgGemmArgs {
   int rows_per_chunk = 0;
   AgMode mode = AgMode::kPull;
   AgOrder order = AgOrder::kMesh;
+  // The GEMM's shard order (own shard first, then the chunks' arrival order) where the caller's transfers set it
+  // (kExternal); else ag_group_order(rank, tp, order).
+  bool custom_group_order = false;
+  int group_order[kMaxGroups] = {0};
   FlagProtocol protocol = FlagProtocol::kEpoch;
   uint32_t epoch = 0;  // 1 under FlagProtocol::kCudaGraph
   uint64_t timeout_ns = 0;

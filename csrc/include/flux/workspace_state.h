@@ -31,6 +31,8 @@ struct CallPlan {
   AgMode mode = AgMode::kPush;
   AgOrder order = AgOrder::kMesh;
   int rows_per_chunk = 0;
+  bool custom_group_order = false;  // the GEMM's shard order below, not the one `order` implies (kExternal)
+  std::array<int, kMaxGroups> group_order{};
   // reduce-scatter
   bool copy_engine = false;
   int chunk_cols = 0;
@@ -45,8 +47,9 @@ struct WorkspaceConfig {
   int64_t max_m = 0;               // rows of the largest call (all ranks together)
   int64_t inner = 0;               // K (all-gather) or N (reduce-scatter)
   int capacity = 0;                // chunks per shard (all-gather) or flags per source (reduce-scatter)
-  std::vector<char*> data;         // every rank's data buffer
-  std::vector<uint32_t*> flags;    // every rank's flag words
+  std::vector<char*> data;         // every rank's data buffer (only this rank's where !peer_mapped)
+  std::vector<uint32_t*> flags;    // every rank's flag words (only this rank's where !peer_mapped)
+  bool peer_mapped = true;         // false: local memory, peers' pointers null (AgMode::kExternal calls only)
   std::vector<cudaStream_t> comm;  // owned by the caller, outlive this object
   int* error_record = nullptr;     // host-mapped int[5] {code, rank, index, epoch, observed}
   int* error_claim = nullptr;      // device int

@@ -1,0 +1,113 @@
+"""The NCCL transport of the fused all-gather: a host-driven executor of a transfer plan's NCCL steps (issue #19).
+
+Where the GPUs of a group cannot map each other's memory (other nodes, or no peer access inside a node), chunks
+move by NCCL send/recv through the TP group's own process group (torch.distributed, the NCCL torch ships; no
+network code of our own). The fused op is then split between two streams of this rank, with nothing shared
+across ranks but NCCL's messages:
+
+* the **compute stream** runs the persistent GEMM in external-transfer mode (csrc/runtime/ag_gemm.cpp,
+  ``AgMode::kExternal``): own shard from x at once, every other tile after the 32-bit flag of the chunk its A tile
+  reads, in this rank's gathered buffer and flag words, both in *local* memory (no peer mapping, no handshake);
+* the **transfer stream** (forked from the compute stream before the GEMM is enqueued, so it never waits on the
+  GEMM it feeds) walks this rank's part of the plan (:func:`rank_batches`): per batch one group of NCCL
+  send/recv calls (``dist.batch_isend_irecv``, so pairs that exchange both ways cannot deadlock), then, for each
+  chunk it received, the chunk's flag set to the call's epoch (``cuStreamWriteValue32``, no kernel) once the
+  receive has completed on the stream; forwarded chunks (ring-like plans) are sent from the buffer they arrived
+  in, which the stream order makes safe. The compute stream joins the transfer stream at the end of the call.
+
+Back-to-back calls need no handshake: the next call's receives are queued behind this call's GEMM (the fork), and
+a sender's source is its own x or its own buffer. The GEMM must leave SMs to NCCL's kernels: the call plan's
+``sm_count`` holds back ``FLUX_LAYERS_NCCL_SMS`` SMs (a persistent grid on every SM would spin on flags that
+NCCL cannot deliver).
+
+Batches. A plan step may hold several chunks; a batch is this rank's transfers of one (step, chunk index), in plan
+order, so the GEMM sees chunk 0 of every shard of a step before chunk 1. Every rank cuts the same global plan by
+the same keys and issues its batches in key order, and a transfer's send and receive carry the same key: a
+batch's partners are all in their own batch of that key, so by induction every batch completes (NCCL matches a
+pair's calls in issue order, which is the plan order on both sides).
+
+The executor is generic over how a chunk's flag is set and which tensors hold the buffers (``AgExecutor.run``
+takes callables), so the CPU tests run this very code with gloo and CPU tensors (tests/cpu/test_nccl_transport.py).
+
+CUDA graphs: not supported; a captured call is refused (:data:`CAPTURE_REFUSAL`). NCCL calls can be captured, but
+the executor's batches are host-driven and untested under capture; the copy-engine transport serves captured
+calls.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from flux_layers.runtime.transfer_plan import AgPlan, GroupLayout, Transfer, build_ag_plan
+
+CAPTURE_REFUSAL = ("the NCCL transport of the fused all-gather cannot run under CUDA-graph capture (its transfers "
+                   "are driven from the host per call); capture with the copy-engine transport (peer-mapped GPUs) "
+                   "or keep these calls out of the graph")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One group of NCCL calls of a rank: its sends and receives of the plan's transfers with one key."""
+    key: tuple[int, int]            # (plan step, chunk index)
+    sends: tuple[Transfer, ...]     # in plan order
+    recvs: tuple[Transfer, ...]     # in plan order
+
+
+def rank_batches(plan: AgPlan, rank: int) -> tuple[Batch, ...]:
+    """What `rank` issues, grouped into batches in key order (module docstring). Every transfer the rank takes part
+    in must be an NCCL one: this executor does not drive the copy engine."""
+    by_key: dict[tuple[int, int], tuple[list, list]] = {}
+    for step, t in plan.transfers():
+        if rank not in (t.src, t.dst):
+            continue
+        if t.transport != "nccl":
+            raise ValueError(f"rank {rank}: step {step} moves chunk {t.chunk} {t.src}->{t.dst} by {t.transport!r}; "
+                             "the NCCL executor runs plans whose transfers are all NCCL")
+        sends, recvs = by_key.setdefault((step, t.chunk[1]), ([], []))
+        (sends if t.src == rank else recvs).append(t)
+    return tuple(Batch(key, tuple(s), tuple(r)) for key, (s, r) in sorted(by_key.items()))
+
+
+@functools.lru_cache(maxsize=None)
+def nccl_plan(layout: GroupLayout, chunks: int, order: str | None = None) -> AgPlan:
+    """The all-gather plan with every transfer on NCCL (validated): ``order`` None or 'auto' takes
+    transfer_plan.choose_order's (one node: mesh or ring; several: internode, or numa2d for PCIe nodes)."""
+    return build_ag_plan(layout, order, chunks=chunks, transport="nccl")
+
+
+class AgExecutor:
+    """This rank's batches of one plan and the group they run on; :meth:`run` issues them."""
+
+    def __init__(self, plan: AgPlan, rank: int, group):
+        self.plan = plan
+        self.rank = rank
+        self.group = group
+        self.batches = rank_batches(plan, rank)
+
+    @property
+    def gemm_order(self) -> tuple[int, ...]:
+        """The shards in the order this rank's GEMM walks them (own first, then arrival order)."""
+        return self.plan.gemm_order[self.rank]
+
+    def run(self, own: Callable[[int], torch.Tensor], region: Callable[[int, int], torch.Tensor],
+            announce: Callable[[int, int], None]) -> None:
+        """Issue every batch on the current stream. ``own(c)``: chunk c of this rank's shard (what it sends of its
+        own); ``region(g, c)``: where chunk c of shard g sits in this rank's gathered buffer (received into, and
+        forwarded from); ``announce(g, c)``: set that chunk's flag, called once its receive completed (on the
+        stream for NCCL: ``wait`` orders the current stream after the transfer; gloo's ``wait`` blocks)."""
+        isend, irecv = dist.isend, dist.irecv
+        for batch in self.batches:
+            ops = [dist.P2POp(isend, own(t.chunk[1]) if t.chunk[0] == self.rank else region(*t.chunk),
+                              group=self.group, group_peer=t.dst) for t in batch.sends]
+            ops += [dist.P2POp(irecv, region(*t.chunk), group=self.group, group_peer=t.src) for t in batch.recvs]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            for t in batch.recvs:
+                announce(*t.chunk)
+
+
+__all__ = ["CAPTURE_REFUSAL", "Batch", "rank_batches", "nccl_plan", "AgExecutor"]

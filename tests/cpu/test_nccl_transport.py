@@ -1,0 +1,159 @@
+"""The NCCL transport's executor (flux_layers/runtime/nccl_transport.py) on CPU: its batches for every layout, and the
+very code that drives NCCL run with gloo on CPU tensors across 2-8 processes, a flag stand-in that checks each
+chunk's data is in place when its flag is set; the transport's selection (topology.ag_transport,
+fused_path_blocker, the declared node size)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flux_layers.devtools.launch import run_distributed
+from flux_layers.runtime import nccl_transport, topology
+from flux_layers.runtime.transfer_plan import GroupLayout
+
+# (nnodes, ranks per node, NUMA map of a node or None, order or None (auto))
+CASES = {
+    2: [(2, 1, None, None), (1, 2, None, None)],
+    4: [(2, 2, None, None), (4, 1, None, None), (1, 4, None, "ring"), (1, 4, None, "mesh"),
+        (1, 4, (0, 0, 1, 1), "numa2d")],
+    8: [(2, 4, None, None), (4, 2, None, None), (8, 1, None, None), (1, 8, (0, 0, 0, 0, 1, 1, 1, 1), "numa2d"),
+        (2, 4, (0, 0, 1, 1), "numa2d"), (1, 8, None, "ring")],
+}
+STATIC = [c for cases in CASES.values() for c in cases] + [(2, 8, None, None), (2, 8, (0,) * 4 + (1,) * 4, "numa2d")]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in ("AG_ORDER", "NODE_SIZE", "TRANSPORT", "NUMA_MAP"):
+        monkeypatch.delenv("FLUX_LAYERS_" + name, raising=False)
+    for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    topology.peer_access_matrix.cache_clear()
+    yield
+    topology.peer_access_matrix.cache_clear()
+
+
+def _plan(nnodes, size, numa, order, chunks):
+    return nccl_transport.nccl_plan(GroupLayout.uniform(nnodes, size, numa=numa), chunks, order)
+
+
+@pytest.mark.parametrize("case", STATIC, ids=lambda c: f"{c[0]}x{c[1]}-{c[3] or 'auto'}")
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_batches_receive_every_chunk_once_and_forward_only_what_arrived(case, chunks):
+    plan = _plan(*case, chunks)
+    tp = plan.layout.tp
+    sent_by_pair: dict[tuple[int, int], list] = {}
+    recv_by_pair: dict[tuple[int, int], list] = {}
+    for rank in range(tp):
+        batches = nccl_transport.rank_batches(plan, rank)
+        assert [b.key for b in batches] == sorted(b.key for b in batches)
+        arrived: dict[tuple[int, int], int] = {}
+        for i, b in enumerate(batches):
+            for t in b.recvs:
+                assert t.dst == rank and t.chunk not in arrived, f"rank {rank}: {t.chunk} received twice"
+                arrived[t.chunk] = i
+                recv_by_pair.setdefault((t.src, t.dst), []).append((b.key, t.chunk))
+            for t in b.sends:
+                assert t.src == rank
+                if t.chunk[0] != rank:  # forwarded: received in an earlier batch
+                    assert arrived.get(t.chunk, len(batches)) < i, f"rank {rank} forwards {t.chunk} before it has it"
+                sent_by_pair.setdefault((t.src, t.dst), []).append((b.key, t.chunk))
+        assert sorted(arrived) == [(g, c) for g in range(tp) if g != rank for c in range(chunks)]
+    # Both sides of every pair issue the same transfers under the same keys, in the same order (NCCL matches a
+    # pair's calls in issue order; equal keys make a batch's partners sit in their own batch of that key).
+    assert sent_by_pair == recv_by_pair
+
+
+def test_batches_refuse_copy_engine_transfers():
+    from flux_layers.runtime.transfer_plan import build_ag_plan
+    plan = build_ag_plan(GroupLayout.uniform(2, 2), chunks=1)  # copy engine inside each node
+    with pytest.raises(ValueError, match="all NCCL"):
+        nccl_transport.rank_batches(plan, 0)
+
+
+def _shard(g: int, rows: int, k: int) -> torch.Tensor:
+    return (g * 10_000 + torch.arange(rows * k, dtype=torch.float64)).view(rows, k)
+
+
+def _run_cases(rank, tp, rows, rows_per_chunk, k, late_rank):
+    group = dist.group.WORLD
+    chunks = -(-rows // rows_per_chunk)
+    for nnodes, size, numa, order in CASES[tp]:
+        plan = _plan(nnodes, size, numa, order, chunks)
+        executor = nccl_transport.AgExecutor(plan, rank, group)
+        x = _shard(rank, rows, k)
+        buffer = torch.full((tp * rows, k), float("nan"), dtype=torch.float64)
+        flags: dict[tuple[int, int], int] = {}
+
+        def region(g, c):
+            return buffer[g * rows + c * rows_per_chunk:g * rows + min((c + 1) * rows_per_chunk, rows)]
+
+        def announce(g, c):
+            # The flag stand-in: the chunk's rows are in place when its flag is set, and it is set once.
+            assert (g, c) not in flags, f"rank {rank}: flag of {(g, c)} set twice"
+            lo = c * rows_per_chunk
+            want = _shard(g, rows, k)[lo:lo + region(g, c).shape[0]]
+            assert torch.equal(region(g, c), want), f"rank {rank}: flag of {(g, c)} set before its data"
+            flags[(g, c)] = len(flags)
+
+        if rank == late_rank:
+            time.sleep(0.2)
+        executor.run(lambda c: x[c * rows_per_chunk:(c + 1) * rows_per_chunk], region, announce)
+        what = f"rank {rank}, {nnodes}x{size} {plan.order}"
+        assert sorted(flags) == [(g, c) for g in range(tp) if g != rank for c in range(chunks)], what
+        for g in range(tp):
+            if g != rank:
+                assert torch.equal(buffer[g * rows:(g + 1) * rows], _shard(g, rows, k)), f"{what}: shard {g}"
+        assert buffer[rank * rows:(rank + 1) * rows].isnan().all(), f"{what}: own rows written"
+        # The GEMM's order: own shard, then every other; a shard's chunks are all flagged by then in arrival order.
+        order_seen = executor.gemm_order
+        assert order_seen[0] == rank and sorted(order_seen) == list(range(tp)), what
+        dist.barrier()
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_executor_moves_every_chunk_once_with_gloo(tp):
+    # 5 rows per shard in chunks of 2 (a short last chunk); rank 1 starts late.
+    run_distributed(_run_cases, tp, 5, 2, 3, 1)
+
+
+def test_ag_transport_and_blocker(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    devices = (0, 1, 2, 3)
+    assert topology.ag_transport(devices) == "copy_engine"
+    assert topology.ag_transport(devices, (0, 0, 1, 1)) == "nccl"
+    for op in ("ag_gemm", "gemm_rs"):
+        assert topology.fused_path_blocker(devices, op=op) is None
+    assert topology.fused_path_blocker(devices, (0, 0, 1, 1)) is None  # all-gather over NCCL
+    assert "spans 2 nodes" in topology.fused_path_blocker(devices, (0, 0, 1, 1), op="gemm_rs")
+    monkeypatch.setenv("FLUX_LAYERS_TRANSPORT", "nccl")
+    assert topology.ag_transport(devices) == "nccl"
+    assert topology.fused_path_blocker(devices) is None
+    assert "NCCL transport is not built" in topology.fused_path_blocker(devices, op="gemm_rs")
+    monkeypatch.setenv("FLUX_LAYERS_AG_ORDER", "numa2d")
+    assert topology.fused_path_blocker(devices) is None  # every order runs on NCCL
+    monkeypatch.setenv("FLUX_LAYERS_TRANSPORT", "copy_engine")
+    assert "AG_ORDER=numa2d" in topology.fused_path_blocker(devices)
+    monkeypatch.setenv("FLUX_LAYERS_AG_ORDER", "auto")
+    assert "spans 2 nodes" in topology.fused_path_blocker(devices, (0, 0, 1, 1))
+    monkeypatch.delenv("FLUX_LAYERS_TRANSPORT")
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: {a, b} != {2, 3})
+    topology.peer_access_matrix.cache_clear()
+    assert topology.ag_transport(devices) == "nccl"  # no peer access: NCCL by itself
+    assert topology.fused_path_blocker(devices) is None
+    assert "cannot map each other's memory" in topology.fused_path_blocker(devices, op="gemm_rs")
+
+
+def test_declared_node_size(monkeypatch):
+    assert topology.declared_node_size() == 0
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # torchrun on two nodes of 8
+    assert topology.declared_node_size() == 8
+    assert topology.node_ids(16) == (0,) * 8 + (1,) * 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # one node
+    assert topology.declared_node_size() == 0
+    monkeypatch.setenv("FLUX_LAYERS_NODE_SIZE", "2")  # declared wins
+    assert topology.declared_node_size() == 2

@@ -1,0 +1,122 @@
+"""Fused AllGather+GEMM over the NCCL transport (flux_layers/runtime/nccl_transport.py) on 2+ GPUs, one process each,
+against an fp32 reference with NaN-poisoned outputs. Node size 1 (every peer on another "node": all transfers by
+NCCL), one node with NCCL forced, and the NUMA-2D order forced; a late rank; 200 back-to-back calls with varying M;
+the dispatched op (ops.ag_gemm) choosing NCCL by itself; captured calls refused.
+
+Needs a GPU per rank: NCCL refuses two ranks on one GPU, so FLUX_LAYERS_TEST_SHARED_GPU=1 does not run these."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flux_layers.devtools.launch import run_distributed
+from tests.gpu.gpu_support import assert_close_rel, global_inputs, needs_gpus, poison_outputs
+
+pytestmark = [pytest.mark.gpu, needs_gpus(2, shared=False)]
+
+TP = min(max(torch.cuda.device_count(), 2), 8)
+
+# (FLUX_LAYERS_NODE_SIZE, FLUX_LAYERS_AG_ORDER, FLUX_LAYERS_NUMA_MAP of one node)
+HALVES = ",".join(["0"] * (TP // 2) + ["1"] * (TP // 2))
+LAYOUTS = [("1", "auto", ""), (str(TP), "auto", ""), (str(TP), "numa2d", HALVES)]
+
+
+def _set_layout(node_size: str, order: str, numa: str) -> None:
+    os.environ["FLUX_LAYERS_TRANSPORT"] = "nccl"
+    os.environ["FLUX_LAYERS_NODE_SIZE"] = node_size
+    os.environ["FLUX_LAYERS_AG_ORDER"] = order
+    os.environ["FLUX_LAYERS_NUMA_MAP"] = numa
+
+
+def _one_call(rank, tp, seed, m, k, n, dtype, layout, *, with_bias=True, ws=None, late_rank=None, chunk_rows=None):
+    from flux_layers.ops import fused_ag_gemm
+    x, w, b = global_inputs(seed, m, k, n, dtype, layout)
+    x_shard_m = x.chunk(tp)[rank]
+    w_shard_n = w.chunk(tp, dim=0 if layout == "nt" else 1)[rank].contiguous()
+    b_shard_n = b.chunk(tp)[rank].contiguous() if with_bias else None
+    if late_rank == rank:
+        time.sleep(0.010)
+    out, gathered = fused_ag_gemm.ag_gemm(x_shard_m, w_shard_n, b_shard_n, group=dist.group.WORLD,
+                                          weight_layout=layout, return_gathered=True, ws=ws, transport="nccl",
+                                          chunk_rows=chunk_rows)
+    ref = x.float() @ (w_shard_n.float().t() if layout == "nt" else w_shard_n.float())
+    if with_bias:
+        ref = ref + b_shard_n.float()
+    tag = (f"rank {rank} nccl ag_gemm M={m} K={k} N={n} {dtype} {layout} node_size="
+           f"{os.environ['FLUX_LAYERS_NODE_SIZE']} order={os.environ['FLUX_LAYERS_AG_ORDER']}")
+    assert_close_rel(out, ref, dtype, tag)
+    assert torch.equal(gathered, x), f"{tag}: gathered input differs from the global x"
+
+
+def _matrix(rank, tp, seed):
+    poison_outputs()
+    i = 0
+    for node_size, order, numa in LAYOUTS:
+        _set_layout(node_size, order, numa)
+        for dtype in (torch.bfloat16, torch.float16):
+            for layout in ("nt", "nn"):
+                # per-rank share a multiple of the tile, and one that is not a multiple of 128
+                for (m, k, n) in ((1024 * tp, 1024, 384 * tp), (1000 * tp, 520, 136 * tp)):
+                    for chunk_rows in (0, 128):
+                        _one_call(rank, tp, seed + i, m, k, n, dtype, layout, chunk_rows=chunk_rows)
+                        i += 1
+    torch.cuda.synchronize()
+
+
+def test_nccl_ag_gemm_layouts_dtypes_weight_layouts():
+    run_distributed(_matrix, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl")
+
+
+def _late_and_many(rank, tp, seed):
+    poison_outputs()
+    _set_layout("1", "auto", "")
+    for late in (0, 1):
+        _one_call(rank, tp, seed + late, 2048 * tp, 1024, 512 * tp, torch.bfloat16, "nt", late_rank=late)
+    # 200 back-to-back calls with varying M on one workspace (max M fixed up front), chunked and not.
+    from flux_layers.runtime.workspace import AgWorkspace
+    ws = AgWorkspace(dist.group.WORLD, torch.bfloat16, 2048 * tp, 512, transport="nccl")
+    rows = [2048, 1000, 128, 2048, 64, 1536, 8, 1024]
+    for i in range(200):
+        m = rows[i % len(rows)] * tp
+        _one_call(rank, tp, seed + 100 + i, m, 512, 128 * tp, torch.bfloat16, "nt" if i % 3 else "nn",
+                  with_bias=bool(i % 2), ws=ws, chunk_rows=(0, 256)[i % 2])
+    assert ws.epoch == 200
+    with pytest.raises(ValueError, match="max_m"):
+        _one_call(rank, tp, seed, 4096 * tp, 512, 128 * tp, torch.bfloat16, "nt", ws=ws)
+    torch.cuda.synchronize()
+
+
+def test_nccl_ag_gemm_late_rank_and_back_to_back():
+    run_distributed(_late_and_many, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl")
+
+
+def _dispatched(rank, tp, seed):
+    from flux_layers import ops
+    from flux_layers.ops import _dispatch
+    from flux_layers.runtime.nccl_transport import CAPTURE_REFUSAL
+    poison_outputs()
+    _set_layout("1", "auto", "")
+    os.environ["FLUX_LAYERS_TRANSPORT"] = "auto"  # node size 1: the group spans nodes, so NCCL by itself
+    ops.refresh_settings()
+    x, w, b = global_inputs(seed, 1536 * tp, 1024, 256 * tp, torch.bfloat16, "nt")
+    x_shard_m, w_shard_n = x.chunk(tp)[rank], w.chunk(tp)[rank].contiguous()
+    for _ in range(3):
+        out = ops.ag_gemm(x_shard_m, w_shard_n, group=dist.group.WORLD, backend="fused")
+        assert_close_rel(out, x.float() @ w_shard_n.float().t(), torch.bfloat16, f"rank {rank} ops.ag_gemm nccl")
+    assert any(isinstance(c, _dispatch._FusedAgGemmNccl) for c in _dispatch._decisions.values())
+    # A captured call is refused, saying why (and so is the dispatcher's choice under capture).
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        with pytest.raises(RuntimeError, match="CUDA-graph capture"):
+            ops.ag_gemm(x_shard_m, w_shard_n, group=dist.group.WORLD, backend="fused")
+    assert "CUDA-graph capture" in CAPTURE_REFUSAL
+    torch.cuda.synchronize()
+
+
+def test_nccl_transport_taken_by_the_dispatcher():
+    run_distributed(_dispatched, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl")
