@@ -336,19 +336,6 @@ CallStart start_call(int64_t workspace_handle, int64_t plan_index, flux::Workspa
   return {runs, plan, stream};
 }
 
-// What ranks compare where they meet (flux::CallSignature): the op, dtype, layout, transport and sizes; rows per
-// rank (the all-gather's shard, the reduce-scatter's output), K and N of this rank's GEMM.
-flux::CallSignature call_signature(bool reduce_scatter, flux::DType dtype, bool weight_nn, int transport, int64_t rows,
-                                   int64_t k, int64_t n) {
-  flux::CallSignature s;
-  s.code = uint32_t(reduce_scatter) | uint32_t(dtype == flux::DType::kFP16) << 1 | uint32_t(weight_nn) << 2 |
-           uint32_t(transport) << 3;
-  s.rows = uint32_t(rows);
-  s.k = uint32_t(k);
-  s.n = uint32_t(n);
-  return s;
-}
-
 // Enqueues a checked call: its epoch is taken only now (nothing rejects the call any more), and the watchdog
 // watches it unless it is being captured (a CUDA-graph twin: replays run no host code to watch them).
 template <class Args>
@@ -358,7 +345,7 @@ void enqueue(flux::WorkspaceState& st, Args& a, void (*launch)(const Args&)) {
   a.completion = watched ? st.completion_ring() : nullptr;
   translate_errors([&] {
     launch(a);
-    if (watched) st.watch_call(a.epoch, a.signature);
+    if (watched) st.watch_call(a.epoch);
   });
 }
 
@@ -425,11 +412,6 @@ std::tuple<Tensor, Tensor> ag_gemm(const Tensor& x_shard_m, const Tensor& w, con
   a.run_gemm = run_gemm;
   a.launch = launch_options(x_shard_m, st.sm_count(), plan.sm_count, plan.swizzle, run_gemm ? plan.stream_k_fill : 0,
                             runs.split_scratch);
-  // Exchanged where the peers meet (not under the CUDA-graph protocol: replays repeat the calls the eager
-  // warm-up checked; not with external transfers: the caller's transport meets the peers).
-  flux::CallSignature const signature =
-      call_signature(false, c.dtype, weight_nn, 2 * int(plan.mode) + int(plan.order), s.m, s.k, s.n);
-  if (!c.graph_protocol && plan.mode != flux::AgMode::kExternal) a.signature = &signature;
   enqueue(st, a, flux::ag_gemm);
   return {out, gathered};
 }
@@ -486,9 +468,6 @@ Tensor gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bi
   a.error_claim = c.error_claim;
   a.compute = call.stream;
   a.launch = launch_options(x, st.sm_count(), plan.sm_count, plan.swizzle, plan.stream_k_fill, runs.split_scratch);
-  flux::CallSignature const signature =
-      call_signature(true, c.dtype, weight_nn, plan.copy_engine ? 1 : 0, rows, s.k, s.n);
-  if (!c.graph_protocol && plan.copy_engine) a.signature = &signature;  // see GemmRsArgs::signature
   enqueue(st, a, flux::gemm_rs);
   return out;
 }

@@ -51,38 +51,18 @@ struct AgPlan {
   }
   bool graph() const { return a.protocol == FlagProtocol::kCudaGraph; }
 
-  // Start of a call on stream s, one batch for all peers: every peer finished its previous call (stopped reading
-  // its buffer, which we are about to write, and writing ours); then this call's signature goes to every peer and
-  // theirs must equal ours (CallSignature): a peer making another call stops both here, before any data moves.
+  // Start of a call on stream s: every peer finished its previous call (stopped reading its buffer, which we
+  // are about to write, and writing ours). One batch of waits (and of clears) for all peers.
   void wait_peers_done(cudaStream_t s) const {
+    if (!graph() && a.epoch <= 1) return;
     FlagOp ops[kMaxFlagOps];
     int n = 0;
-    if (graph() || a.epoch > 1) {
-      for (int q = 0; q < a.tp; ++q)
-        if (q != a.rank) ops[n++] = {my(flags.done(q)), graph() ? 1u : a.epoch - 1, FlagOpKind::kWaitGeq};
-      if (graph())
-        for (int q = 0; q < a.tp; ++q)
-          if (q != a.rank) ops[n++] = {my(flags.done(q)), 0u, FlagOpKind::kWrite};
-    }
-    if (a.signature != nullptr) n += exchange_signature(ops + n);
-    stream_flag_ops(s, ops, n);
-  }
-
-  // Our signature into every peer (its tag last: the peer's wait for it sees the other words written), then a wait
-  // for each peer's to equal ours. Returns the operations written to `ops`.
-  int exchange_signature(FlagOp* ops) const {
-    const CallSignature& sig = *a.signature;
-    uint32_t const tag = sig.tag(a.epoch);
-    uint32_t const words[kSignatureWords] = {tag, sig.code, sig.rows, sig.k, sig.n};
-    int n = 0;
-    for (int q = 0; q < a.tp; ++q) {
-      if (q == a.rank) continue;
-      for (int w = kSignatureWords - 1; w >= 0; --w)
-        ops[n++] = {flag(q, flags.signature(a.rank) + w), words[w], FlagOpKind::kWrite};
-    }
     for (int q = 0; q < a.tp; ++q)
-      if (q != a.rank) ops[n++] = {my(flags.signature(q)), tag, FlagOpKind::kWaitEq};
-    return n;
+      if (q != a.rank) ops[n++] = {my(flags.done(q)), graph() ? 1u : a.epoch - 1};
+    stream_wait_u32_geq_all(s, ops, n);
+    if (!graph()) return;
+    for (int i = 0; i < n; ++i) ops[i].value = 0;
+    stream_write_u32_all(s, ops, n);
   }
 
   // End of a call on stream s, after everything that reads our flags: release the peers' next call, and mark the
@@ -288,19 +268,16 @@ void ag_gemm(const AgGemmArgs& a) {
     stage_own(p, x_in_buffer, a.compute);
     FLUX_CUDA_CHECK(cudaEventRecord(ready, a.compute));
     for (int i = 0; i < used; ++i) FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.comm[i], ready, 0));
-    if (a.run_gemm) launch_gemm(gemm_problem(p), a.dtype, a.layout, a.tile, a.compute);
   } else {
-    // Push: peer-to-peer copies only (copy engines); the GEMM does not wait for the peers. It is enqueued before
-    // the comm streams' handshake (which waits for the peers' previous call and this call's signature), so that
-    // with a single hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) it is not queued behind those waits either;
-    // the comm streams fork from the compute stream as it was before the GEMM (the event is recorded first).
+    // Push: peer-to-peer copies only (copy engines); the GEMM does not wait for the previous call's peers.
     FLUX_CUDA_CHECK(cudaEventRecord(ev[0], a.compute));
-    if (a.run_gemm) launch_gemm(gemm_problem(p), a.dtype, a.layout, a.tile, a.compute);
     FLUX_CUDA_CHECK(cudaStreamWaitEvent(s0, ev[0], 0));
     p.wait_peers_done(s0);
     if (used > 1) FLUX_CUDA_CHECK(cudaEventRecord(ready, s0));
     for (int i = 1; i < used; ++i) FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.comm[i], ready, 0));
   }
+
+  if (a.run_gemm) launch_gemm(gemm_problem(p), a.dtype, a.layout, a.tile, a.compute);
 
   if (a.mode == AgMode::kPull) {
     pull(p);

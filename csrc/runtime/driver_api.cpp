@@ -45,26 +45,25 @@ BatchFn batch_fn() {
   return fn;
 }
 
-// kind < 0: each op's own kind; else every op taken as that kind.
-void batch(cudaStream_t stream, const FlagOp* ops, int count, int kind) {
+void batch(cudaStream_t stream, const FlagOp* ops, int count, bool wait) {
   FLUX_CHECK(count >= 0 && count <= kMaxFlagOps, count, " flag operations in one batch (at most ", kMaxFlagOps, ")");
   CUstreamBatchMemOpParams params[kMaxFlagOps] = {};
   for (int i = 0; i < count; ++i) {
-    FlagOpKind const k = kind < 0 ? ops[i].kind : static_cast<FlagOpKind>(kind);
-    if (k == FlagOpKind::kWrite) {
+    if (wait) {
+      params[i].waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
+      params[i].waitValue.address = reinterpret_cast<CUdeviceptr>(ops[i].address);
+      params[i].waitValue.value = ops[i].value;
+      params[i].waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+    } else {
       params[i].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
       params[i].writeValue.address = reinterpret_cast<CUdeviceptr>(ops[i].address);
       params[i].writeValue.value = ops[i].value;
       params[i].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
-    } else {
-      params[i].waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
-      params[i].waitValue.address = reinterpret_cast<CUdeviceptr>(ops[i].address);
-      params[i].waitValue.value = ops[i].value;
-      params[i].waitValue.flags = k == FlagOpKind::kWaitEq ? CU_STREAM_WAIT_VALUE_EQ : CU_STREAM_WAIT_VALUE_GEQ;
     }
   }
   CUresult const r = batch_fn()(reinterpret_cast<CUstream>(stream), unsigned(count), params, 0);
-  FLUX_CHECK(r == CUDA_SUCCESS, "cuStreamBatchMemOp (", count, " operations) failed with CUresult ", int(r));
+  FLUX_CHECK(r == CUDA_SUCCESS, "cuStreamBatchMemOp (", count, wait ? " waits" : " writes", ") failed with CUresult ",
+             int(r));
 }
 
 void check_driver(CUresult r, const char* what) {
@@ -86,18 +85,14 @@ void stream_wait_u32_geq(cudaStream_t stream, const uint32_t* address, uint32_t 
                "cuStreamWaitValue32");
 }
 
-void stream_flag_ops(cudaStream_t stream, const FlagOp* ops, int count) {
-  if (count > 0) batch(stream, ops, count, -1);
-}
-
 void stream_write_u32_all(cudaStream_t stream, const FlagOp* writes, int count) {
   if (count == 1) return stream_write_u32(stream, writes[0].address, writes[0].value);
-  if (count > 1) batch(stream, writes, count, int(FlagOpKind::kWrite));
+  if (count > 1) batch(stream, writes, count, false);
 }
 
 void stream_wait_u32_geq_all(cudaStream_t stream, const FlagOp* waits, int count) {
   if (count == 1) return stream_wait_u32_geq(stream, waits[0].address, waits[0].value);
-  if (count > 1) batch(stream, waits, count, int(FlagOpKind::kWaitGeq));
+  if (count > 1) batch(stream, waits, count, true);
 }
 
 }  // namespace flux

@@ -15,8 +15,7 @@
 // direct stores on the compute stream before the kernel, which then skips its own wait); our tile flags are
 // cleared after the kernel, before consumed is written (a peer sets them again only after it saw that write).
 // Flag words of one rank: flag[src][flags_per_source] (set for us by src), consumed[tp] (set by each peer),
-// count[dst][flags_per_source] (our tiles of dst's rows per chunk; copy-engine transport, cleared per call),
-// signature[src][kSignatureWords] (the call src is making; copy-engine transport).
+// count[dst][flags_per_source] (our tiles of dst's rows per chunk; copy-engine transport, cleared per call).
 #include <cuda_runtime.h>  // before tile_schedule.cuh: defines __host__ / __device__ for the host compiler
 
 #include <algorithm>
@@ -48,27 +47,14 @@ void gemm_rs(const GemmRsArgs& a) {
   const int64_t fps = a.flags_per_source;
   auto consumed = [&](int q) { return a.flags[q] + int64_t(a.tp) * fps; };
   uint32_t* const counts = a.flags[r] + int64_t(a.tp) * fps + a.tp;
-  // Stream-side meeting with peer d before its partials move, one batch: d finished reading its receive slots
-  // (its previous call); then this call's signature goes to d and d's must equal ours (CallSignature).
-  int64_t const signature_base = 2 * int64_t(a.tp) * fps + a.tp;  // signature[tp][kSignatureWords]
+  // Stream-side wait for peer d to have finished reading its receive slots (its previous call).
   auto wait_consumed = [&](cudaStream_t s, int d) {
-    FlagOp ops[2 + 2 * kSignatureWords];
-    int n = 0;
     if (graph) {
-      ops[n++] = {consumed(r) + d, 1u, FlagOpKind::kWaitGeq};
-      ops[n++] = {consumed(r) + d, 0u, FlagOpKind::kWrite};
+      stream_wait_u32_geq(s, consumed(r) + d, 1);
+      stream_write_u32(s, consumed(r) + d, 0);
     } else if (a.epoch > 1) {
-      ops[n++] = {consumed(r) + d, a.epoch - 1, FlagOpKind::kWaitGeq};
+      stream_wait_u32_geq(s, consumed(r) + d, a.epoch - 1);
     }
-    if (a.signature != nullptr) {
-      const CallSignature& sig = *a.signature;
-      uint32_t const tag = sig.tag(a.epoch);
-      uint32_t const words[kSignatureWords] = {tag, sig.code, sig.rows, sig.k, sig.n};
-      for (int w = kSignatureWords - 1; w >= 0; --w)  // the tag last
-        ops[n++] = {a.flags[d] + signature_base + int64_t(r) * kSignatureWords + w, words[w], FlagOpKind::kWrite};
-      ops[n++] = {a.flags[r] + signature_base + int64_t(d) * kSignatureWords, tag, FlagOpKind::kWaitEq};
-    }
-    stream_flag_ops(s, ops, n);
   };
 
   GemmProblem g;

@@ -111,33 +111,14 @@ WorkspaceState::~WorkspaceState() {
 }
 
 int64_t WorkspaceState::flag_words() const {
-  // AgFlagLayout: chunk[tp][cap], avail[tp][cap], done[tp], signature[tp][kSignatureWords]; reduce-scatter:
-  // flag[tp][fps], consumed[tp], count[tp][fps], signature[tp][kSignatureWords] (csrc/runtime/gemm_rs.cpp)
-  return 2 * int64_t(cfg_.tp) * cfg_.capacity + cfg_.tp + int64_t(cfg_.tp) * kSignatureWords;
+  // AgFlagLayout: chunk[tp][cap], avail[tp][cap], done[tp]; reduce-scatter: flag[tp][fps], consumed[tp],
+  // count[tp][fps] (csrc/runtime/gemm_rs.cpp)
+  return 2 * int64_t(cfg_.tp) * cfg_.capacity + cfg_.tp;
 }
 
-namespace {
-int64_t signature_base(const WorkspaceConfig& c) { return 2 * int64_t(c.tp) * c.capacity + c.tp; }
-}  // namespace
-
-std::string describe_signature(const CallSignature& s, int tp) {
-  static const char* const ag_transports[] = {"pull/mesh", "pull/ring", "push/mesh",
-                                              "push/ring", "external",  "external"};
-  bool const rs = (s.code & 1u) != 0;
-  uint32_t const transport = s.code >> 3;
-  std::ostringstream os;
-  os << (rs ? "gemm_rs" : "ag_gemm") << " M=" << uint64_t(s.rows) * tp << " (" << s.rows << " rows per rank) K=" << s.k
-     << " N=" << s.n << ((s.code & 2u) ? " fp16 " : " bf16 ") << ((s.code & 4u) ? "nn " : "nt ");
-  if (rs)
-    os << (transport == 1 ? "copy engine" : "direct");
-  else
-    os << (transport < 6 ? ag_transports[transport] : "?");
-  return os.str();
-}
-
-void WorkspaceState::watch_call(uint32_t epoch, const CallSignature* signature) {
+void WorkspaceState::watch_call(uint32_t epoch) {
   std::lock_guard<std::mutex> lock(watch_mu_);
-  watched_.push_back({epoch, now_ns(), signature != nullptr, signature != nullptr ? *signature : CallSignature{}});
+  watched_.push_back({epoch, now_ns()});
 }
 
 bool WorkspaceState::completed(uint32_t epoch) const {
@@ -151,13 +132,7 @@ void WorkspaceState::poll() {
     watched_.pop_front();
     if (!watched_.empty()) watched_.front().since_ns = std::max(watched_.front().since_ns, now_ns());
   }
-  if (released_) {
-    // Released flags hold their maximum, which every >= wait passes; a signature wait wants its call's exact tag:
-    // give it to the calls still queued, one by one, so that they drain too.
-    if (!watched_.empty() && watched_.front().checked && cudaSetDevice(cfg_.device) == cudaSuccess)
-      pass_signature_waits(watched_.front());
-    return;
-  }
+  if (released_) return;
   // A kernel wait that timed out: its call ended (the kernel gave up), but stream waits of the same call on comm
   // streams that the compute stream did not join may still wait for the peer. Release them too.
   bool const kernel_timed_out = static_cast<volatile int*>(cfg_.error_record)[0] != 0;
@@ -169,43 +144,10 @@ void WorkspaceState::poll() {
   if (!kernel_timed_out && !overdue) return;
   // The watchdog's thread serves every workspace of the process: make this one's device current first.
   if (cudaSetDevice(cfg_.device) != cudaSuccess) return;
-  release(watched_.empty() ? Watched{epoch_.load(), 0, false, {}} : watched_.front());
+  release(watched_.empty() ? epoch_.load() : watched_.front().epoch);
 }
 
-void WorkspaceState::pass_signature_waits(const Watched& call) {
-  std::vector<uint32_t> words(size_t(cfg_.tp) * kSignatureWords, 0);
-  uint32_t* const base = cfg_.flags[cfg_.rank] + signature_base(cfg_);
-  if (cudaMemcpyAsync(words.data(), base, words.size() * 4, cudaMemcpyDeviceToHost, release_stream_) != cudaSuccess ||
-      cudaStreamSynchronize(release_stream_) != cudaSuccess)
-    return;
-  uint32_t const tag = call.signature.tag(call.epoch);
-  for (int q = 0; q < cfg_.tp; ++q) words[size_t(q) * kSignatureWords] = tag;
-  cudaMemcpyAsync(base, words.data(), words.size() * 4, cudaMemcpyHostToDevice, release_stream_);
-  cudaStreamSynchronize(release_stream_);
-}
-
-std::string WorkspaceState::signature_mismatch(const std::vector<uint32_t>& f, const Watched& call) const {
-  if (!call.checked) return {};
-  uint32_t const tag = call.signature.tag(call.epoch);
-  std::ostringstream os;
-  for (int p = 0; p < cfg_.tp; ++p) {
-    const uint32_t* w = f.data() + signature_base(cfg_) + int64_t(p) * kSignatureWords;
-    // A peer at this call (its tag carries this epoch) whose tag differs from ours makes another call.
-    if (p == cfg_.rank || (w[0] & 0xffffu) != (call.epoch & 0xffffu) || w[0] == tag) continue;
-    CallSignature theirs;
-    theirs.code = w[1];
-    theirs.rows = w[2];
-    theirs.k = w[3];
-    theirs.n = w[4];
-    os << (os.tellp() > 0 ? "; " : "") << "rank " << p << " made another call (epoch " << call.epoch << "): rank " << p
-       << ": " << describe_signature(theirs, cfg_.tp) << "; rank " << cfg_.rank << ": "
-       << describe_signature(call.signature, cfg_.tp);
-  }
-  return os.str();
-}
-
-std::string WorkspaceState::lagging_peer(const std::vector<uint32_t>& f, const Watched& call) const {
-  uint32_t const epoch = call.epoch;
+std::string WorkspaceState::lagging_peer(const std::vector<uint32_t>& f, uint32_t epoch) const {
   auto before = [&](uint32_t v, uint32_t e) { return static_cast<int32_t>(v - e) < 0; };
   int64_t const tp = cfg_.tp, cap = cfg_.capacity;
   int64_t const handshake = cfg_.kind == WorkspaceKind::kAllGather ? 2 * tp * cap : tp * cap;
@@ -228,40 +170,24 @@ std::string WorkspaceState::lagging_peer(const std::vector<uint32_t>& f, const W
   return "its peers (every flag of this call arrived: the GPU may be stalled by other work)";
 }
 
-void WorkspaceState::release(const Watched& call) {
+void WorkspaceState::release(uint32_t epoch) {
   released_ = true;
   int64_t const words = flag_words();
   std::vector<uint32_t> flags(size_t(words), 0);
-  std::string waits_for = "its peers", mismatch;
+  std::string waits_for = "its peers";
   if (cudaMemcpyAsync(flags.data(), cfg_.flags[cfg_.rank], size_t(words) * 4, cudaMemcpyDeviceToHost,
                       release_stream_) == cudaSuccess &&
-      cudaStreamSynchronize(release_stream_) == cudaSuccess) {
-    mismatch = signature_mismatch(flags, call);
-    waits_for = lagging_peer(flags, call);
-  }
+      cudaStreamSynchronize(release_stream_) == cudaSuccess)
+    waits_for = lagging_peer(flags, epoch);
   std::ostringstream os;
-  if (!mismatch.empty()) {
-    // The kernels' record (a chunk or tile that never came) is the consequence; this is the cause.
-    os << cfg_.what << ": rank " << cfg_.rank << " stopped: the ranks made different calls: " << mismatch
-       << ". Every rank must make the same fused calls in the same order. The waits were released after "
-       << double(cfg_.timeout_ns) * 1e-9 << " s; outputs of that call are invalid and this workspace cannot be used "
-       << "again.";
-    std::lock_guard<std::mutex> lock(mu_);
-    failed_ = os.str();
-  } else {
-    os << cfg_.what << ": rank " << cfg_.rank << " timed out after " << double(cfg_.timeout_ns) * 1e-9
-       << " s waiting for " << waits_for << " (epoch " << call.epoch
-       << "; the call did not finish, watchdog). A peer rank "
-       << "did not enter the call, crashed, or is slower than FLUX_LAYERS_TIMEOUT_S allows. Its waits were released "
-          "so that the process can shut down: outputs of that call are invalid and this workspace cannot be used "
-          "again.";
-    mark_failed(os.str());
-  }
-  // Every >= wait on this rank's flags returns (epoch comparisons are wrap-safe: 0x7f7f7f7f is ahead of any epoch);
-  // signature waits are passed call by call (pass_signature_waits).
+  os << cfg_.what << ": rank " << cfg_.rank << " timed out after " << double(cfg_.timeout_ns) * 1e-9
+     << " s waiting for " << waits_for << " (epoch " << epoch << "; the call did not finish, watchdog). A peer rank "
+     << "did not enter the call, crashed, or is slower than FLUX_LAYERS_TIMEOUT_S allows. Its waits were released so "
+        "that the process can shut down: outputs of that call are invalid and this workspace cannot be used again.";
+  mark_failed(os.str());
+  // Every wait on this rank's flags returns (epoch comparisons are wrap-safe: 0x7f7f7f7f is ahead of any epoch).
   cudaMemsetAsync(cfg_.flags[cfg_.rank], 0x7f, size_t(words) * 4, release_stream_);
   cudaStreamSynchronize(release_stream_);
-  if (call.checked) pass_signature_waits(call);
 }
 
 int WorkspaceState::add_plan(const CallPlan& plan) {

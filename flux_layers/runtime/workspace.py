@@ -63,9 +63,6 @@ def workspace_error(exc: RuntimeError) -> WorkspaceError | None:
 
 
 _KIND = {"ag_gemm": 0, "gemm_rs": 1}
-# Flag words per source rank holding its call signature (csrc/include/flux/fused_ops.h, kSignatureWords), after
-# the handshake words of either layout.
-SIGNATURE_WORDS = 5
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1}
 
 
@@ -235,9 +232,9 @@ class AgWorkspace(Workspace):
         self.dtype, self.max_m, self.k, self.chunk_capacity = dtype, max_m, k, chunk_capacity
         self.transport = transport
         elem = torch.tensor([], dtype=dtype).element_size()
-        done = 2 * tp * chunk_capacity  # AgFlagLayout: chunk[tp][cap], avail[tp][cap], done[tp], signature[tp][5]
+        done = 2 * tp * chunk_capacity  # AgFlagLayout: chunk[tp][cap], avail[tp][cap], done[tp]
         nccl = transport == "nccl"
-        super().__init__(group, data_bytes=max_m * k * elem, flag_words=done + tp + tp * SIGNATURE_WORDS,
+        super().__init__(group, data_bytes=max_m * k * elem, flag_words=done + tp,
                          handshake_words=slice(done, done + tp), num_comm_streams=1 if nccl else tp, what="ag_gemm",
                          graph_protocol=graph_protocol, dtype=dtype, max_m=max_m, inner=k, capacity=chunk_capacity,
                          peer_mapped=not nccl)
@@ -292,11 +289,9 @@ class RsWorkspace(Workspace):
         tiles_m = -(-(-(-self.slot_rows // min_tile)) // 2) * 2
         self.flags_per_source = tiles_m * -(-n // min_tile)
         elem = torch.tensor([], dtype=dtype).element_size()
-        # flag[tp][per_source], consumed[tp], count[tp][per_source], signature[tp][5]
-        consumed = tp * self.flags_per_source
+        consumed = tp * self.flags_per_source  # flag[tp][per_source], consumed[tp], count[tp][per_source]
         super().__init__(group, data_bytes=tp * self.slot_rows * n * elem,
-                         flag_words=2 * tp * self.flags_per_source + tp + tp * SIGNATURE_WORDS,
-                         handshake_words=slice(consumed, consumed + tp),
+                         flag_words=2 * tp * self.flags_per_source + tp, handshake_words=slice(consumed, consumed + tp),
                          num_comm_streams=tp - 1, what="gemm_rs", graph_protocol=graph_protocol, dtype=dtype,
                          max_m=max_m, inner=n, capacity=self.flags_per_source)
         self._stage: torch.Tensor | None = None

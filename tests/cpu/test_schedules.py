@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import pathlib
 import shutil
 import subprocess
 
@@ -205,14 +204,3 @@ def test_constants_match_the_cpp_headers(schedule_dump):
                    "split_max_fill_pct": schedules.DEFAULT_STREAM_K_FILL,
                    "rs_chunk_cols": schedules.DEFAULT_RS_CHUNK_COLS}
     assert tiles == schedules.TILE_CONFIGS
-
-
-def test_signature_words_match_the_cpp_header():
-    """The workspaces size their flag words with the op library's call-signature layout (fused_ops.h)."""
-    import re
-
-    from flux_layers.runtime import workspace
-    header = pathlib.Path(__file__).resolve().parents[2] / "csrc" / "include" / "flux" / "fused_ops.h"
-    found = re.search(r"constexpr int kSignatureWords = (\d+);", header.read_text())
-    assert found is not None, f"no kSignatureWords in {header}"
-    assert int(found.group(1)) == workspace.SIGNATURE_WORDS

@@ -6,7 +6,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <string>
 
 #include "flux/gemm_dispatch.h"
 #include "flux/gemm_params.h"
@@ -16,25 +15,6 @@ namespace flux {
 // Events a call records and waits on; each workspace owns its set (a recorded event is only waited on within
 // the call that recorded it, and cudaStreamWaitEvent captures the event's state when it is called).
 constexpr int kEventsPerCall = 12;
-
-// A call's signature, exchanged where the peers of a call meet (the start-of-call handshake, on the stream that
-// then moves data to or from the peer), so that ranks making different calls stop there, before any data moves,
-// instead of mixing their data. Each source rank's kSignatureWords flag words at the destination hold {tag, code,
-// rows per rank, K, N}; tag = hash(code, rows, K, N) << 16 | (epoch & 0xffff), never 0, so that a word left by an
-// earlier call never matches. code: op (0 all-gather, 1 reduce-scatter) | dtype (fp16) << 1 | weight nn << 2 |
-// transport << 3 (all-gather: 2 * mode + order; reduce-scatter: 1 copy engine).
-constexpr int kSignatureWords = 5;
-struct CallSignature {
-  uint32_t code = 0, rows = 0, k = 0, n = 0;
-  uint32_t tag(uint32_t epoch) const {
-    uint32_t h = 2166136261u;  // FNV-1a over the four words
-    for (uint32_t w : {code, rows, k, n})
-      for (int b = 0; b < 4; ++b) h = (h ^ ((w >> (8 * b)) & 0xffu)) * 16777619u;
-    return ((h % 0xffffu) + 1u) << 16 | (epoch & 0xffffu);
-  }
-};
-// "ag_gemm M=4096 (2048 per rank) K=4096 N=6144 bf16 nt push/mesh" from the code and sizes, for messages.
-std::string describe_signature(const CallSignature& s, int tp);
 
 // kExternal: the caller moves the chunks into this rank's gathered buffer and sets this rank's chunk flags (the
 // NCCL transport, flux_layers/runtime/nccl_transport.py, on a stream it forked from the compute stream before
@@ -59,16 +39,14 @@ enum class FlagProtocol : int { kEpoch = 0, kCudaGraph = 1 };
 //   chunk[g][c] : rows chunk c of shard g are in this rank's gathered buffer     (the GEMM waits on these)
 //   avail[g][c] : chunk (g, c) can be pulled from this rank's source rank          (pull modes)
 //   done[p]     : rank p finished its previous call (its reads of our buffer and its writes into it)
-//   signature[p][kSignatureWords] : the call rank p is making (CallSignature)
 struct AgFlagLayout {
   int tp;
   int chunk_capacity;  // chunks per shard the workspace was sized for
   int64_t chunk(int g, int c) const { return int64_t(g) * chunk_capacity + c; }
   int64_t avail(int g, int c) const { return int64_t(tp) * chunk_capacity + int64_t(g) * chunk_capacity + c; }
   int64_t done(int p) const { return 2 * int64_t(tp) * chunk_capacity + p; }
-  int64_t signature(int q) const { return 2 * int64_t(tp) * chunk_capacity + tp + int64_t(q) * kSignatureWords; }
   int64_t data_words() const { return 2 * int64_t(tp) * chunk_capacity; }  // chunk and avail: cleared per call
-  int64_t words() const { return 2 * int64_t(tp) * chunk_capacity + tp + int64_t(tp) * kSignatureWords; }
+  int64_t words() const { return 2 * int64_t(tp) * chunk_capacity + tp; }
 };
 
 struct AgGemmArgs {
@@ -113,9 +91,6 @@ struct AgGemmArgs {
   // Host-mapped words (CompletionRing) the end of the call writes its epoch to: the watchdog's view of completion.
   // Null: the call is not watched (CUDA-graph twin).
   uint32_t* completion = nullptr;
-  // Exchanged and compared with every peer before any data moves; null: not checked (CUDA-graph twin, external
-  // transfers).
-  const CallSignature* signature = nullptr;
 };
 
 // out = all_gather(x) @ op(w) + bias with copy-engine transfers overlapped with the GEMM.
@@ -159,9 +134,6 @@ struct GemmRsArgs {
   cudaStream_t compute = nullptr;
   cudaEvent_t* events = nullptr;   // kEventsPerCall events of the workspace
   uint32_t* completion = nullptr;  // as AgGemmArgs::completion
-  // As AgGemmArgs::signature, checked with each peer before the copy engine moves its partials (copy-engine
-  // transport only: the direct transport's epilogue stores into the peers' slots without a stream-side meeting).
-  const CallSignature* signature = nullptr;
 };
 
 // out = reduce_scatter(x @ op(w)) + bias: tiles reach the owning rank's receive slot (stored there by the
@@ -176,18 +148,14 @@ void rs_group_order(int rank, int tp, int* group_order);
 void stream_write_u32(cudaStream_t stream, uint32_t* address, uint32_t value);
 void stream_wait_u32_geq(cudaStream_t stream, const uint32_t* address, uint32_t value);
 
-// Several flag operations in one driver call (cuStreamBatchMemOp), run in the order given, each ordered after all
-// prior work of the stream: a call costs the host about as much as one stream memory operation, so a call's
-// handshake with all its peers costs one.
-enum class FlagOpKind : int { kWrite = 0, kWaitGeq = 1, kWaitEq = 2 };
+// Several flag writes (or waits, each for a value >= its own) in one driver call (cuStreamBatchMemOp): a call
+// costs the host about as much as one stream memory operation, so a call's handshake with all its peers costs
+// one. Each is ordered after all prior work of the stream, as the single operations above.
 struct FlagOp {
   uint32_t* address;
   uint32_t value;
-  FlagOpKind kind = FlagOpKind::kWrite;
 };
-constexpr int kMaxFlagOps = 8 * kMaxGroups;
-void stream_flag_ops(cudaStream_t stream, const FlagOp* ops, int count);
-// The same, every operation taken as a write (or as a wait for a value >= its own).
+constexpr int kMaxFlagOps = kMaxGroups + 1;
 void stream_write_u32_all(cudaStream_t stream, const FlagOp* writes, int count);
 void stream_wait_u32_geq_all(cudaStream_t stream, const FlagOp* waits, int count);
 

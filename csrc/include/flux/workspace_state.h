@@ -95,18 +95,14 @@ class WorkspaceState {
   // The host-mapped CompletionRing the end of each eager call writes its epoch to (device address).
   uint32_t* completion_ring() const { return completion_device_; }
   // After a call's work is enqueued (not under capture: replays are not watched).
-  // `signature`: the call's, where it was exchanged with the peers (null: not checked).
-  void watch_call(uint32_t epoch, const CallSignature* signature);
+  void watch_call(uint32_t epoch);
   // The watchdog's check (its thread): retire finished calls, release a hung one.
   void poll();
 
  private:
   std::string describe_record() const;
-  struct Watched;
-  std::string lagging_peer(const std::vector<uint32_t>& flags, const Watched& call) const;
-  std::string signature_mismatch(const std::vector<uint32_t>& flags, const Watched& call) const;
-  void release(const Watched& call);
-  void pass_signature_waits(const Watched& call);
+  std::string lagging_peer(const std::vector<uint32_t>& flags, uint32_t epoch) const;
+  void release(uint32_t epoch);
   int64_t flag_words() const;
 
   bool completed(uint32_t epoch) const;
@@ -114,8 +110,6 @@ class WorkspaceState {
   struct Watched {
     uint32_t epoch;
     int64_t since_ns;  // when the call could start: its enqueue or the end of the previous call
-    bool checked;      // its signature was exchanged with the peers
-    CallSignature signature;
   };
   std::mutex watch_mu_;
   std::deque<Watched> watched_;
