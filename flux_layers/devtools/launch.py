@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 import traceback
 
@@ -58,6 +59,12 @@ def _worker(rank, world_size, port, backend, fn, args, errors):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Done and reported: leave without the interpreter's teardown. Rank 0 hosts the rendezvous TCP store, and
+    # torch's teardown at exit now and then destroys the store's thread while it is still joinable
+    # ("terminate called without an active exception", exit code -6) after everything above succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # free_port() releases the port before rank 0 binds it, so another process can take it in between; such a
