@@ -428,9 +428,9 @@ Tensor gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bi
   TORCH_CHECK_VALUE(s.m % c.tp == 0, "gemm_rs: M=", s.m, " rows are not divisible by the group size ", c.tp);
   TORCH_CHECK_VALUE(s.m <= c.max_m && s.n == c.inner, "gemm_rs: call needs M=", s.m, ", N=", s.n,
                     "; the workspace holds max_m=", c.max_m, ", N=", c.inner);
-  TORCH_CHECK_VALUE(!plan.copy_engine || st.stage() != nullptr,
-                    "gemm_rs: the copy-engine transport needs the "
-                    "workspace's staging area");
+  bool const external = plan.mode == flux::AgMode::kExternal;
+  TORCH_CHECK_VALUE(!(plan.copy_engine || external) || st.stage() != nullptr,
+                    "gemm_rs: the copy-engine and external transports need the workspace's staging area");
   int64_t const rows = s.m / c.tp;
   Tensor out = at::empty({rows, s.n}, x.options());
   if (c.poison_outputs) out.fill_(std::numeric_limits<float>::quiet_NaN());
@@ -457,8 +457,9 @@ Tensor gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bi
   }
   a.slot_rows = c.max_m / c.tp;
   a.flags_per_source = c.capacity;
-  a.stage = plan.copy_engine ? st.stage() : nullptr;
+  a.stage = plan.copy_engine || external ? st.stage() : nullptr;
   a.chunk_cols = plan.chunk_cols;
+  a.external = external;
   a.num_comm = int(c.comm.size());
   for (size_t i = 0; i < c.comm.size(); ++i) a.comm[i] = c.comm[i];
   a.events = st.events();
@@ -486,6 +487,24 @@ void write_flag(Tensor flags, int64_t index, int64_t value) {
   translate_errors([&] {
     flux::stream_write_u32(c10::cuda::getCurrentCUDAStream(),
                            reinterpret_cast<uint32_t*>(flags.data_ptr<int32_t>()) + index, uint32_t(value));
+  });
+}
+
+// Holds the current stream until flags[index] >= value (cuStreamWaitValue32: no kernel, no SM). The NCCL transport
+// of the reduce-scatter waits for a chunk's count this way before it sends the chunk. Unbounded on the stream: the
+// workspace's watchdog releases it (it sets the flags to their maximum) when the call hangs.
+void wait_flag(Tensor flags, int64_t index, int64_t value) {
+  TORCH_CHECK_VALUE(flags.is_cuda() && flags.scalar_type() == at::kInt && flags.dim() == 1 && flags.is_contiguous(),
+                    "wait_flag: flags must be a contiguous 1-D int32 CUDA tensor, got ", flags.scalar_type(), " ",
+                    flags.sizes(), " on ", flags.device());
+  TORCH_CHECK_VALUE(index >= 0 && index < flags.numel(), "wait_flag: index ", index, " outside [0, ", flags.numel(),
+                    ")");
+  TORCH_CHECK_VALUE(value >= 0 && value <= std::numeric_limits<int32_t>::max(), "wait_flag: value ", value,
+                    " outside [0, 2^31)");
+  c10::cuda::CUDAGuard guard(flags.device());
+  translate_errors([&] {
+    flux::stream_wait_u32_geq(c10::cuda::getCurrentCUDAStream(),
+                              reinterpret_cast<const uint32_t*>(flags.data_ptr<int32_t>()) + index, uint32_t(value));
   });
 }
 
@@ -518,6 +537,7 @@ TORCH_LIBRARY(flux_layers, m) {
       "bool return_gathered, bool run_gemm) -> (Tensor, Tensor)");
   m.def("gemm_rs(Tensor x, Tensor weight, Tensor? bias, int workspace, int plan, bool weight_nn) -> Tensor");
   m.def("write_flag(Tensor(a!) flags, int index, int value) -> ()");
+  m.def("wait_flag(Tensor flags, int index, int value) -> ()");
   m.def(
       "call_overhead_probe(Tensor x, Tensor weight, Tensor? bias, int workspace, int plan, bool weight_nn, "
       "bool return_gathered, bool run_gemm) -> ()");
@@ -528,5 +548,6 @@ TORCH_LIBRARY_IMPL(flux_layers, CUDA, m) {
   m.impl("ag_gemm", &ag_gemm);
   m.impl("gemm_rs", &gemm_rs);
   m.impl("write_flag", &write_flag);
+  m.impl("wait_flag", &wait_flag);
   m.impl("call_overhead_probe", &call_overhead_probe);
 }

@@ -9,8 +9,15 @@
 //                     columns, so chunks complete one after another); a comm stream per peer waits for each
 //                     chunk's count, copies it into the peer's receive slot and raises the peer's flag for
 //                     it. The SMs never wait on NVLink.
+//   external        : the kernel as with the copy engine, but the caller moves the chunks (the NCCL transport,
+//                     flux_layers/runtime/nccl_rs_transport.py) on comm[0], its transfer stream, forked here after
+//                     the counts are cleared and before the kernel: per chunk it waits for the count, sends the
+//                     chunk, receives the peer's partial of our rows into our receive slot and raises our flag for
+//                     it. Chunks are full-width (chunk_cols = N), so each is contiguous rows in both slots, which
+//                     NCCL sends in place. No handshake and no write to a peer: the receives are posted on a stream
+//                     that follows our previous call's GEMM, so nothing lands in a slot still being read.
 //
-// After the kernel, consumed[r] = e is written at every peer: our receive slots are free again.
+// After the kernel, consumed[r] = e is written at every peer (not external): our receive slots are free again.
 // CUDA-graph protocol (FlagProtocol, e = 1): consumed[d] is waited for on a stream and cleared at once (for
 // direct stores on the compute stream before the kernel, which then skips its own wait); our tile flags are
 // cleared after the kernel, before consumed is written (a peer sets them again only after it saw that write).
@@ -38,8 +45,16 @@ void gemm_rs(const GemmRsArgs& a) {
   FLUX_CHECK(a.epoch > 0, "epochs start at 1");
   bool const graph = a.protocol == FlagProtocol::kCudaGraph;
   FLUX_CHECK(!graph || a.epoch == 1, "the CUDA-graph flag protocol sets flags to 1, got ", a.epoch);
-  bool const copy_engine = a.stage != nullptr;
-  FLUX_CHECK(!copy_engine || a.num_comm >= 1, "the copy-engine transport needs a communication stream");
+  bool const external = a.external;
+  bool const copy_engine = a.stage != nullptr && !external;
+  FLUX_CHECK(!(copy_engine || external) || a.num_comm >= 1, "the copy-engine and external transports need a ",
+             "communication stream");
+  FLUX_CHECK(!external || a.stage != nullptr, "external transfers need the local staging area");
+  FLUX_CHECK(!external || !graph, "external transfers run under the epoch protocol only");
+  for (int q = 0; q < a.tp; ++q)
+    FLUX_CHECK((external && q != a.rank) || (a.recv[q] != nullptr && a.flags[q] != nullptr), "rank ", q,
+               "'s receive buffer or flags are not mapped (a workspace in local memory serves external transfers "
+               "only)");
   if (a.rows_per_group == 0) return;
   const int r = a.rank;
   const size_t elem = 2;
@@ -72,8 +87,9 @@ void gemm_rs(const GemmRsArgs& a) {
   g.bias = a.bias;
   // Staging slot of destination d (copy engine): its step in the group order, so tp - 1 slots serve every rank.
   auto stage_slot = [&](int d) { return a.stage + size_t((d - r - 1 + a.tp) % a.tp) * slot_bytes; };
+  bool const staged = copy_engine || external;
   for (int d = 0; d < a.tp; ++d) {
-    char* peer_slot = copy_engine ? stage_slot(d) : a.recv[d] + size_t(r) * slot_bytes;
+    char* peer_slot = staged ? stage_slot(d) : a.recv[d] + size_t(r) * slot_bytes;
     g.d[d] = d == r ? a.out : static_cast<void*>(peer_slot);
   }
   g.ldd = a.n;
@@ -86,8 +102,9 @@ void gemm_rs(const GemmRsArgs& a) {
     ++i;
   }
   g.rs_num_partials = i;
-  for (int d = 0; d < a.tp; ++d) g.rs_signal[d] = a.flags[d] + int64_t(r) * fps;
-  g.rs_consumed = graph ? nullptr : consumed(r);
+  if (!external)  // staged tiles are counted, not signalled; a peer's flags may not be mapped
+    for (int d = 0; d < a.tp; ++d) g.rs_signal[d] = a.flags[d] + int64_t(r) * fps;
+  g.rs_consumed = graph || external ? nullptr : consumed(r);
   g.rs_flags_per_source = a.flags_per_source;
   g.epoch = a.epoch;
   g.timeout_ns = a.timeout_ns;
@@ -99,16 +116,20 @@ void gemm_rs(const GemmRsArgs& a) {
   cudaEvent_t* const ev = a.events;
   TileSchedule const sched = TileSchedule::make(g, tile_m(a.tile), tile_n(a.tile), kClusterM);
   RsChunkGrid const grid =
-      copy_engine ? RsChunkGrid::make(sched, a.rows_per_group, tile_m(a.tile), tile_n(a.tile), a.chunk_cols)
-                  : RsChunkGrid::per_tile(sched, a.rows_per_group, tile_m(a.tile), tile_n(a.tile));
+      staged ? RsChunkGrid::make(sched, a.rows_per_group, tile_m(a.tile), tile_n(a.tile), external ? a.n : a.chunk_cols)
+             : RsChunkGrid::per_tile(sched, a.rows_per_group, tile_m(a.tile), tile_n(a.tile));
   g.rs_chunk_tiles_m = grid.chunk_tiles_m;
   g.rs_chunk_tiles_n = grid.chunk_tiles_n;
   g.rs_chunks_n = grid.chunks_n;
-  if (copy_engine) {
+  if (staged) {
     g.rs_stage_counters = counts;
-    // The previous call's copies of the staging area finished before its end (joined below).
+    // The previous call's copies (or sends) of the staging area finished before its end (joined below, or by the
+    // caller for external transfers).
     FLUX_CUDA_CHECK(cudaMemsetAsync(counts, 0, size_t(a.tp) * fps * 4, a.compute));
     FLUX_CUDA_CHECK(cudaEventRecord(ev[0], a.compute));
+    // External: the caller's transfer stream starts after the counts are cleared (its waits must not see the
+    // previous call's counts) and before the kernel (the kernel waits for what that stream receives).
+    if (external) FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.comm[0], ev[0], 0));
   } else if (graph) {
     FlagOp waits[kMaxFlagOps];
     int n = 0;
@@ -121,6 +142,13 @@ void gemm_rs(const GemmRsArgs& a) {
   // The kernel goes first: its counts are what the copy streams wait on, and with a single hardware queue
   // (CUDA_DEVICE_MAX_CONNECTIONS=1) a wait queued ahead of it would never be released.
   launch_gemm(g, a.dtype, a.layout, a.tile, a.compute);
+
+  if (external) {
+    // The watchdog sees the GEMM's end; partials that never arrive make the GEMM's own waits time out. The caller
+    // joins its transfer stream into the compute stream.
+    if (a.completion != nullptr) stream_write_u32(a.compute, CompletionRing::word(a.completion, a.epoch), a.epoch);
+    return;
+  }
 
   if (copy_engine) {
     const size_t row_bytes = size_t(a.n) * elem;

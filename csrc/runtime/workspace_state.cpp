@@ -78,8 +78,6 @@ WorkspaceState::WorkspaceState(WorkspaceConfig config) : cfg_(std::move(config))
   for (int q = 0; q < cfg_.tp; ++q)
     FLUX_CHECK(!(cfg_.peer_mapped || q == cfg_.rank) || (cfg_.data[q] != nullptr && cfg_.flags[q] != nullptr), "rank ",
                q, "'s buffer or flags are null");
-  FLUX_CHECK(cfg_.peer_mapped || cfg_.kind == WorkspaceKind::kAllGather,
-             "a reduce-scatter workspace needs its peers' memory mapped");
   FLUX_CHECK(!cfg_.comm.empty() && cfg_.comm.size() <= size_t(kMaxGroups), "1 to ", kMaxGroups,
              " communication streams are needed, got ", cfg_.comm.size());
   FLUX_CHECK(cfg_.error_record != nullptr && cfg_.error_claim != nullptr, "the error record is missing");
@@ -213,7 +211,15 @@ int WorkspaceState::add_plan(const CallPlan& plan) {
     }
   } else {
     FLUX_CHECK(plan.chunk_cols >= 0, "chunk_cols ", plan.chunk_cols, " must be >= 0 (0: default)");
-    FLUX_CHECK(!plan.copy_engine || stage_ != nullptr, "the copy-engine transport needs the staging area");
+    bool const external = plan.mode == AgMode::kExternal;
+    FLUX_CHECK(plan.mode == AgMode::kPull || external, "a reduce-scatter plan's mode is 0 or 2 (external), got ",
+               int(plan.mode));
+    FLUX_CHECK(!(plan.copy_engine || external) || stage_ != nullptr,
+               "the copy-engine and external transports need the staging area");
+    FLUX_CHECK(!(plan.copy_engine && external), "a reduce-scatter plan is copy-engine or external, not both");
+    FLUX_CHECK(cfg_.peer_mapped || external, cfg_.what,
+               ": a workspace in local memory only serves calls whose caller moves the partials (external mode)");
+    FLUX_CHECK(!external || !cfg_.graph_protocol, cfg_.what, ": external transfers run eagerly only");
   }
   std::lock_guard<std::mutex> lock(mu_);
   plans_.push_back(plan);

@@ -122,7 +122,14 @@ struct GemmRsArgs {
   // Copy-engine transport (see gemm_rs.cpp): local staging area [tp - 1][slot_rows][N] and one comm stream per
   // peer (at least one); null stage: the epilogue stores straight into the peers' receive slots.
   char* stage = nullptr;
-  int chunk_cols = 0;  // columns per copy-engine chunk (0: default)
+  int chunk_cols = 0;  // columns per copy-engine chunk (0: default; external: N, full-width chunks)
+  // External transfers (the NCCL transport, flux_layers/runtime/nccl_rs_transport.py): the kernel runs as with the
+  // copy engine (partials into the local staging area, per-chunk counts), but the op moves nothing: comm[0] is the
+  // caller's transfer stream, forked here from the compute stream after the counts are cleared and before the
+  // kernel, on which the caller waits for each chunk's count, sends it, receives the peers' partials into this
+  // rank's receive slots and raises this rank's flag for each. No handshake, no write to a peer: only this rank's
+  // recv and flags pointers are used (a workspace in local memory). Epoch protocol only.
+  bool external = false;
   cudaStream_t comm[kMaxGroups] = {nullptr};
   int num_comm = 0;
   FlagProtocol protocol = FlagProtocol::kEpoch;
@@ -137,8 +144,8 @@ struct GemmRsArgs {
 };
 
 // out = reduce_scatter(x @ op(w)) + bias: tiles reach the owning rank's receive slot (stored there by the
-// epilogue, or staged locally and moved by the copy engine) and are reduced there by the owner's GEMM epilogue
-// (deterministic order).
+// epilogue, staged locally and moved by the copy engine, or staged locally and moved by the caller) and are
+// reduced there by the owner's GEMM epilogue (deterministic order).
 void gemm_rs(const GemmRsArgs& args);
 
 // The destination order of this rank's tiles: rank+1, rank+2, ..., own rows last.

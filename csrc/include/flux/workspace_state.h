@@ -27,7 +27,7 @@ struct CallPlan {
   int swizzle = 0;
   int stream_k_fill = 0;  // 0: no stream-K tail
   int sm_count = 0;       // 0: every SM
-  // all-gather
+  // all-gather: the direction; kExternal (either op): the caller moves the data (the NCCL transport)
   AgMode mode = AgMode::kPush;
   AgOrder order = AgOrder::kMesh;
   int rows_per_chunk = 0;
@@ -49,7 +49,7 @@ struct WorkspaceConfig {
   int capacity = 0;                // chunks per shard (all-gather) or flags per source (reduce-scatter)
   std::vector<char*> data;         // every rank's data buffer (only this rank's where !peer_mapped)
   std::vector<uint32_t*> flags;    // every rank's flag words (only this rank's where !peer_mapped)
-  bool peer_mapped = true;         // false: local memory, peers' pointers null (AgMode::kExternal calls only)
+  bool peer_mapped = true;         // false: local memory, peers' pointers null (AgMode::kExternal plans only)
   std::vector<cudaStream_t> comm;  // owned by the caller, outlive this object
   int* error_record = nullptr;     // host-mapped int[5] {code, rank, index, epoch, observed}
   int* error_claim = nullptr;      // device int
