@@ -87,14 +87,7 @@ class NcclCall:
     executor: nccl_transport.AgExecutor
 
 
-def gemm_sms_beside_nccl(device: torch.device) -> int:
-    """SMs the persistent GEMM may hold while NCCL's kernels run beside it: all but FLUX_LAYERS_NCCL_SMS, even (the
-    GEMM's clusters pair SMs). A grid on every SM would spin on flags that NCCL could never deliver."""
-    total = torch.cuda.get_device_properties(device).multi_processor_count
-    keep = _env.get_int("NCCL_SMS")
-    if not 0 < keep < total - 1:
-        raise ValueError(f"FLUX_LAYERS_NCCL_SMS={keep} must leave NCCL 1 to {total - 2} of the {total} SMs")
-    return (total - keep) // 2 * 2
+gemm_sms_beside_nccl = nccl_transport.gemm_sms_beside_nccl  # shared with the reduce-scatter's NCCL transport
 
 
 def plan_nccl_call(ws: workspace.AgWorkspace, *, m: int, k: int, n: int, tile: int | None = None,

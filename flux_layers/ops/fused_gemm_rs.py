@@ -13,15 +13,26 @@ the epilogue stores it locally and a copy engine moves each finished chunk (a pa
 columns), so the SMs never wait on NVLink. Partials travel in the input dtype (as with NCCL's reduce-scatter of
 bf16 data); the sum is accumulated in fp32. Kernel configuration and transport are fixed in a call plan
 registered with the workspace (:func:`plan_call`); :func:`run` makes the call.
+
+Transport ``nccl`` (``transport='nccl'`` here, FLUX_LAYERS_TRANSPORT=nccl for ``ops.gemm_rs``): the workspace is
+local memory, the kernel stages every peer's partial locally and counts it per full-width chunk as with the copy
+engine, and the partials move by NCCL send/recv driven from the host on the workspace's transfer stream, each
+received chunk followed by its flag; the GEMM runs on all SMs but FLUX_LAYERS_NCCL_SMS
+(flux_layers/runtime/nccl_rs_transport.py; :func:`plan_nccl_call`, :func:`run_nccl`). Not under CUDA-graph
+capture. It has not run on GPUs yet (tests/gpu/test_nccl_transport_gpu.py is its check).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from flux_layers import _env, _library
 from flux_layers.ops._checks import check_fused_dims, check_fused_tensor, check_matmul_args
-from flux_layers.runtime import tuning, workspace
+from flux_layers.runtime import nccl_rs_transport, nccl_transport, tuning, workspace
+
+_EXTERNAL = 2  # the call plan's mode (AgMode::kExternal): the caller moves the partials (the NCCL transport)
 
 
 def check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_layout: str,
@@ -56,6 +67,53 @@ def plan_call(ws: workspace.RsWorkspace, *, m: int, k: int, n: int, tile: int | 
                           ()))
 
 
+@dataclass(frozen=True)
+class NcclCall:
+    """A call's plan on a workspace of the NCCL transport: the op's call plan (external transfers, full-width chunks,
+    the SMs the GEMM may hold), the chunks of each destination's rows and this rank's batches."""
+    plan: int
+    chunks: tuple[nccl_rs_transport.RsChunk, ...]
+    executor: nccl_rs_transport.RsExecutor
+
+
+def plan_nccl_call(ws: workspace.RsWorkspace, *, m: int, k: int, n: int, tile: int | None = None,
+                   swizzle: int | None = None, stream_k: bool | int | None = None, sm_count: int = 0) -> NcclCall:
+    """:func:`plan_call` for a workspace of the NCCL transport; ``sm_count`` 0: all SMs but FLUX_LAYERS_NCCL_SMS."""
+    if not ws.nccl:
+        raise ValueError("plan_nccl_call: the workspace is not the NCCL transport's (RsWorkspace(..., nccl=True))")
+    kc = tuning.resolve_kernel("gemm_rs", dtype=ws.dtype, tp=ws.tp, mkn=(m, k, n), tile=tile, swizzle=swizzle,
+                               stream_k=stream_k,
+                               sm_count=sm_count or nccl_transport.gemm_sms_beside_nccl(ws.device))
+    chunks = nccl_rs_transport.full_width_chunks(m // ws.tp, n, kc.tile, kc.swizzle)
+    if len(chunks) > ws.flags_per_source:
+        raise AssertionError(f"gemm_rs: {len(chunks)} chunks exceed the workspace's {ws.flags_per_source} flags")
+    index = ws.plan_index((kc.tile, kc.swizzle, kc.stream_k_fill, kc.sm_count, _EXTERNAL, 0, 0, False, n, ()))
+    return NcclCall(index, chunks, nccl_rs_transport.RsExecutor(ws.rank, ws.tp, max(1, len(chunks)), ws.group))
+
+
+def run_nccl(ws: workspace.RsWorkspace, call: NcclCall, x: torch.Tensor, weight: torch.Tensor,
+             bias: torch.Tensor | None, weight_nn: bool) -> torch.Tensor:
+    """One call on a workspace of the NCCL transport (flux_layers/runtime/nccl_rs_transport.py): the op clears the
+    counts, forks the transfer stream and enqueues the GEMM; then this rank's batches on the transfer stream (per
+    chunk: wait for its count, send it, receive the peer's partial of our rows, set that chunk's flag to the call's
+    epoch), and the compute stream joins it."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"gemm_rs: {nccl_rs_transport.CAPTURE_REFUSAL}")
+    compute, stream = torch.cuda.current_stream(), ws.transfer_stream
+    out = run(ws, call.plan, x, weight, bias, weight_nn)  # forks the transfer stream before the GEMM
+    if out.shape[0] == 0:
+        return out  # no epoch, nothing moved (every rank)
+    epoch = ws.epoch  # the value this call's GEMM waits for
+    flags, chunks, rows = ws.flags, call.chunks, nccl_rs_transport.chunk_rows
+    wait_flag, write_flag = torch.ops.flux_layers.wait_flag.default, torch.ops.flux_layers.write_flag.default
+    with torch.cuda.stream(stream):
+        call.executor.run(lambda d, c: wait_flag(flags, ws.count_index(d, c), chunks[c].tiles),
+                          lambda d, c: rows(ws.stage_slot(d), chunks[c]), lambda s, c: rows(ws.recv[s], chunks[c]),
+                          lambda s, c: write_flag(flags, ws.flag_index(s, c), epoch))
+    compute.wait_stream(stream)
+    return out
+
+
 def run(ws: workspace.RsWorkspace, plan: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         weight_nn: bool) -> torch.Tensor:
     """One call of the op library's gemm_rs; the op checks the tensors against the workspace before anything is
@@ -77,21 +135,29 @@ def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     same call decided once per shape. ``tile``/``swizzle``: kernel configuration (None: tuning table or the
     measured default); ``stream_k``: split a last, partial wave of tiles along K (None: FLUX_LAYERS_STREAM_K; an
     int: the fill limit, see tuning.stream_k_fill); ``sm_count``: SMs the persistent GEMM may hold (0: all);
-    ``transport``: ``'direct'``, ``'copy_engine'`` or ``'auto'`` (the tuning table's choice; None:
-    FLUX_LAYERS_RS_TRANSPORT); ``chunk_cols``: columns per copy-engine chunk (None: FLUX_LAYERS_RS_CHUNK_COLS; 0:
-    1024). Every rank must pass the same transport."""
-    if transport is not None:
+    ``transport``: ``'direct'``, ``'copy_engine'``, ``'nccl'`` or ``'auto'`` (the tuning table's choice between the
+    first two; None: ``ws``'s if it is the NCCL transport's, else FLUX_LAYERS_RS_TRANSPORT); ``chunk_cols``:
+    columns per copy-engine chunk (None: FLUX_LAYERS_RS_CHUNK_COLS; 0: 1024; the NCCL transport's chunks are
+    full-width). Every rank must pass the same transport."""
+    if transport is not None and transport != "nccl":
         tuning.check_rs_transport(transport)  # before anything else, so that bad arguments fail anywhere
     if chunk_cols is not None and chunk_cols < 0:
         raise ValueError(f"gemm_rs: chunk_cols must be >= 0 (0: default), got {chunk_cols}")
     m, k, n = check_args(x, weight, bias, weight_layout, group)
-    if ws is None:
-        ws = workspace.get_rs_workspace(group, x.dtype, m, n)
-    elif not isinstance(ws, workspace.RsWorkspace):
+    if ws is not None and not isinstance(ws, workspace.RsWorkspace):
         raise TypeError(f"gemm_rs: ws must be an RsWorkspace or None, got {type(ws).__name__}")
-    elif m > ws.max_m or ws.n != n or ws.dtype != x.dtype:
-        raise ValueError(f"gemm_rs: call needs M={m}, N={n}, {x.dtype}; the workspace holds "
-                         f"max_m={ws.max_m}, N={ws.n}, {ws.dtype}")
+    if transport is None and ws is not None and ws.nccl:
+        transport = "nccl"
+    nccl = transport == "nccl"
+    if ws is None:
+        ws = workspace.get_rs_workspace(group, x.dtype, m, n, nccl=nccl)
+    elif m > ws.max_m or ws.n != n or ws.dtype != x.dtype or ws.nccl != nccl:
+        need, held = ("NCCL" if nccl else "peer-mapped"), ("NCCL" if ws.nccl else "peer-mapped")
+        raise ValueError(f"gemm_rs: call needs M={m}, N={n}, {x.dtype}, a {need} workspace; the workspace holds "
+                         f"max_m={ws.max_m}, N={ws.n}, {ws.dtype}, {held}")
+    if nccl:
+        call = plan_nccl_call(ws, m=m, k=k, n=n, tile=tile, swizzle=swizzle, stream_k=stream_k, sm_count=sm_count)
+        return run_nccl(ws, call, x, weight, bias, weight_layout == "nn")
     plan = plan_call(ws, m=m, k=k, n=n, tile=tile, swizzle=swizzle, stream_k=stream_k, sm_count=sm_count,
                      transport=transport, chunk_cols=chunk_cols)
     return run(ws, plan, x, weight, bias, weight_layout == "nn")

@@ -42,6 +42,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from flux_layers import _env
 from flux_layers.runtime.transfer_plan import AgPlan, GroupLayout, Transfer, build_ag_plan
 
 CAPTURE_REFUSAL = ("the NCCL transport of the fused all-gather cannot run under CUDA-graph capture (its transfers "
@@ -79,6 +80,17 @@ def nccl_plan(layout: GroupLayout, chunks: int, order: str | None = None) -> AgP
     return build_ag_plan(layout, order, chunks=chunks, transport="nccl")
 
 
+def gemm_sms_beside_nccl(device: torch.device) -> int:
+    """SMs the persistent GEMM may hold while NCCL's kernels run beside it (either operator's NCCL transport): all
+    but FLUX_LAYERS_NCCL_SMS, even (the GEMM's clusters pair SMs). A grid on every SM would spin on flags that NCCL
+    could never deliver."""
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    keep = _env.get_int("NCCL_SMS")
+    if not 0 < keep < total - 1:
+        raise ValueError(f"FLUX_LAYERS_NCCL_SMS={keep} must leave NCCL 1 to {total - 2} of the {total} SMs")
+    return (total - keep) // 2 * 2
+
+
 class AgExecutor:
     """This rank's batches of one plan and the group they run on; :meth:`run` issues them."""
 
@@ -110,4 +122,4 @@ class AgExecutor:
                 announce(*t.chunk)
 
 
-__all__ = ["CAPTURE_REFUSAL", "Batch", "rank_batches", "nccl_plan", "AgExecutor"]
+__all__ = ["CAPTURE_REFUSAL", "Batch", "rank_batches", "nccl_plan", "gemm_sms_beside_nccl", "AgExecutor"]

@@ -6,9 +6,10 @@ workspace's ``max_m``; nothing is allocated or exchanged per call.
 
 Symmetric memory comes from ``torch.distributed._symmetric_memory`` (IPC mapping and pointer exchange).
 Each workspace makes one symmetric allocation holding its data buffer and its 32-bit flag words, so the
-offsets of both are identical on every rank. An all-gather workspace of the NCCL transport (GPUs that cannot map
-each other's memory, or other nodes) makes one local allocation instead: its peers' pointers are null, NCCL moves
-the chunks (flux_layers/runtime/nccl_transport.py), and it has no CUDA-graph twin.
+offsets of both are identical on every rank. A workspace of the NCCL transport (GPUs that cannot map each other's
+memory, other nodes, or FLUX_LAYERS_TRANSPORT=nccl) makes one local allocation instead: its peers' pointers are
+null, NCCL moves the all-gather's chunks (flux_layers/runtime/nccl_transport.py) or the reduce-scatter's partials
+(flux_layers/runtime/nccl_rs_transport.py), and it has no CUDA-graph twin.
 
 Each workspace owns one long-lived C++ object, ``Workspace.native`` (``torch.classes.flux_layers.Workspace``,
 csrc/include/flux/workspace_state.h): the peers' buffer and flag pointers, the communication streams, the events of
@@ -276,14 +277,20 @@ class AgWorkspace(Workspace):
 class RsWorkspace(Workspace):
     """GEMM+ReduceScatter: receive slots [tp][max_m/tp][n] per rank + per-chunk flags, consumed flags and the
     copy-engine transport's chunk counts (csrc/runtime/gemm_rs.cpp); one comm stream per peer and, once the
-    copy-engine transport is used, a local staging area of one slot per peer."""
+    copy-engine transport is used, a local staging area of one slot per peer.
+
+    ``nccl``: the NCCL transport's workspace (flux_layers/runtime/nccl_rs_transport.py): local memory, the staging
+    area at once, and one stream, :attr:`transfer_stream`, on which the partials move (the op forks it)."""
 
     def __init__(self, group, dtype: torch.dtype, max_m: int, n: int, *, min_tile: int = 128,
-                 graph_protocol: bool = False):
+                 graph_protocol: bool = False, nccl: bool = False):
         tp = dist.get_world_size(group)
         if max_m <= 0 or max_m % tp != 0:
             raise ValueError(f"RsWorkspace: max_m={max_m} must be a positive multiple of the group size {tp}")
+        if nccl and graph_protocol:
+            raise ValueError("RsWorkspace: the NCCL transport has no CUDA-graph twin (captured calls are refused)")
         self.dtype, self.max_m, self.n, self.min_tile = dtype, max_m, n, min_tile
+        self.nccl = nccl
         self.slot_rows = max_m // tp
         # Enough tile flags for the smallest tile in either dimension, padded for the 2-CTA cluster.
         tiles_m = -(-(-(-self.slot_rows // min_tile)) // 2) * 2
@@ -292,9 +299,29 @@ class RsWorkspace(Workspace):
         consumed = tp * self.flags_per_source  # flag[tp][per_source], consumed[tp], count[tp][per_source]
         super().__init__(group, data_bytes=tp * self.slot_rows * n * elem,
                          flag_words=2 * tp * self.flags_per_source + tp, handshake_words=slice(consumed, consumed + tp),
-                         num_comm_streams=tp - 1, what="gemm_rs", graph_protocol=graph_protocol, dtype=dtype,
-                         max_m=max_m, inner=n, capacity=self.flags_per_source)
+                         num_comm_streams=1 if nccl else tp - 1, what="gemm_rs", graph_protocol=graph_protocol,
+                         dtype=dtype, max_m=max_m, inner=n, capacity=self.flags_per_source, peer_mapped=not nccl)
+        # This rank's receive slots: slot s holds source s's partial of our rows.
+        self.recv = self._storage[:tp * self.slot_rows * n * elem].view(dtype).view(tp, self.slot_rows, n)
         self._stage: torch.Tensor | None = None
+        # The NCCL transfers' stream (comm stream 0): the op forks it from the compute stream, the caller joins it.
+        self.transfer_stream = self.comm_streams[0] if nccl else None
+        if nccl:
+            self.stage_buffer()
+
+    def count_index(self, dst: int, chunk: int) -> int:
+        """Index in :attr:`flags` of this rank's count of its tiles of chunk ``chunk`` of ``dst``'s rows."""
+        return self.tp * self.flags_per_source + self.tp + dst * self.flags_per_source + chunk
+
+    def flag_index(self, src: int, chunk: int) -> int:
+        """Index in :attr:`flags` of the flag of ``src``'s partial of chunk ``chunk`` of this rank's rows."""
+        return src * self.flags_per_source + chunk
+
+    def stage_slot(self, dst: int) -> torch.Tensor:
+        """The staging slot [max_m/tp, n] of this rank's partial of ``dst``'s rows (slots in the kernel's
+        destination order, rank+1 first)."""
+        stage = self.stage_buffer().view(self.tp - 1, self.slot_rows, self.n)
+        return stage[(dst - self.rank - 1) % self.tp]
 
     def stage_buffer(self) -> torch.Tensor:
         """Local staging area of the copy-engine transport, [(tp - 1) * max_m/tp * n] (a slot per peer, in the
@@ -304,7 +331,9 @@ class RsWorkspace(Workspace):
             self.native.set_stage(self._stage.data_ptr())
         return self._stage
 
-    def new_graph_twin(self) -> RsWorkspace:
+    def new_graph_twin(self) -> RsWorkspace | None:
+        if self.nccl:
+            return None  # captured calls are refused (nccl_rs_transport.CAPTURE_REFUSAL)
         twin = RsWorkspace(self.group, self.dtype, self.max_m, self.n, min_tile=self.min_tile, graph_protocol=True)
         twin.stage_buffer()  # now, not from a graph's memory pool during capture
         return twin
@@ -427,10 +456,12 @@ def get_ag_workspace(group, dtype: torch.dtype, m: int, k: int, transport: str =
                    lambda max_m: AgWorkspace(group, dtype, max_m, k, transport=transport), tp)
 
 
-def get_rs_workspace(group, dtype: torch.dtype, m: int, n: int) -> RsWorkspace:
-    """The cached reduce-scatter workspace for (group, dtype, n), grown if m exceeds it (M = 0 gets the smallest)."""
+def get_rs_workspace(group, dtype: torch.dtype, m: int, n: int, nccl: bool = False) -> RsWorkspace:
+    """The cached reduce-scatter workspace for (group, dtype, n), grown if m exceeds it (M = 0 gets the smallest);
+    ``nccl``: the NCCL transport's (local memory), cached apart."""
     tp = dist.get_world_size(group)
-    return _cached("rs", group, dtype, n, max(m, tp), lambda max_m: RsWorkspace(group, dtype, max_m, n), tp)
+    return _cached("rs_nccl" if nccl else "rs", group, dtype, n, max(m, tp),
+                   lambda max_m: RsWorkspace(group, dtype, max_m, n, nccl=nccl), tp)
 
 
 def check_graph_replays() -> None:

@@ -1,0 +1,133 @@
+"""The reduce-scatter's NCCL transport (flux_layers/runtime/nccl_rs_transport.py) on CPU: its batches for every
+group size, the full-width chunks against the kernel's tile schedule, and the very executor that drives NCCL run
+with gloo on CPU tensors across 2, 4 and 8 processes, with CPU stand-ins for the kernel (a chunk's partial appears
+in the staging slot only when its count wait is reached), the flags (each checks that its data is in place and is
+set once) and the owner's reduction (the partials summed in rank order, compared bitwise with the reference)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flux_layers.devtools.launch import run_distributed
+from flux_layers.runtime import nccl_rs_transport as rs
+from flux_layers.runtime import schedules
+
+
+@pytest.mark.parametrize("tp", range(2, schedules.MAX_TP + 1))
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_batches_pair_every_send_with_its_receive_under_one_key(tp, chunks):
+    sent: dict[tuple[int, int], list] = {}
+    received: dict[tuple[int, int], list] = {}
+    for rank in range(tp):
+        batches = rs.rs_batches(rank, tp, chunks)
+        assert [b.key for b in batches] == sorted(b.key for b in batches)
+        # The kernel's completion order: destinations rank+1, rank+2, ..., each swept chunk by chunk.
+        assert [(b.dst, b.chunk) for b in batches] == [(d, c) for d in schedules.rs_group_order(rank, tp)[:-1]
+                                                      for c in range(chunks)]
+        assert sorted((b.src, b.chunk) for b in batches) == [(s, c) for s in range(tp) if s != rank
+                                                             for c in range(chunks)]
+        for b in batches:
+            sent.setdefault((rank, b.dst), []).append((b.key, b.chunk))
+            received.setdefault((b.src, rank), []).append((b.key, b.chunk))
+    # Both sides of every pair issue the same transfers under the same keys, in the same order (NCCL matches a
+    # pair's calls in issue order; equal keys put a batch's partners in their own batch of that key).
+    assert sent == received
+
+
+def test_batches_refuse_bad_arguments():
+    with pytest.raises(ValueError, match="rank 2 outside"):
+        rs.rs_batches(2, 2, 1)
+    with pytest.raises(ValueError, match="chunks must be >= 1"):
+        rs.rs_batches(0, 2, 0)
+
+
+@pytest.mark.parametrize("rows,n,tile,swizzle", [(300, 24, 1, 2), (4096, 8192, 1, 16), (1000, 520, 0, 0),
+                                                 (8, 256, 1, 0), (2048, 2048, 0, 4)])
+def test_full_width_chunks_match_the_kernels_counts_and_completion_order(rows, n, tile, swizzle):
+    chunks = rs.full_width_chunks(rows, n, tile, swizzle)
+    assert [c.index for c in chunks] == list(range(len(chunks)))
+    assert chunks[0].row0 == 0 and sum(c.rows for c in chunks) == rows
+    assert all(a.row0 + a.rows == b.row0 for a, b in zip(chunks, chunks[1:]))  # contiguous, in row order
+    tile_m, tile_n = schedules.TILE_CONFIGS[tile]
+    kw = {"swizzle_m": swizzle} if swizzle else {}
+    sched = schedules.TileSchedule(rows_per_group=rows, n=n, num_groups=2, group_order=(1, 0), tile_m=tile_m,
+                                   tile_n=tile_n, **kw)
+    grid = schedules.RsChunkGrid(sched, chunk_cols=n)
+    counts = [0] * len(chunks)
+    last_visit = [0] * len(chunks)
+    for i, (group, m, nt) in enumerate(sched.tiles()):
+        if group != 1 or m * tile_m >= rows:  # one destination; a cluster's padding tile is neither stored nor counted
+            continue
+        c = grid.chunk_of(m, nt)
+        assert chunks[c].row0 <= m * tile_m < chunks[c].row0 + chunks[c].rows
+        counts[c] += 1
+        last_visit[c] = i
+    assert counts == [c.tiles for c in chunks]  # the count each wait is for
+    assert last_visit == sorted(last_visit)  # chunks complete in index order: the executor's order
+
+
+def _partial(src: int, dst: int, rows: int, n: int) -> torch.Tensor:
+    """Rank src's partial of dst's rows: random float64 of mixed magnitude (the sum's order shows in its bits)."""
+    gen = torch.Generator().manual_seed(1000 * src + dst)
+    return torch.randn(rows, n, generator=gen, dtype=torch.float64) * 10.0 ** torch.randint(-3, 4, (rows, 1),
+                                                                                             generator=gen)
+
+
+def _reduce(parts) -> torch.Tensor:
+    """The owner's sum stand-in: the partials in rank order, as the kernel adds them."""
+    out = parts[0].clone()
+    for p in parts[1:]:
+        out += p
+    return out
+
+
+def _run_calls(rank, tp, late_rank):
+    group = dist.group.WORLD
+    for rows, n, tile, swizzle in ((300, 24, 1, 2), (5, 8, 1, 0)):
+        chunks = rs.full_width_chunks(rows, n, tile, swizzle)
+        executor = rs.RsExecutor(rank, tp, len(chunks), group)
+        results = []
+        for call in range(2):
+            # Staging slots start empty: a chunk's rows appear only when its count is complete (the kernel stand-in).
+            stage = {d: torch.full((rows, n), float("nan"), dtype=torch.float64) for d in range(tp) if d != rank}
+            recv = {s: torch.full((rows, n), float("nan"), dtype=torch.float64) for s in range(tp) if s != rank}
+            ready_seen: list = []
+            flags: dict[tuple[int, int], int] = {}
+
+            def ready(d, c):
+                assert (d, c) not in ready_seen, f"rank {rank}: count of {(d, c)} awaited twice"
+                ready_seen.append((d, c))
+                rs.chunk_rows(stage[d], chunks[c]).copy_(rs.chunk_rows(_partial(rank, d, rows, n), chunks[c]))
+
+            def announce(s, c):
+                # The flag stand-in: the chunk's rows are in place when its flag is set, and it is set once.
+                assert (s, c) not in flags, f"rank {rank}: flag of {(s, c)} set twice"
+                want = rs.chunk_rows(_partial(s, rank, rows, n), chunks[c])
+                assert torch.equal(rs.chunk_rows(recv[s], chunks[c]), want), \
+                    f"rank {rank}: flag of {(s, c)} set before its data"
+                flags[(s, c)] = len(flags)
+
+            if rank == late_rank:
+                time.sleep(0.2)
+            executor.run(ready, lambda d, c: rs.chunk_rows(stage[d], chunks[c]),
+                         lambda s, c: rs.chunk_rows(recv[s], chunks[c]), announce)
+            what = f"rank {rank} of {tp}, {rows}x{n}, {len(chunks)} chunks, call {call}"
+            assert ready_seen == [(d, c) for d in schedules.rs_group_order(rank, tp)[:-1]
+                                  for c in range(len(chunks))], what
+            assert sorted(flags) == [(s, c) for s in range(tp) if s != rank for c in range(len(chunks))], what
+            for s in recv:
+                assert torch.equal(recv[s], _partial(s, rank, rows, n)), f"{what}: partial of rank {s}"
+            out = _reduce([_partial(rank, rank, rows, n) if s == rank else recv[s] for s in range(tp)])
+            ref = _reduce([_partial(s, rank, rows, n) for s in range(tp)])
+            assert torch.equal(out, ref), f"{what}: reduced rows differ from the reference"
+            results.append(out)
+        assert torch.equal(results[0], results[1]), f"rank {rank}: two calls differ bitwise"
+        dist.barrier()
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_executor_moves_every_partial_once_with_gloo(tp):
+    run_distributed(_run_calls, tp, 1)  # rank 1 starts late
