@@ -101,7 +101,8 @@ def _raise_workspace_error(exc: RuntimeError):
 def call_signature(op: str, m: int, k: int, n: int, dtype: torch.dtype, weight_layout: str,
                    transport: str | None = None) -> tuple:
     """What :func:`check_same_call` compares: (op, M, K, N, dtype, layout), and the transport (copy engine or NCCL
-    for the all-gather, the GEMM+ReduceScatter's; both sides of a transfer must use the same). M counts the gathered
+    for the all-gather; direct, copy engine or NCCL for the GEMM+ReduceScatter; both sides of a transfer must use the
+    same). M counts the gathered
     rows for ag_gemm, x's rows for gemm_rs."""
     signature = (op, m, k, n, str(dtype), weight_layout)
     return signature if transport is None else signature + (transport,)
@@ -166,6 +167,25 @@ class _FusedAgGemmNccl:
         out, gathered = fused_ag_gemm.run_nccl(self.ws, self.call, x_shard_m, weight, bias, self.weight_nn,
                                                return_gathered)
         return (out, gathered) if return_gathered else out
+
+
+class _FusedGemmRsNccl:
+    """ops.gemm_rs on the fused path with the NCCL transport (flux_layers/runtime/nccl_rs_transport.py): the workspace
+    in local memory, the call plan and this rank's NCCL batches, as :class:`_FusedGemmRs`."""
+    __slots__ = ("ws", "call", "weight_nn")
+
+    def __init__(self, x, weight, group, weight_layout):
+        from flux_layers.ops import fused_gemm_rs
+        from flux_layers.runtime import workspace
+        m, k, n = fused_gemm_rs.check_args(x, weight, None, weight_layout, group)
+        check_same_call(group, call_signature("gemm_rs", m, k, n, x.dtype, weight_layout, "nccl"))
+        self.ws = workspace.get_rs_workspace(group, x.dtype, m, n, nccl=True)
+        self.call = fused_gemm_rs.plan_nccl_call(self.ws, m=m, k=k, n=n)
+        self.weight_nn = weight_layout == "nn"
+
+    def __call__(self, x, weight, bias):
+        from flux_layers.ops import fused_gemm_rs
+        return fused_gemm_rs.run_nccl(self.ws, self.call, x, weight, bias, self.weight_nn)
 
 
 class _FusedGemmRs:
@@ -269,6 +289,8 @@ def gemm_rs_call(x: torch.Tensor, weight: torch.Tensor, group, weight_layout: st
             return gemm_call(x, weight, weight_layout, backend)
         path = choose("gemm_rs", device=x.device, dtype=x.dtype, mkn=(m, k, n), group=group, backend=backend).path
         if path == "fused":
-            return _FusedGemmRs(x, weight, group, weight_layout)
+            from flux_layers.ops.backend import transport
+            fused = _FusedGemmRsNccl if transport("gemm_rs", group) == "nccl" else _FusedGemmRs
+            return fused(x, weight, group, weight_layout)
         return _reference_gemm_rs(group, weight_layout)
     return _decide(key, make)

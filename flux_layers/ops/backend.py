@@ -44,6 +44,16 @@ def ag_transport(group) -> str:
     return topology.ag_transport(_group_devices(tp), topology.group_node_ids(group))
 
 
+def transport(op: str, group) -> str:
+    """How a fused ``op`` of ``group`` moves data between ranks: the all-gather's :func:`ag_transport`, or the
+    reduce-scatter's 'nccl' (FLUX_LAYERS_TRANSPORT=nccl) or 'peer' (epilogue stores or copy engine;
+    topology.rs_transport). Every rank resolves the same."""
+    if op == "ag_gemm":
+        return ag_transport(group)
+    from flux_layers.runtime import topology
+    return topology.rs_transport()
+
+
 def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int, int, int], group,
            backend: str | None = None) -> Choice:
     requested = backend if backend is not None else _env.get("BACKEND")
@@ -69,16 +79,16 @@ def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int,
         reason = None
         if tp > 1:
             reason = topology.fused_path_blocker(_group_devices(tp), topology.group_node_ids(group), op=op)
-            nccl = reason is None and op == "ag_gemm" and ag_transport(group) == "nccl"
+            nccl = reason is None and transport(op, group) == "nccl"
         if reason is not None:
             blockers.append(reason)
         elif nccl and dist.get_backend(group) != "nccl":
-            blockers.append(f"the all-gather's transport is NCCL (the GPUs cannot map each other's memory, the group "
-                            f"spans nodes, or FLUX_LAYERS_TRANSPORT=nccl) but the group's backend is "
-                            f"{dist.get_backend(group)}")
+            why = ("the GPUs cannot map each other's memory, the group spans nodes, or FLUX_LAYERS_TRANSPORT=nccl"
+                   if op == "ag_gemm" else "FLUX_LAYERS_TRANSPORT=nccl")
+            blockers.append(f"{op}'s transport is NCCL ({why}) but the group's backend is {dist.get_backend(group)}")
     if nccl and torch.cuda.is_current_stream_capturing():
-        from flux_layers.runtime.nccl_transport import CAPTURE_REFUSAL
-        blockers.append(CAPTURE_REFUSAL)
+        from flux_layers.runtime import nccl_rs_transport, nccl_transport
+        blockers.append((nccl_transport if op == "ag_gemm" else nccl_rs_transport).CAPTURE_REFUSAL)
     elif op != "gemm" and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         from flux_layers.runtime import workspace
         if not workspace.cuda_graphs_enabled():
@@ -88,10 +98,12 @@ def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int,
                             "before the warm-up (FLUX_LAYERS_CUDA_GRAPHS=1 or "
                             "flux_layers.runtime.workspace.enable_cuda_graphs())")
 
+    # NOTE: the reduce-scatter's NCCL transport is taken only when forced and has not run on GPUs: say so.
+    untried = " (over NCCL, FLUX_LAYERS_TRANSPORT=nccl: not yet run on GPUs)" if nccl and op == "gemm_rs" else ""
     if requested == "fused":
         if blockers:
             raise _library.FusedOpsUnavailable(f"{op}: fused backend requested but " + "; ".join(blockers))
-        return Choice("fused", "requested")
+        return Choice("fused", "requested" + untried)
     if blockers:
         return Choice("reference", blockers[0])
     if _env.get("DISPATCH") == "table":
@@ -100,4 +112,4 @@ def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int,
         entry = tuning.dispatch_entry(op, dtype=dtype, tp=tp, mkn=mkn)
         if entry is not None and entry.get("path") == "sequential":
             return Choice("reference", f"tuning table: sequential path measured faster ({entry.get('source', '?')})")
-    return Choice("fused", "auto")
+    return Choice("fused", "auto" + untried)

@@ -10,9 +10,11 @@
 Transports (:func:`ag_transport`): the copy engine between peer-mapped GPUs of one node (orders ``mesh`` and
 ``ring``; csrc/runtime/ag_gemm.cpp), and NCCL send/recv through the group's process group for a group that spans
 nodes or whose GPUs cannot map each other's memory, or when ``FLUX_LAYERS_TRANSPORT=nccl`` (every order of
-transfer_plan.py, every transfer on NCCL; flux_layers/runtime/nccl_transport.py). The reduce-scatter has the
-copy engine and the epilogue's stores only. :func:`fused_path_blocker` names what keeps the fused kernels from
-serving a group.
+transfer_plan.py, every transfer on NCCL; flux_layers/runtime/nccl_transport.py). The reduce-scatter
+(:func:`rs_transport`) moves its partials by the epilogue's stores or the copy engine between peer-mapped GPUs of
+one node, and by NCCL (flux_layers/runtime/nccl_rs_transport.py) only when ``FLUX_LAYERS_TRANSPORT=nccl``: that
+path has not run on GPUs yet, so a group that spans nodes or lacks peer access keeps the reference path for it
+unless NCCL is forced. :func:`fused_path_blocker` names what keeps the fused kernels from serving a group.
 
 Inputs, each detected unless given or forced (``FLUX_LAYERS_*``, flux_layers/_env.py):
 - node boundaries (:func:`declared_node_size`): ``FLUX_LAYERS_NODE_SIZE=N`` (rank // N is the node; emulates
@@ -267,6 +269,19 @@ def ag_transport(devices: Sequence[int], node_ids: Sequence[int] | None = None) 
     return "copy_engine" if all(all(row) for row in m) else "nccl"
 
 
+# Why a group without peer mapping (or across nodes) keeps the reference path for the reduce-scatter by default.
+RS_NCCL_UNTRIED = ("its NCCL transport has not run on GPUs yet, so it is taken only when forced "
+                   "(FLUX_LAYERS_TRANSPORT=nccl)")
+
+
+def rs_transport() -> str:
+    """How the fused GEMM+ReduceScatter moves its partials between ranks: 'nccl' where FLUX_LAYERS_TRANSPORT=nccl
+    forces it, else 'peer' (the epilogue's stores or the copy engine, tuning.rs_transport's choice per shape). Not
+    chosen from the topology: where 'peer' cannot run, :func:`fused_path_blocker` sends the call to the reference
+    path (:data:`RS_NCCL_UNTRIED`)."""
+    return "nccl" if _env.get("TRANSPORT") == "nccl" else "peer"
+
+
 def fused_path_blocker(devices: tuple[int, ...], node_ids: tuple[int, ...] | None = None, op: str = "ag_gemm"
                        ) -> str | None:
     """Why the fused kernels cannot serve `op` ('ag_gemm' or 'gemm_rs') for a group on CUDA devices `devices`
@@ -274,7 +289,8 @@ def fused_path_blocker(devices: tuple[int, ...], node_ids: tuple[int, ...] | Non
 
     The all-gather runs on the copy engine (one node, every pair peer-mapped, order 'mesh' or 'ring') or on NCCL
     (:func:`ag_transport`: any group, every order of transfer_plan.py, all transfers by NCCL). The reduce-scatter
-    needs the copy engine's conditions (its NCCL transport is not built). Pass ``node_ids`` from :func:`node_ids`
+    runs on NCCL for any group where FLUX_LAYERS_TRANSPORT=nccl (:func:`rs_transport`), else it needs the copy
+    engine's conditions (:data:`RS_NCCL_UNTRIED`). Pass ``node_ids`` from :func:`node_ids`
     with the members' global ranks or :func:`gather_hostnames`; without them the declared node size
     (:func:`declared_node_size`) is applied to the group ranks 0..tp-1 (right for Megatron's aligned TP groups).
     Cheap after the first call for a group (the peer-access matrix is cached)."""
@@ -283,7 +299,6 @@ def fused_path_blocker(devices: tuple[int, ...], node_ids: tuple[int, ...] | Non
         node_ids = _node_ids(len(devices))
     if node_ids is not None and len(node_ids) != len(devices):
         raise ValueError(f"fused_path_blocker: {len(node_ids)} node ids for {len(devices)} devices")
-    transport = _env.get("TRANSPORT")
     if op == "ag_gemm":
         if ag_transport(devices, node_ids) == "nccl":
             return None
@@ -291,19 +306,17 @@ def fused_path_blocker(devices: tuple[int, ...], node_ids: tuple[int, ...] | Non
         if order not in ("auto",) + BUILT_ORDERS:
             return (f"FLUX_LAYERS_AG_ORDER={order}: the copy-engine all-gather runs the orders {BUILT_ORDERS}; "
                     f"'{order}' runs on the NCCL transport (FLUX_LAYERS_TRANSPORT=nccl)")
-    elif transport == "nccl":
-        return (f"FLUX_LAYERS_TRANSPORT=nccl: the {op} fused kernel moves data by epilogue stores and the copy "
-                "engine only; its NCCL transport is not built")
+    elif rs_transport() == "nccl":
+        return None
+    forced = " (FLUX_LAYERS_TRANSPORT=copy_engine)" if op == "ag_gemm" else f"; {RS_NCCL_UNTRIED}"
     nnodes = len(set(node_ids)) if node_ids is not None else 1
     if nnodes > 1:
-        return (f"the TP group spans {nnodes} nodes ({len(devices) // nnodes} ranks each); {op}'s fused kernel "
-                "has no inter-node (NCCL) transport" + (" (FLUX_LAYERS_TRANSPORT=copy_engine)" if op == "ag_gemm"
-                                                        else ""))
+        return (f"the TP group spans {nnodes} nodes ({len(devices) // nnodes} ranks each); {op}'s peer-mapped "
+                "transports cannot cross nodes" + forced)
     m = peer_access_matrix(devices)
     for a in range(len(devices)):
         for b in range(len(devices)):
             if a != b and not (m[a][b] and m[b][a]):
                 return (f"GPUs {devices[a]} and {devices[b]} (ranks {a} and {b}) cannot map each other's memory; "
-                        f"{op}'s copy-engine and epilogue transports need peer access between every pair"
-                        + (" (FLUX_LAYERS_TRANSPORT=copy_engine)" if op == "ag_gemm" else ""))
+                        f"{op}'s copy-engine and epilogue transports need peer access between every pair" + forced)
     return None

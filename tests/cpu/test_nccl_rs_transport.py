@@ -131,3 +131,60 @@ def _run_calls(rank, tp, late_rank):
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_executor_moves_every_partial_once_with_gloo(tp):
     run_distributed(_run_calls, tp, 1)  # rank 1 starts late
+
+
+def _selection(rank, tp):
+    """backend.choose and the dispatcher for gemm_rs on a 2-process gloo group, the op library and peer access
+    stood in (no GPU here)."""
+    import os
+
+    from flux_layers import _library
+    from flux_layers.ops import _dispatch, backend
+    from flux_layers.runtime import nccl_rs_transport, topology
+
+    _library.unavailable_reason = lambda: None
+    torch.cuda.can_device_access_peer = lambda a, b: True
+    torch.cuda.device_count = lambda: tp
+    capturing = [False]
+    torch.cuda.is_current_stream_capturing = lambda: capturing[0]
+    group, cuda = dist.group.WORLD, torch.device("cuda", 0)
+
+    def choose():
+        return backend.choose("gemm_rs", device=cuda, dtype=torch.bfloat16, mkn=(256, 64, 64), group=group)
+
+    os.environ["FLUX_LAYERS_NODE_SIZE"] = "1"  # every peer on another node
+    topology.peer_access_matrix.cache_clear()
+    c = choose()
+    assert c.path == "reference" and "spans 2 nodes" in c.reason and "FLUX_LAYERS_TRANSPORT=nccl" in c.reason, c
+    assert backend.transport("gemm_rs", group) == "peer"
+    os.environ["FLUX_LAYERS_TRANSPORT"] = "nccl"
+    assert backend.transport("gemm_rs", group) == "nccl"
+    c = choose()
+    assert c.path == "reference" and "backend is gloo" in c.reason, c  # NCCL transfers need an NCCL group
+    dist.get_backend = lambda g=None: "nccl"
+    c = choose()
+    assert c.path == "fused" and "not yet run on GPUs" in c.reason, c
+    capturing[0] = True
+    c = choose()
+    assert c.path == "reference" and c.reason == nccl_rs_transport.CAPTURE_REFUSAL, c
+    capturing[0] = False
+
+    # The dispatcher builds the NCCL transport's call where it is forced, the peer-mapped one otherwise.
+    made = []
+
+    class Stub:
+        def __init__(self, *args):
+            made.append(type(self).__name__)
+    _dispatch.choose = lambda *a, **k: backend.Choice("fused", "stand-in")
+    _dispatch._FusedGemmRsNccl = type("Nccl", (Stub,), {})
+    _dispatch._FusedGemmRs = type("Peer", (Stub,), {})
+    x, w = torch.empty(256, 64, dtype=torch.bfloat16), torch.empty(64, 64, dtype=torch.bfloat16)
+    _dispatch.gemm_rs_call(x, w, group, "nt", None)
+    os.environ["FLUX_LAYERS_TRANSPORT"] = "auto"
+    _dispatch.refresh()
+    _dispatch.gemm_rs_call(x, w, group, "nt", None)
+    assert made == ["Nccl", "Peer"], made
+
+
+def test_selection_takes_nccl_only_when_forced():
+    run_distributed(_selection, 2)

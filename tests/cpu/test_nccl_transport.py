@@ -128,11 +128,15 @@ def test_ag_transport_and_blocker(monkeypatch):
     for op in ("ag_gemm", "gemm_rs"):
         assert topology.fused_path_blocker(devices, op=op) is None
     assert topology.fused_path_blocker(devices, (0, 0, 1, 1)) is None  # all-gather over NCCL
-    assert "spans 2 nodes" in topology.fused_path_blocker(devices, (0, 0, 1, 1), op="gemm_rs")
+    reason = topology.fused_path_blocker(devices, (0, 0, 1, 1), op="gemm_rs")
+    assert "spans 2 nodes" in reason and "FLUX_LAYERS_TRANSPORT=nccl" in reason  # not taken unless forced
+    assert topology.rs_transport() == "peer"
     monkeypatch.setenv("FLUX_LAYERS_TRANSPORT", "nccl")
     assert topology.ag_transport(devices) == "nccl"
+    assert topology.rs_transport() == "nccl"
     assert topology.fused_path_blocker(devices) is None
-    assert "NCCL transport is not built" in topology.fused_path_blocker(devices, op="gemm_rs")
+    assert topology.fused_path_blocker(devices, op="gemm_rs") is None
+    assert topology.fused_path_blocker(devices, (0, 0, 1, 1), op="gemm_rs") is None
     monkeypatch.setenv("FLUX_LAYERS_AG_ORDER", "numa2d")
     assert topology.fused_path_blocker(devices) is None  # every order runs on NCCL
     monkeypatch.setenv("FLUX_LAYERS_TRANSPORT", "copy_engine")
@@ -144,7 +148,8 @@ def test_ag_transport_and_blocker(monkeypatch):
     topology.peer_access_matrix.cache_clear()
     assert topology.ag_transport(devices) == "nccl"  # no peer access: NCCL by itself
     assert topology.fused_path_blocker(devices) is None
-    assert "cannot map each other's memory" in topology.fused_path_blocker(devices, op="gemm_rs")
+    reason = topology.fused_path_blocker(devices, op="gemm_rs")
+    assert "cannot map each other's memory" in reason and "has not run on GPUs" in reason
 
 
 def test_declared_node_size(monkeypatch):

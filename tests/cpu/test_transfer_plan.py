@@ -502,8 +502,8 @@ def test_ag_order_keeps_single_node_behaviour_and_plans_multi_node(monkeypatch):
 
 
 def test_fused_path_blocker(monkeypatch):
-    # The reduce-scatter needs one node and peer access; the all-gather takes NCCL where they are missing
-    # (tests/cpu/test_nccl_transport.py).
+    # The reduce-scatter needs one node and peer access unless its NCCL transport is forced; the all-gather takes
+    # NCCL where they are missing (tests/cpu/test_nccl_transport.py, test_nccl_rs_transport.py).
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
     rs = dict(op="gemm_rs")
     assert topology.fused_path_blocker((0, 1, 2, 3), **rs) is None
@@ -522,7 +522,8 @@ def test_fused_path_blocker(monkeypatch):
     monkeypatch.setenv("FLUX_LAYERS_AG_ORDER", "ring")
     assert topology.fused_path_blocker((0, 1, 2, 3)) is None
     monkeypatch.setenv("FLUX_LAYERS_TRANSPORT", "nccl")
-    assert "TRANSPORT=nccl" in topology.fused_path_blocker((0, 1, 2, 3), **rs)
+    assert topology.fused_path_blocker((0, 1, 2, 3), **rs) is None  # the reduce-scatter over NCCL, forced
+    assert topology.fused_path_blocker((0, 1, 2, 3), (0, 0, 1, 1), **rs) is None
     assert topology.fused_path_blocker((0, 1, 2, 3)) is None
     monkeypatch.setenv("FLUX_LAYERS_TRANSPORT", "copy_engine")
     assert topology.fused_path_blocker((0, 1, 2, 3)) is None
