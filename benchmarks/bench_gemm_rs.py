@@ -5,6 +5,17 @@
 Shapes are MxKxN with K the global reduction size (each rank holds K/tp). Variants: cuBLAS GEMM alone, our
 GEMM alone, NCCL reduce-scatter alone, GEMM then NCCL reduce_scatter_tensor, torch's
 fused_matmul_reduce_scatter, and the fused operator; bound = max(GEMM alone, reduce-scatter alone).
+
+The transport is the library's choice for the group; every row and the JSON say which ran (``transport``). With
+the NCCL transport, which the reduce-scatter takes only when forced (across nodes, or emulated on one machine:
+
+    FLUX_LAYERS_TRANSPORT=nccl FLUX_LAYERS_NODE_SIZE=1 python -m benchmarks.bench_gemm_rs \
+        --out benchmarks/results/gemm_rs_internode_h200x2.json
+
+) the variants are: cuBLAS GEMM alone, our GEMM alone on all SMs and on the SMs the fused op leaves it beside
+NCCL, NCCL reduce-scatter alone, cuBLAS then NCCL reduce-scatter, torch's fused op, and the fused operator over
+NCCL (flux_layers/runtime/nccl_rs_transport.py) with the default and the other kernel configurations; bound =
+max(GEMM alone, NCCL reduce-scatter alone).
 """
 from __future__ import annotations
 
@@ -95,7 +106,7 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
 
     return {"m": m, "k": k, "n": n, "k_local": k_local, "tp": tp, "dtype": str(dtype).replace("torch.", ""),
             "times_ms": t, **overlap_figures(t, "nccl_rs", "gemm_then_nccl"),
-            "rel_err_vs_nccl": err,
+            "rel_err_vs_nccl": err, "transport": "peer",
             "dispatch_auto": ops.plan("gemm_rs", xs[0], ws_[0], group=group).path,
             "fused_default_config": tuning.kernel_name(tuning.resolve_kernel("gemm_rs", dtype=dtype, tp=tp,
                                                                              mkn=(m, k, n))),
@@ -106,22 +117,109 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
                               "epilogue. fused_direct / fused_copy_engine: each transport, default kernel"}
 
 
+def bench_shape_nccl(rank, tp, m, k, n, dtype, reps, sets=2):
+    """bench_shape for the NCCL transport (the module docstring's variants)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from flux_layers import ops
+    from flux_layers.ops import fused_gemm, fused_gemm_rs
+    from flux_layers.runtime import nccl_transport, tuning, workspace
+
+    group = dist.group.WORLD
+    k_local = k // tp
+    gen = torch.Generator(device="cuda").manual_seed(4321 + rank)
+    xs = [torch.randn(m, k_local, generator=gen, device="cuda").to(dtype) for _ in range(sets)]
+    ws_ = [torch.randn(n, k_local, generator=gen, device="cuda").to(dtype) for _ in range(sets)]
+    partial = [torch.empty(m, n, device="cuda", dtype=dtype) for _ in range(sets)]
+    rs_out = [torch.empty(m // tp, n, device="cuda", dtype=dtype) for _ in range(sets)]
+    rs_ws = workspace.get_rs_workspace(group, dtype, m, n, nccl=True)
+
+    def fused(i, **cfg):
+        return fused_gemm_rs.gemm_rs(xs[i % sets], ws_[i % sets], group=group, ws=rs_ws, transport="nccl", **cfg)
+
+    out = fused(0)
+    ref = torch.empty(m // tp, n, device="cuda", dtype=dtype)
+    dist.reduce_scatter_tensor(ref, xs[0] @ ws_[0].t(), group=group)
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    if not err < 1e-2:
+        raise RuntimeError(f"rank {rank}: fused gemm_rs (nccl) disagrees with cuBLAS+NCCL on {m}x{k}x{n}: {err}")
+    check_kernel_variants(lambda **cfg: fused(0, **cfg), ref, f"rank {rank}: fused gemm_rs (nccl) on {m}x{k}x{n}")
+
+    sms = nccl_transport.gemm_sms_beside_nccl(rs_ws.device)
+    t = {}
+    t["gemm_cublas"] = time_ms(lambda i: torch.matmul(xs[i % sets], ws_[i % sets].t(), out=partial[i % sets]),
+                               reps=reps, group=group)
+    t["gemm_flux"] = time_ms(lambda i: fused_gemm.gemm(xs[i % sets], ws_[i % sets]), reps=reps, group=group)
+    t["gemm_flux_beside_nccl"] = time_ms(lambda i: fused_gemm.gemm(xs[i % sets], ws_[i % sets], sm_count=sms),
+                                         reps=reps, group=group)
+    t["nccl_rs"] = time_ms(lambda i: dist.reduce_scatter_tensor(rs_out[i % sets], partial[i % sets], group=group),
+                           reps=reps, group=group)
+
+    def seq(i):
+        torch.matmul(xs[i % sets], ws_[i % sets].t(), out=partial[i % sets])
+        dist.reduce_scatter_tensor(rs_out[i % sets], partial[i % sets], group=group)
+    t["gemm_then_nccl"] = time_ms(seq, reps=reps, group=group)
+    try:
+        symm_mem.enable_symm_mem_for_group(group.group_name)
+        wts = [w.t() for w in ws_]
+        t["torch_symm_mem_fused"] = time_ms(
+            lambda i: torch.ops.symm_mem.fused_matmul_reduce_scatter(xs[i % sets], wts[i % sets], "sum", 0,
+                                                                     group.group_name),
+            reps=reps, group=group)
+    except Exception as exc:  # report, do not hide (across real nodes it cannot map the peers' memory)
+        t["torch_symm_mem_fused"] = None
+        if rank == 0:
+            print(f"torch fused_matmul_reduce_scatter failed on {m}x{k}x{n}: {exc}", flush=True)
+    t["fused"] = time_ms(fused, reps=reps, group=group)
+    t.update(time_kernel_variants(fused, reps=reps, group=group))
+    rs_ws.check()
+
+    call = fused_gemm_rs.plan_nccl_call(rs_ws, m=m, k=k_local, n=n)
+    return {"m": m, "k": k, "n": n, "k_local": k_local, "tp": tp, "dtype": str(dtype).replace("torch.", ""),
+            "times_ms": t, **overlap_figures(t, "nccl_rs", "gemm_then_nccl"),
+            "rel_err_vs_nccl": err, "transport": "nccl", "gemm_sm_count": sms,
+            "chunks_per_peer": len(call.chunks), "rows_per_chunk": [c.rows for c in call.chunks],
+            "dispatch_auto": ops.plan("gemm_rs", xs[0], ws_[0], group=group).path,
+            "fused_default_config": tuning.kernel_name(tuning.resolve_kernel("gemm_rs", dtype=dtype, tp=tp,
+                                                                             mkn=(m, k, n))),
+            "implementation": "fused = flux_layers._C gemm_rs in external-transfer mode (partials staged locally, "
+                              "counted per full-width chunk) + NCCL send/recv batches (torch.distributed) each "
+                              "after its chunk's count and followed by the received chunk's flag "
+                              "(flux_layers/runtime/nccl_rs_transport.py); the owner reduces in its epilogue"}
+
+
 def run(rank, tp, args):
     from flux_layers.runtime import topology
-    # The transport comes from the settings like the library's: the reduce-scatter's NCCL transport (across nodes,
-    # FLUX_LAYERS_TRANSPORT=nccl) is not built, and a run that would time another transport than asked says so.
-    blocker = topology.fused_path_blocker(tuple(range(tp)), topology.group_node_ids(dist.group.WORLD), op="gemm_rs")
-    if blocker is not None:
-        raise RuntimeError(f"bench_gemm_rs: {blocker}")
+    # The transport comes from the settings like the library's: NCCL where FLUX_LAYERS_TRANSPORT=nccl forces it;
+    # otherwise the peer-mapped transports, and a group they cannot serve stops here saying why.
+    transport = topology.rs_transport()
+    if transport != "nccl":
+        blocker = topology.fused_path_blocker(tuple(range(tp)), topology.group_node_ids(dist.group.WORLD),
+                                              op="gemm_rs")
+        if blocker is not None:
+            raise RuntimeError(f"bench_gemm_rs: {blocker}")
     dtype = getattr(torch, args.dtype)
     rows = []
     for (m, k, n) in parse_shapes(args.shapes):
-        r = bench_shape(rank, tp, m, k, n, dtype, args.reps)
+        bench = bench_shape_nccl if transport == "nccl" else bench_shape
+        r = bench(rank, tp, m, k, n, dtype, args.reps)
         rows.append(r)
         if rank == 0:
             tt = r["times_ms"]
-            print(f"  {m}x{k}x{n}: gemm {tt['gemm_cublas']:.3f} rs {tt['nccl_rs']:.3f} seq {tt['gemm_then_nccl']:.3f}"
-                  f" torch {tt['torch_symm_mem_fused']} fused {tt['fused']:.3f} ms", flush=True)
+            print(f"  {m}x{k}x{n} [{r['transport']}]: gemm {tt['gemm_cublas']:.3f} rs {tt['nccl_rs']:.3f} seq "
+                  f"{tt['gemm_then_nccl']:.3f} torch {tt['torch_symm_mem_fused']} fused {tt['fused']:.3f} ms",
+                  flush=True)
+    if transport == "nccl":
+        report_operator_rows(rank, tp, rows, [("m", "M", ""), ("k", "K", ""), ("n", "N", ""),
+                             ("gemm_cublas", "gemm", ".3f"), ("gemm_flux_beside_nccl", "gemm_sms", ".3f"),
+                             ("nccl_rs", "nccl_rs", ".3f"), ("gemm_then_nccl", "seq", ".3f"),
+                             ("torch_symm_mem_fused", "torch", ".3f"), ("fused", "fused", ".3f"),
+                             ("chunks_per_peer", "chunks", ""), ("fused_over_bound", "fused/bound", ".3f"),
+                             ("seq_over_fused", "seq/fused", ".3f"), ("overlap_efficiency", "E", ".2f"),
+                             ("dispatch_auto", "auto", "")], args.out,
+                             extra={"transport": "nccl (FLUX_LAYERS_TRANSPORT=nccl; node size "
+                                                 f"{topology.declared_node_size()})"})
+        return
     report_operator_rows(rank, tp, rows, [("m", "M", ""), ("k", "K", ""), ("n", "N", ""),
                            ("gemm_cublas", "gemm", ".3f"),
                            ("gemm_flux", "gemm_flux", ".3f"), ("nccl_rs", "nccl_rs", ".3f"),

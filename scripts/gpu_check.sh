@@ -114,6 +114,13 @@ benchmarks.bench_overhead --shared-gpu ${OVERHEAD_ARGS:-} --out $WORK/results/op
     gemm_bench) step gemm_bench 300 $PY -m benchmarks.bench_gemm --out "$WORK/results/gemm_h200.json" ;;
     ag_bench) step ag_bench 400 $PY -m benchmarks.bench_ag_gemm --out "$WORK/results/ag_gemm_$GPU_TAG.json" ;;
     rs_bench) step rs_bench 400 $PY -m benchmarks.bench_gemm_rs --out "$WORK/results/gemm_rs_$GPU_TAG.json" ;;
+    nccl_test)  # both operators over their NCCL transports (2+ GPUs; not in the default steps)
+      step nccl_test 420 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_nccl_transport_gpu.py ;;
+    nccl_bench)  # both NCCL transports, every peer on another "node" (not in the default steps)
+      step nccl_ag_bench 400 env FLUX_LAYERS_TRANSPORT=nccl FLUX_LAYERS_NODE_SIZE=1 $PY -m benchmarks.bench_ag_gemm \
+        --out "$WORK/results/ag_gemm_internode_$GPU_TAG.json"
+      step nccl_rs_bench 400 env FLUX_LAYERS_TRANSPORT=nccl FLUX_LAYERS_NODE_SIZE=1 $PY -m benchmarks.bench_gemm_rs \
+        --out "$WORK/results/gemm_rs_internode_$GPU_TAG.json" ;;
     overhead_bench) step overhead_bench 400 $PY -m benchmarks.bench_overhead --breakdown \
         --out "$WORK/results/op_overhead_$GPU_TAG.json" ;;
     sweep_bench) step sweep_bench 560 env CUDA_DEVICE_MAX_CONNECTIONS=1 $PY -m benchmarks.bench_sweep \
