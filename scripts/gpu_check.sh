@@ -5,7 +5,7 @@
 #
 # Steps (default: all, in this order): env gemm_test ag_test rs_test graph_test reliability_test layers_test gemm_bench
 # ag_bench rs_bench overhead_bench layer_bench layer_bench_conn1. Also: sweep_bench (benchmarks/bench_sweep.py),
-# split_tests (only the stream-K tail's GPU tests), layer_ops_7b, nccl_test, nccl_ag_bench, e2e_compare
+# split_tests (only the stream-K tail's GPU tests), layer_ops_7b, nccl_test, nccl_bench, e2e_compare
 # ($E2E_MODELS, $E2E_ARGS: e.g. --cuda-graphs), reliability_bench (benchmarks/reliability.py: every reliability
 # scenario in its own process group, $RELIABILITY_ARGS added; with one GPU its two ranks share it), layer_ops_bench
 # (benchmarks/bench_layer_ops.py), e2e_ceiling (examples/gpt/ceiling.py), layer_profile
@@ -134,11 +134,6 @@ benchmarks.bench_overhead --shared-gpu ${OVERHEAD_ARGS:-} --out $WORK/results/op
     layer_ops_7b)  # the same at the 7B-like layer (hidden 4096, SwiGLU ffn 11008, seq 4096; not default)
       step layer_ops_7b 200 $PY -m benchmarks.bench_layer_ops --hidden 4096 --ffn 11008 --seq 4096 \
         --out "$WORK/results/layer_ops_7b_$GPU_TAG.json" ;;
-    nccl_test)  # the NCCL transport (2 real GPUs; NCCL refuses two ranks on one GPU; not default)
-      step nccl_test 300 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_nccl_transport_gpu.py ;;
-    nccl_ag_bench)  # AllGather+GEMM over the NCCL transport, every peer a node of its own (not default)
-      step nccl_ag_bench 400 env FLUX_LAYERS_TRANSPORT=nccl FLUX_LAYERS_NODE_SIZE=1 $PY -m benchmarks.bench_ag_gemm \
-        --out "$WORK/results/ag_gemm_internode_$GPU_TAG.json" ;;
     e2e_compare)  # the example's --compare on $E2E_MODELS (default gpt-1b llama-7b), one JSON each (not default)
       for model in ${E2E_MODELS:-gpt-1b llama-7b}; do
         step "e2e_$model" 400 $PY examples/pretrain_gpt.py --model "$model" --compare --train-iters ${E2E_ITERS:-30} \
