@@ -289,3 +289,59 @@ def _gpt_specs(rank, tp, seed):
 def test_gpt_specs_agree():
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     run_distributed(_gpt_specs, TP, seed, backend="nccl")
+
+
+def _gpt_training(rank, tp, seed):
+    """Flux's GPT spec on the fused path trains the baseline spec's losses: the same initial weights, batches and
+    AdamW steps, the losses compared at every step; every flux linear's forward took the fused path."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from flux_layers import ops
+    from flux_layers.layers.spec import get_gpt_decoder_block_spec
+    os.environ["FLUX_LAYERS_BACKEND"] = "fused"
+    ops.refresh_settings()
+    _setup("fused", seed)
+    group = parallel_state.get_tensor_model_parallel_group()
+    config = TransformerConfig(
+        num_layers=2, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=8, num_query_groups=4,
+        tensor_model_parallel_size=tp, sequence_parallel=True, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, bf16=True,
+        params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, bias_activation_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, tp_comm_overlap=True)
+    steps, losses = 5, []
+    for baseline in (False, True):
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        model = GPTModel(config, get_gpt_decoder_block_spec(config, baseline=baseline), vocab_size=4096,
+                         max_sequence_length=512, position_embedding_type="rope",
+                         share_embeddings_and_output_weights=False).cuda()
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-3)
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        position_ids = torch.arange(512, device="cuda").unsqueeze(0).expand(2, 512)
+        curve = []
+        for _ in range(steps):
+            tokens = torch.randint(0, 4096, (2, 512), generator=g, device="cuda")
+            labels = torch.randint(0, 4096, (2, 512), generator=g, device="cuda")
+            optimizer.zero_grad()
+            loss = model(tokens, position_ids, None, labels=labels).float().mean()
+            loss.backward()
+            for p in params:  # the SP norm weights see this rank's sequence shard only
+                if getattr(p, "sequence_parallel", False) and p.grad is not None:
+                    dist.all_reduce(p.grad, group=group)
+            optimizer.step()
+            curve.append(loss.detach())
+        losses.append(torch.stack(curve))
+        if not baseline:
+            paths = {name: m.last_paths["fprop"].path for name, m in model.named_modules()
+                     if getattr(m, "last_paths", None)}
+            assert paths and all(p == "fused" for p in paths.values()), f"rank {rank}: not every fprop fused: {paths}"
+    _close(losses[0], losses[1], f"rank {rank} GPT losses over {steps} steps, flux (fused) vs baseline")
+
+
+def test_gpt_spec_trains_the_baseline_losses_on_the_fused_path():
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    run_distributed(_gpt_training, TP, seed, backend="nccl")
