@@ -102,8 +102,7 @@ def call_signature(op: str, m: int, k: int, n: int, dtype: torch.dtype, weight_l
                    transport: str | None = None) -> tuple:
     """What :func:`check_same_call` compares: (op, M, K, N, dtype, layout), and the transport (copy engine or NCCL
     for the all-gather; direct, copy engine or NCCL for the GEMM+ReduceScatter; both sides of a transfer must use the
-    same). M counts the gathered
-    rows for ag_gemm, x's rows for gemm_rs."""
+    same). M counts the gathered rows for ag_gemm, x's rows for gemm_rs."""
     signature = (op, m, k, n, str(dtype), weight_layout)
     return signature if transport is None else signature + (transport,)
 
