@@ -40,38 +40,79 @@ DEFAULT_SHAPES = "4096x8192x8192,8192x8192x28672,8192x12288x12288,2048x4096x4096
 AG_CHUNK_COUNTS = (1, 2, 4)  # copy-engine chunks per shard timed beside the default
 
 
-def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
+def _inputs(rank, tp, m, k, n, dtype, sets):
+    """This rank's x shards [M/tp, K] and weight shards [N/tp, K] of ``sets`` random input sets, and each set's
+    x all-gathered by NCCL [M, K]."""
+    gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    xs = [torch.randn(m // tp, k, generator=gen, device="cuda").to(dtype) for _ in range(sets)]
+    ws_ = [torch.randn(n // tp, k, generator=gen, device="cuda").to(dtype) for _ in range(sets)]
+    gathered = [torch.empty(m, k, device="cuda", dtype=dtype) for _ in range(sets)]
+    for x, g in zip(xs, gathered):
+        dist.all_gather_into_tensor(g, x, group=dist.group.WORLD)
+    return xs, ws_, gathered
+
+
+def _checked(rank, out, gathered, w, what):
+    """(fp32 reference, relative error) of a fused call's output against cuBLAS on the NCCL-gathered input;
+    raises where they disagree (before anything is timed)."""
+    ref = (gathered @ w.t()).float()
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    if not err < 1e-2:
+        raise RuntimeError(f"rank {rank}: {what} disagrees with NCCL+cuBLAS: {err}")
+    return ref, err
+
+
+def _unfused_times(rank, xs, ws_, gathered, reps, what, sms=None):
+    """What the fused op is measured against: cuBLAS and our GEMM alone (and on ``sms`` SMs), NCCL's all-gather,
+    NCCL then cuBLAS, and torch's fused op."""
     import torch.distributed._symmetric_memory as symm_mem
 
+    from flux_layers.ops import fused_gemm
+    group, sets = dist.group.WORLD, len(xs)
+    t = {"gemm_cublas": time_ms(lambda i: gathered[i % sets] @ ws_[i % sets].t(), reps=reps, group=group),
+         "gemm_flux": time_ms(lambda i: fused_gemm.gemm(gathered[i % sets], ws_[i % sets]), reps=reps, group=group)}
+    if sms is not None:
+        t["gemm_flux_beside_nccl"] = time_ms(lambda i: fused_gemm.gemm(gathered[i % sets], ws_[i % sets],
+                                                                       sm_count=sms), reps=reps, group=group)
+    t["nccl_ag"] = time_ms(lambda i: dist.all_gather_into_tensor(gathered[i % sets], xs[i % sets], group=group),
+                           reps=reps, group=group)
+
+    def seq(i):
+        dist.all_gather_into_tensor(gathered[i % sets], xs[i % sets], group=group)
+        return gathered[i % sets] @ ws_[i % sets].t()
+    t["nccl_then_gemm"] = time_ms(seq, reps=reps, group=group)
+    try:
+        symm_mem.enable_symm_mem_for_group(group.group_name)
+        wts = [w.t() for w in ws_]
+        t["torch_symm_mem_fused"] = time_ms(
+            lambda i: torch.ops.symm_mem.fused_all_gather_matmul(xs[i % sets], [wts[i % sets]], 0,
+                                                                 group.group_name, return_A=False),
+            reps=reps, group=group)
+    except Exception as exc:  # report, do not hide (across real nodes it cannot map the peers' memory)
+        t["torch_symm_mem_fused"] = None
+        if rank == 0:
+            print(f"torch fused_all_gather_matmul failed on {what}: {exc}", flush=True)
+    return t
+
+
+def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
     from flux_layers import _env, ops
-    from flux_layers.ops import fused_ag_gemm, fused_gemm
+    from flux_layers.ops import fused_ag_gemm
     from flux_layers.runtime import tuning, workspace
 
     group = dist.group.WORLD
     n_local = n // tp
     rows = m // tp
-    gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
-    xs = [torch.randn(rows, k, generator=gen, device="cuda").to(dtype) for _ in range(sets)]
-    ws_ = [torch.randn(n_local, k, generator=gen, device="cuda").to(dtype) for _ in range(sets)]
-    gathered = [torch.empty(m, k, device="cuda", dtype=dtype) for _ in range(sets)]
-    for i in range(sets):
-        dist.all_gather_into_tensor(gathered[i], xs[i], group=group)
+    xs, ws_, gathered = _inputs(rank, tp, m, k, n, dtype, sets)
     ag_ws = workspace.get_ag_workspace(group, dtype, m, k)
 
     # Correctness before timing: fused vs cuBLAS on the gathered input.
-    out = fused_ag_gemm.ag_gemm(xs[0], ws_[0], group=group, ws=ag_ws)
-    ref = (gathered[0] @ ws_[0].t()).float()
-    err = ((out.float() - ref).norm() / ref.norm()).item()
-    if not err < 1e-2:
-        raise RuntimeError(f"rank {rank}: fused ag_gemm disagrees with NCCL+cuBLAS on {m}x{k}x{n}: {err}")
+    ref, err = _checked(rank, fused_ag_gemm.ag_gemm(xs[0], ws_[0], group=group, ws=ag_ws), gathered[0], ws_[0],
+                        f"fused ag_gemm on {m}x{k}x{n}")
     check_kernel_variants(lambda **cfg: fused_ag_gemm.ag_gemm(xs[0], ws_[0], group=group, ws=ag_ws, **cfg), ref,
                           f"rank {rank}: fused ag_gemm on {m}x{k}x{n}")
 
-    t = {}
-    t["gemm_cublas"] = time_ms(lambda i: gathered[i % sets] @ ws_[i % sets].t(), reps=reps, group=group)
-    t["gemm_flux"] = time_ms(lambda i: fused_gemm.gemm(gathered[i % sets], ws_[i % sets]), reps=reps, group=group)
-    t["nccl_ag"] = time_ms(lambda i: dist.all_gather_into_tensor(gathered[i % sets], xs[i % sets], group=group),
-                           reps=reps, group=group)
+    t = _unfused_times(rank, xs, ws_, gathered, reps, f"{m}x{k}x{n}")
     t["ce_ag"] = time_ms(lambda i: fused_ag_gemm.copy_engine_all_gather(xs[i % sets], group=group, ws=ag_ws),
                          reps=reps, group=group)
     # One shard copied from a peer's symmetric buffer by the copy engine: the bandwidth the all-gather can reach.
@@ -79,23 +120,6 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
     peer_view = ag_ws._handle.get_buffer(peer, (rows, k), dtype, 0)
     local = torch.empty(rows, k, device="cuda", dtype=dtype)
     t["p2p_copy_one_shard"] = time_ms(lambda i: local.copy_(peer_view), reps=reps, group=group)
-
-    def seq(i):
-        dist.all_gather_into_tensor(gathered[i % sets], xs[i % sets], group=group)
-        return gathered[i % sets] @ ws_[i % sets].t()
-    t["nccl_then_gemm"] = time_ms(seq, reps=reps, group=group)
-
-    symm_mem.enable_symm_mem_for_group(group.group_name)
-    wts = [w.t() for w in ws_]
-    try:
-        t["torch_symm_mem_fused"] = time_ms(
-            lambda i: torch.ops.symm_mem.fused_all_gather_matmul(xs[i % sets], [wts[i % sets]], 0,
-                                                                 group.group_name, return_A=False),
-            reps=reps, group=group)
-    except Exception as exc:  # report, do not hide
-        t["torch_symm_mem_fused"] = None
-        if rank == 0:
-            print(f"torch fused_all_gather_matmul failed on {m}x{k}x{n}: {exc}", flush=True)
     t["fused"] = time_ms(lambda i: fused_ag_gemm.ag_gemm(xs[i % sets], ws_[i % sets], group=group, ws=ag_ws),
                          reps=reps, group=group)
     # The other copy direction (pull: the copy engine reads the peer's shard): what the direction costs.
@@ -134,59 +158,26 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
 
 def bench_shape_nccl(rank, tp, m, k, n, dtype, reps, sets=2):
     """bench_shape for the NCCL transport (the module docstring's variants)."""
-    import torch.distributed._symmetric_memory as symm_mem
-
     from flux_layers import ops
-    from flux_layers.ops import fused_ag_gemm, fused_gemm
+    from flux_layers.ops import fused_ag_gemm
     from flux_layers.runtime import tuning, workspace
 
     group = dist.group.WORLD
     n_local = n // tp
     rows = m // tp
-    gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
-    xs = [torch.randn(rows, k, generator=gen, device="cuda").to(dtype) for _ in range(sets)]
-    ws_ = [torch.randn(n_local, k, generator=gen, device="cuda").to(dtype) for _ in range(sets)]
-    gathered = [torch.empty(m, k, device="cuda", dtype=dtype) for _ in range(sets)]
-    for i in range(sets):
-        dist.all_gather_into_tensor(gathered[i], xs[i], group=group)
+    xs, ws_, gathered = _inputs(rank, tp, m, k, n, dtype, sets)
     ag_ws = workspace.get_ag_workspace(group, dtype, m, k, "nccl")
 
     def fused(i, **cfg):
         return fused_ag_gemm.ag_gemm(xs[i % sets], ws_[i % sets], group=group, ws=ag_ws, **cfg)
 
-    out = fused(0)
-    ref = (gathered[0] @ ws_[0].t()).float()
-    err = ((out.float() - ref).norm() / ref.norm()).item()
-    if not err < 1e-2:
-        raise RuntimeError(f"rank {rank}: fused ag_gemm (nccl) disagrees with NCCL+cuBLAS on {m}x{k}x{n}: {err}")
+    ref, err = _checked(rank, fused(0), gathered[0], ws_[0], f"fused ag_gemm (nccl) on {m}x{k}x{n}")
     check_kernel_variants(lambda **cfg: fused(0, **cfg), ref, f"rank {rank}: fused ag_gemm (nccl) on {m}x{k}x{n}")
 
     sms = fused_ag_gemm.gemm_sms_beside_nccl(ag_ws.device)
-    t = {}
-    t["gemm_cublas"] = time_ms(lambda i: gathered[i % sets] @ ws_[i % sets].t(), reps=reps, group=group)
-    t["gemm_flux"] = time_ms(lambda i: fused_gemm.gemm(gathered[i % sets], ws_[i % sets]), reps=reps, group=group)
-    t["gemm_flux_beside_nccl"] = time_ms(lambda i: fused_gemm.gemm(gathered[i % sets], ws_[i % sets], sm_count=sms),
-                                         reps=reps, group=group)
-    t["nccl_ag"] = time_ms(lambda i: dist.all_gather_into_tensor(gathered[i % sets], xs[i % sets], group=group),
-                           reps=reps, group=group)
+    t = _unfused_times(rank, xs, ws_, gathered, reps, f"{m}x{k}x{n}", sms=sms)
     t["nccl_p2p_ag"] = time_ms(lambda i: fused_ag_gemm.nccl_all_gather(xs[i % sets], group=group, ws=ag_ws),
                                reps=reps, group=group)
-
-    def seq(i):
-        dist.all_gather_into_tensor(gathered[i % sets], xs[i % sets], group=group)
-        return gathered[i % sets] @ ws_[i % sets].t()
-    t["nccl_then_gemm"] = time_ms(seq, reps=reps, group=group)
-    try:
-        symm_mem.enable_symm_mem_for_group(group.group_name)
-        wts = [w.t() for w in ws_]
-        t["torch_symm_mem_fused"] = time_ms(
-            lambda i: torch.ops.symm_mem.fused_all_gather_matmul(xs[i % sets], [wts[i % sets]], 0,
-                                                                 group.group_name, return_A=False),
-            reps=reps, group=group)
-    except Exception as exc:  # report, do not hide (across real nodes it cannot map the peers' memory)
-        t["torch_symm_mem_fused"] = None
-        if rank == 0:
-            print(f"torch fused_all_gather_matmul failed on {m}x{k}x{n}: {exc}", flush=True)
     t["fused"] = time_ms(fused, reps=reps, group=group)
     for chunks in AG_CHUNK_COUNTS:
         chunk_rows = -(-rows // (128 * chunks)) * 128

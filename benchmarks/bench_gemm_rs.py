@@ -36,38 +36,42 @@ from flux_layers.runtime.tuning import RS_TRANSPORTS as TRANSPORTS
 DEFAULT_SHAPES = "4096x8192x8192,8192x28672x8192,8192x12288x12288,2048x4096x4096,16384x4096x4096"
 
 
-def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
-    import torch.distributed._symmetric_memory as symm_mem
-
-    from flux_layers import ops
-    from flux_layers.ops import fused_gemm, fused_gemm_rs
-    from flux_layers.runtime import tuning, workspace
-
-    group = dist.group.WORLD
-    k_local = k // tp
+def _inputs(rank, tp, m, k, n, dtype, sets):
+    """This rank's x shards [M, K/tp] and weight shards [N, K/tp] of ``sets`` random input sets, and buffers for
+    the unfused path: the partial product [M, N] and its reduce-scattered rows [M/tp, N]."""
     gen = torch.Generator(device="cuda").manual_seed(4321 + rank)
-    xs = [torch.randn(m, k_local, generator=gen, device="cuda").to(dtype) for _ in range(sets)]
-    ws_ = [torch.randn(n, k_local, generator=gen, device="cuda").to(dtype) for _ in range(sets)]
+    xs = [torch.randn(m, k // tp, generator=gen, device="cuda").to(dtype) for _ in range(sets)]
+    ws_ = [torch.randn(n, k // tp, generator=gen, device="cuda").to(dtype) for _ in range(sets)]
     partial = [torch.empty(m, n, device="cuda", dtype=dtype) for _ in range(sets)]
     rs_out = [torch.empty(m // tp, n, device="cuda", dtype=dtype) for _ in range(sets)]
-    rs_ws = workspace.get_rs_workspace(group, dtype, m, n)
+    return xs, ws_, partial, rs_out
 
-    out = fused_gemm_rs.gemm_rs(xs[0], ws_[0], group=group, ws=rs_ws)
-    full = xs[0] @ ws_[0].t()
-    ref = torch.empty(m // tp, n, device="cuda", dtype=dtype)
-    dist.reduce_scatter_tensor(ref, full, group=group)
+
+def _checked(rank, out, x, w, what):
+    """(reference, relative error) of a fused call's output against cuBLAS then NCCL's reduce-scatter; raises where
+    they disagree (before anything is timed)."""
+    tp = dist.get_world_size()
+    ref = torch.empty(x.shape[0] // tp, w.shape[0], device="cuda", dtype=x.dtype)
+    dist.reduce_scatter_tensor(ref, x @ w.t(), group=dist.group.WORLD)
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     if not err < 1e-2:
-        raise RuntimeError(f"rank {rank}: fused gemm_rs disagrees with cuBLAS+NCCL on {m}x{k}x{n}: {err}")
-    for transport in TRANSPORTS:
-        check_kernel_variants(lambda **cfg: fused_gemm_rs.gemm_rs(xs[0], ws_[0], group=group, ws=rs_ws,
-                                                                  transport=transport, **cfg), ref,
-                              f"rank {rank}: fused gemm_rs ({transport}) on {m}x{k}x{n}")
+        raise RuntimeError(f"rank {rank}: {what} disagrees with cuBLAS+NCCL: {err}")
+    return ref, err
 
-    t = {}
-    t["gemm_cublas"] = time_ms(lambda i: torch.matmul(xs[i % sets], ws_[i % sets].t(), out=partial[i % sets]),
-                               reps=reps, group=group)
-    t["gemm_flux"] = time_ms(lambda i: fused_gemm.gemm(xs[i % sets], ws_[i % sets]), reps=reps, group=group)
+
+def _unfused_times(rank, xs, ws_, partial, rs_out, reps, what, sms=None):
+    """What the fused op is measured against: cuBLAS and our GEMM alone (and on ``sms`` SMs), NCCL's
+    reduce-scatter, cuBLAS then NCCL, and torch's fused op."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from flux_layers.ops import fused_gemm
+    group, sets = dist.group.WORLD, len(xs)
+    t = {"gemm_cublas": time_ms(lambda i: torch.matmul(xs[i % sets], ws_[i % sets].t(), out=partial[i % sets]),
+                                reps=reps, group=group),
+         "gemm_flux": time_ms(lambda i: fused_gemm.gemm(xs[i % sets], ws_[i % sets]), reps=reps, group=group)}
+    if sms is not None:
+        t["gemm_flux_beside_nccl"] = time_ms(lambda i: fused_gemm.gemm(xs[i % sets], ws_[i % sets], sm_count=sms),
+                                             reps=reps, group=group)
     t["nccl_rs"] = time_ms(lambda i: dist.reduce_scatter_tensor(rs_out[i % sets], partial[i % sets], group=group),
                            reps=reps, group=group)
 
@@ -75,18 +79,38 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
         torch.matmul(xs[i % sets], ws_[i % sets].t(), out=partial[i % sets])
         dist.reduce_scatter_tensor(rs_out[i % sets], partial[i % sets], group=group)
     t["gemm_then_nccl"] = time_ms(seq, reps=reps, group=group)
-
-    symm_mem.enable_symm_mem_for_group(group.group_name)
-    wts = [w.t() for w in ws_]
     try:
+        symm_mem.enable_symm_mem_for_group(group.group_name)
+        wts = [w.t() for w in ws_]
         t["torch_symm_mem_fused"] = time_ms(
             lambda i: torch.ops.symm_mem.fused_matmul_reduce_scatter(xs[i % sets], wts[i % sets], "sum", 0,
                                                                      group.group_name),
             reps=reps, group=group)
-    except Exception as exc:
+    except Exception as exc:  # report, do not hide (across real nodes it cannot map the peers' memory)
         t["torch_symm_mem_fused"] = None
         if rank == 0:
-            print(f"torch fused_matmul_reduce_scatter failed on {m}x{k}x{n}: {exc}", flush=True)
+            print(f"torch fused_matmul_reduce_scatter failed on {what}: {exc}", flush=True)
+    return t
+
+
+def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
+    from flux_layers import ops
+    from flux_layers.ops import fused_gemm_rs
+    from flux_layers.runtime import tuning, workspace
+
+    group = dist.group.WORLD
+    k_local = k // tp
+    xs, ws_, partial, rs_out = _inputs(rank, tp, m, k, n, dtype, sets)
+    rs_ws = workspace.get_rs_workspace(group, dtype, m, n)
+
+    ref, err = _checked(rank, fused_gemm_rs.gemm_rs(xs[0], ws_[0], group=group, ws=rs_ws), xs[0], ws_[0],
+                        f"fused gemm_rs on {m}x{k}x{n}")
+    for transport in TRANSPORTS:
+        check_kernel_variants(lambda **cfg: fused_gemm_rs.gemm_rs(xs[0], ws_[0], group=group, ws=rs_ws,
+                                                                  transport=transport, **cfg), ref,
+                              f"rank {rank}: fused gemm_rs ({transport}) on {m}x{k}x{n}")
+
+    t = _unfused_times(rank, xs, ws_, partial, rs_out, reps, f"{m}x{k}x{n}")
     t["fused"] = time_ms(lambda i: fused_gemm_rs.gemm_rs(xs[i % sets], ws_[i % sets], group=group, ws=rs_ws),
                          reps=reps, group=group)
     t.update(time_kernel_variants(lambda i, **cfg: fused_gemm_rs.gemm_rs(xs[i % sets], ws_[i % sets], group=group,
@@ -119,57 +143,23 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
 
 def bench_shape_nccl(rank, tp, m, k, n, dtype, reps, sets=2):
     """bench_shape for the NCCL transport (the module docstring's variants)."""
-    import torch.distributed._symmetric_memory as symm_mem
-
     from flux_layers import ops
-    from flux_layers.ops import fused_gemm, fused_gemm_rs
+    from flux_layers.ops import fused_gemm_rs
     from flux_layers.runtime import nccl_transport, tuning, workspace
 
     group = dist.group.WORLD
     k_local = k // tp
-    gen = torch.Generator(device="cuda").manual_seed(4321 + rank)
-    xs = [torch.randn(m, k_local, generator=gen, device="cuda").to(dtype) for _ in range(sets)]
-    ws_ = [torch.randn(n, k_local, generator=gen, device="cuda").to(dtype) for _ in range(sets)]
-    partial = [torch.empty(m, n, device="cuda", dtype=dtype) for _ in range(sets)]
-    rs_out = [torch.empty(m // tp, n, device="cuda", dtype=dtype) for _ in range(sets)]
+    xs, ws_, partial, rs_out = _inputs(rank, tp, m, k, n, dtype, sets)
     rs_ws = workspace.get_rs_workspace(group, dtype, m, n, nccl=True)
 
     def fused(i, **cfg):
         return fused_gemm_rs.gemm_rs(xs[i % sets], ws_[i % sets], group=group, ws=rs_ws, transport="nccl", **cfg)
 
-    out = fused(0)
-    ref = torch.empty(m // tp, n, device="cuda", dtype=dtype)
-    dist.reduce_scatter_tensor(ref, xs[0] @ ws_[0].t(), group=group)
-    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-    if not err < 1e-2:
-        raise RuntimeError(f"rank {rank}: fused gemm_rs (nccl) disagrees with cuBLAS+NCCL on {m}x{k}x{n}: {err}")
+    ref, err = _checked(rank, fused(0), xs[0], ws_[0], f"fused gemm_rs (nccl) on {m}x{k}x{n}")
     check_kernel_variants(lambda **cfg: fused(0, **cfg), ref, f"rank {rank}: fused gemm_rs (nccl) on {m}x{k}x{n}")
 
     sms = nccl_transport.gemm_sms_beside_nccl(rs_ws.device)
-    t = {}
-    t["gemm_cublas"] = time_ms(lambda i: torch.matmul(xs[i % sets], ws_[i % sets].t(), out=partial[i % sets]),
-                               reps=reps, group=group)
-    t["gemm_flux"] = time_ms(lambda i: fused_gemm.gemm(xs[i % sets], ws_[i % sets]), reps=reps, group=group)
-    t["gemm_flux_beside_nccl"] = time_ms(lambda i: fused_gemm.gemm(xs[i % sets], ws_[i % sets], sm_count=sms),
-                                         reps=reps, group=group)
-    t["nccl_rs"] = time_ms(lambda i: dist.reduce_scatter_tensor(rs_out[i % sets], partial[i % sets], group=group),
-                           reps=reps, group=group)
-
-    def seq(i):
-        torch.matmul(xs[i % sets], ws_[i % sets].t(), out=partial[i % sets])
-        dist.reduce_scatter_tensor(rs_out[i % sets], partial[i % sets], group=group)
-    t["gemm_then_nccl"] = time_ms(seq, reps=reps, group=group)
-    try:
-        symm_mem.enable_symm_mem_for_group(group.group_name)
-        wts = [w.t() for w in ws_]
-        t["torch_symm_mem_fused"] = time_ms(
-            lambda i: torch.ops.symm_mem.fused_matmul_reduce_scatter(xs[i % sets], wts[i % sets], "sum", 0,
-                                                                     group.group_name),
-            reps=reps, group=group)
-    except Exception as exc:  # report, do not hide (across real nodes it cannot map the peers' memory)
-        t["torch_symm_mem_fused"] = None
-        if rank == 0:
-            print(f"torch fused_matmul_reduce_scatter failed on {m}x{k}x{n}: {exc}", flush=True)
+    t = _unfused_times(rank, xs, ws_, partial, rs_out, reps, f"{m}x{k}x{n}", sms=sms)
     t["fused"] = time_ms(fused, reps=reps, group=group)
     t.update(time_kernel_variants(fused, reps=reps, group=group))
     rs_ws.check()

@@ -473,39 +473,32 @@ Tensor gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bi
   return out;
 }
 
+// The word flags[index] of a checked flag operation (write_flag, wait_flag), with `value` a valid 32-bit flag.
+uint32_t* flag_word(const Tensor& flags, int64_t index, int64_t value, const char* op) {
+  TORCH_CHECK_VALUE(flags.is_cuda() && flags.scalar_type() == at::kInt && flags.dim() == 1 && flags.is_contiguous(), op,
+                    ": flags must be a contiguous 1-D int32 CUDA tensor, got ", flags.scalar_type(), " ", flags.sizes(),
+                    " on ", flags.device());
+  TORCH_CHECK_VALUE(index >= 0 && index < flags.numel(), op, ": index ", index, " outside [0, ", flags.numel(), ")");
+  TORCH_CHECK_VALUE(value >= 0 && value <= std::numeric_limits<int32_t>::max(), op, ": value ", value,
+                    " outside [0, 2^31)");
+  return reinterpret_cast<uint32_t*>(flags.data_ptr<int32_t>()) + index;
+}
+
 // flags[index] = value on the current stream, once the work queued before it has run (cuStreamWriteValue32: no
 // kernel, no SM). The NCCL transport announces each received chunk to the GEMM this way.
 void write_flag(Tensor flags, int64_t index, int64_t value) {
-  TORCH_CHECK_VALUE(flags.is_cuda() && flags.scalar_type() == at::kInt && flags.dim() == 1 && flags.is_contiguous(),
-                    "write_flag: flags must be a contiguous 1-D int32 CUDA tensor, got ", flags.scalar_type(), " ",
-                    flags.sizes(), " on ", flags.device());
-  TORCH_CHECK_VALUE(index >= 0 && index < flags.numel(), "write_flag: index ", index, " outside [0, ", flags.numel(),
-                    ")");
-  TORCH_CHECK_VALUE(value >= 0 && value <= std::numeric_limits<int32_t>::max(), "write_flag: value ", value,
-                    " outside [0, 2^31)");
+  uint32_t* const word = flag_word(flags, index, value, "write_flag");
   c10::cuda::CUDAGuard guard(flags.device());
-  translate_errors([&] {
-    flux::stream_write_u32(c10::cuda::getCurrentCUDAStream(),
-                           reinterpret_cast<uint32_t*>(flags.data_ptr<int32_t>()) + index, uint32_t(value));
-  });
+  translate_errors([&] { flux::stream_write_u32(c10::cuda::getCurrentCUDAStream(), word, uint32_t(value)); });
 }
 
 // Holds the current stream until flags[index] >= value (cuStreamWaitValue32: no kernel, no SM). The NCCL transport
 // of the reduce-scatter waits for a chunk's count this way before it sends the chunk. Unbounded on the stream: the
 // workspace's watchdog releases it (it sets the flags to their maximum) when the call hangs.
 void wait_flag(Tensor flags, int64_t index, int64_t value) {
-  TORCH_CHECK_VALUE(flags.is_cuda() && flags.scalar_type() == at::kInt && flags.dim() == 1 && flags.is_contiguous(),
-                    "wait_flag: flags must be a contiguous 1-D int32 CUDA tensor, got ", flags.scalar_type(), " ",
-                    flags.sizes(), " on ", flags.device());
-  TORCH_CHECK_VALUE(index >= 0 && index < flags.numel(), "wait_flag: index ", index, " outside [0, ", flags.numel(),
-                    ")");
-  TORCH_CHECK_VALUE(value >= 0 && value <= std::numeric_limits<int32_t>::max(), "wait_flag: value ", value,
-                    " outside [0, 2^31)");
+  uint32_t* const word = flag_word(flags, index, value, "wait_flag");
   c10::cuda::CUDAGuard guard(flags.device());
-  translate_errors([&] {
-    flux::stream_wait_u32_geq(c10::cuda::getCurrentCUDAStream(),
-                              reinterpret_cast<const uint32_t*>(flags.data_ptr<int32_t>()) + index, uint32_t(value));
-  });
+  translate_errors([&] { flux::stream_wait_u32_geq(c10::cuda::getCurrentCUDAStream(), word, uint32_t(value)); });
 }
 
 // The fused ops' signature with nothing behind it: benchmarks/bench_overhead.py times it to separate the cost of

@@ -150,7 +150,7 @@ class _FusedAgGemm:
 class _FusedAgGemmNccl:
     """ops.ag_gemm on the fused path with the NCCL transport (flux_layers/runtime/nccl_transport.py): the workspace
     in local memory, the call plan and this rank's NCCL batches, as :class:`_FusedAgGemm`."""
-    __slots__ = ("ws", "call", "weight_nn")
+    __slots__ = ("ws", "call", "weight_nn", "run")
 
     def __init__(self, x_shard_m, weight, group, weight_layout):
         from flux_layers.ops import fused_ag_gemm
@@ -160,18 +160,17 @@ class _FusedAgGemmNccl:
         self.ws = workspace.get_ag_workspace(group, x_shard_m.dtype, m, k, "nccl")
         self.call = fused_ag_gemm.plan_nccl_call(self.ws, m=m, k=k, n=n)
         self.weight_nn = weight_layout == "nn"
+        self.run = fused_ag_gemm.run_nccl
 
     def __call__(self, x_shard_m, weight, bias, return_gathered):
-        from flux_layers.ops import fused_ag_gemm
-        out, gathered = fused_ag_gemm.run_nccl(self.ws, self.call, x_shard_m, weight, bias, self.weight_nn,
-                                               return_gathered)
+        out, gathered = self.run(self.ws, self.call, x_shard_m, weight, bias, self.weight_nn, return_gathered)
         return (out, gathered) if return_gathered else out
 
 
 class _FusedGemmRsNccl:
     """ops.gemm_rs on the fused path with the NCCL transport (flux_layers/runtime/nccl_rs_transport.py): the workspace
     in local memory, the call plan and this rank's NCCL batches, as :class:`_FusedGemmRs`."""
-    __slots__ = ("ws", "call", "weight_nn")
+    __slots__ = ("ws", "call", "weight_nn", "run")
 
     def __init__(self, x, weight, group, weight_layout):
         from flux_layers.ops import fused_gemm_rs
@@ -181,10 +180,10 @@ class _FusedGemmRsNccl:
         self.ws = workspace.get_rs_workspace(group, x.dtype, m, n, nccl=True)
         self.call = fused_gemm_rs.plan_nccl_call(self.ws, m=m, k=k, n=n)
         self.weight_nn = weight_layout == "nn"
+        self.run = fused_gemm_rs.run_nccl
 
     def __call__(self, x, weight, bias):
-        from flux_layers.ops import fused_gemm_rs
-        return fused_gemm_rs.run_nccl(self.ws, self.call, x, weight, bias, self.weight_nn)
+        return self.run(self.ws, self.call, x, weight, bias, self.weight_nn)
 
 
 class _FusedGemmRs:

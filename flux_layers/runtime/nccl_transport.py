@@ -1,4 +1,4 @@
-"""The NCCL transport of the fused all-gather: a host-driven executor of a transfer plan's NCCL steps (issue #19).
+"""The NCCL transport of the fused all-gather: a host-driven executor of a transfer plan's NCCL steps.
 
 Where the GPUs of a group cannot map each other's memory (other nodes, or no peer access inside a node), chunks
 move by NCCL send/recv through the TP group's own process group (torch.distributed, the NCCL torch ships; no

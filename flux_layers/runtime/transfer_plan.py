@@ -1,4 +1,4 @@
-"""Transfer plans: which chunk moves from which rank to which, in which step, on which transport (issue #19).
+"""Transfer plans: which chunk moves from which rank to which, in which step, on which transport.
 
 Plain Python, no CUDA and no torch.distributed: the plan is data that CPU tests check and that an executor
 walks (flux_layers/runtime/nccl_transport.py runs plans whose transfers are all NCCL; the copy-engine executor,

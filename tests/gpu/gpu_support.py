@@ -6,9 +6,11 @@ library makes them fail (never pass vacuously).
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from flux_layers.devtools import oracle
 
@@ -84,3 +86,41 @@ def split_sm_count(rows_per_group: int, n: int, k: int, groups: int, tile: int =
         if stream_k_active(rows_per_group, n, k, groups, tile, sms, reduce_scatter):
             return sms
     raise AssertionError(f"no SM count splits the last wave of {rows_per_group}x{n}x{k} x {groups} groups")
+
+
+def ag_gemm_checked(rank: int, tp: int, seed: int, m: int, k: int, n: int, dtype: torch.dtype, layout: str, *,
+                    what: str, with_bias: bool = True, late_rank: int | None = None, **op_kwargs) -> None:
+    """One fused AllGather+GEMM call on this rank's shards of fresh global inputs (``global_inputs``), its output
+    checked against the references and its gathered input bitwise against the global x. ``op_kwargs`` go to
+    fused_ag_gemm.ag_gemm (ws, tile, transport, chunk_rows, ...); ``late_rank`` sleeps 10 ms on the host first."""
+    from flux_layers.ops import fused_ag_gemm
+    x, w, b = global_inputs(seed, m, k, n, dtype, layout)
+    x_shard_m = x.chunk(tp)[rank]
+    w_shard_n = w.chunk(tp, dim=0 if layout == "nt" else 1)[rank].contiguous()
+    b_shard_n = b.chunk(tp)[rank].contiguous() if with_bias else None
+    if late_rank == rank:
+        time.sleep(0.010)
+    out, gathered = fused_ag_gemm.ag_gemm(x_shard_m, w_shard_n, b_shard_n, group=dist.group.WORLD,
+                                          weight_layout=layout, return_gathered=True, **op_kwargs)
+    tag = f"rank {rank} {what} M={m} K={k} N={n} {dtype} {layout}"
+    assert_close_rel(out, *references(x, w_shard_n, b_shard_n, layout), tag)
+    assert torch.equal(gathered, x), f"{tag}: gathered input differs from the global x"
+
+
+def gemm_rs_checked(rank: int, tp: int, seed: int, m: int, k: int, n: int, dtype: torch.dtype, layout: str, *,
+                    what: str, with_bias: bool = True, late_rank: int | None = None, **op_kwargs) -> torch.Tensor:
+    """One fused GEMM+ReduceScatter call on this rank's K shards of fresh global inputs, checked against the
+    references; returns its output. ``op_kwargs`` go to fused_gemm_rs.gemm_rs (ws, tile, transport, ...)."""
+    from flux_layers.ops import fused_gemm_rs
+    x, w, b = global_inputs(seed, m, k, n, dtype, layout)
+    bias = b if with_bias else None
+    x_shard_k = x.chunk(tp, dim=1)[rank].contiguous()
+    w_shard_k = w.chunk(tp, dim=1 if layout == "nt" else 0)[rank].contiguous()
+    if late_rank == rank:
+        time.sleep(0.010)
+    out = fused_gemm_rs.gemm_rs(x_shard_k, w_shard_k, bias, group=dist.group.WORLD, weight_layout=layout,
+                                **op_kwargs)
+    full, cublas = references(x, w, bias, layout)
+    assert_close_rel(out, full.chunk(tp)[rank], cublas.chunk(tp)[rank],
+                     f"rank {rank} {what} M={m} K={k} N={n} {dtype} {layout}")
+    return out

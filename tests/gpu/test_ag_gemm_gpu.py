@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ import torch.distributed as dist
 
 from flux_layers.devtools.launch import run_distributed
 from tests.gpu.gpu_support import (
+    ag_gemm_checked,
     assert_close_rel,
     global_inputs,
     needs_gpus,
@@ -24,23 +24,10 @@ pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 TP = min(max(torch.cuda.device_count(), 2), 8)
 
 
-def _one_call(rank, tp, seed, m, k, n, dtype, layout, *, with_bias=True, ws=None, late_rank=None, tile=None,
-              **kernel):
-    from flux_layers.ops import fused_ag_gemm
-    x, w, b = global_inputs(seed, m, k, n, dtype, layout)
-    x_shard_m = x.chunk(tp)[rank]
-    w_shard_n = w.chunk(tp, dim=0 if layout == "nt" else 1)[rank].contiguous()
-    b_shard_n = b.chunk(tp)[rank].contiguous() if with_bias else None
-    if late_rank == rank:
-        time.sleep(0.010)
-    out, gathered = fused_ag_gemm.ag_gemm(x_shard_m, w_shard_n, b_shard_n, group=dist.group.WORLD,
-                                          weight_layout=layout, return_gathered=True, ws=ws, tile=tile,
-                                          **kernel)
-    ref, cublas = references(x, w_shard_n, b_shard_n, layout)
-    tag = f"rank {rank} ag_gemm M={m} K={k} N={n} {dtype} {layout} mode={os.environ.get('FLUX_LAYERS_AG_MODE')} " \
-          f"order={os.environ.get('FLUX_LAYERS_AG_ORDER')}"
-    assert_close_rel(out, ref, cublas, tag)
-    assert torch.equal(gathered, x), f"{tag}: gathered input differs from the global x"
+def _one_call(rank, tp, seed, m, k, n, dtype, layout, **kwargs):
+    ag_gemm_checked(rank, tp, seed, m, k, n, dtype, layout, **kwargs,
+                    what=f"ag_gemm mode={os.environ.get('FLUX_LAYERS_AG_MODE')} "
+                         f"order={os.environ.get('FLUX_LAYERS_AG_ORDER')}")
 
 
 def _matrix(rank, tp, seed):

@@ -1,8 +1,6 @@
 """Fused GEMM+ReduceScatter on 2 GPUs (one process each, NCCL) against an fp32 reference."""
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,6 +9,7 @@ from flux_layers.devtools.launch import run_distributed, shared_gpu
 from flux_layers.runtime.tuning import RS_TRANSPORTS as TRANSPORTS
 from tests.gpu.gpu_support import (
     assert_close_rel,
+    gemm_rs_checked,
     global_inputs,
     needs_gpus,
     poison_outputs,
@@ -24,20 +23,8 @@ pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 TP = min(max(torch.cuda.device_count(), 2), 8)
 
 
-def _one_call(rank, tp, seed, m, k, n, dtype, layout, *, with_bias=True, ws=None, late_rank=None, tile=None,
-              **kernel):
-    from flux_layers.ops import fused_gemm_rs
-    x, w, b = global_inputs(seed, m, k, n, dtype, layout)
-    x_shard_k = x.chunk(tp, dim=1)[rank].contiguous()
-    w_shard_k = w.chunk(tp, dim=1 if layout == "nt" else 0)[rank].contiguous()
-    if late_rank == rank:
-        time.sleep(0.010)
-    out = fused_gemm_rs.gemm_rs(x_shard_k, w_shard_k, b if with_bias else None, group=dist.group.WORLD,
-                                weight_layout=layout, ws=ws, tile=tile, **kernel)
-    full, cublas = references(x, w, b if with_bias else None, layout)
-    assert_close_rel(out, full.chunk(tp)[rank], cublas.chunk(tp)[rank],
-                     f"rank {rank} gemm_rs M={m} K={k} N={n} {dtype} {layout}")
-    return out
+def _one_call(rank, tp, seed, m, k, n, dtype, layout, **kwargs):
+    return gemm_rs_checked(rank, tp, seed, m, k, n, dtype, layout, what="gemm_rs", **kwargs)
 
 
 def _matrix(rank, tp, seed):

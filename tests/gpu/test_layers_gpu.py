@@ -251,14 +251,14 @@ def test_torch_compile(backend):
     run_distributed(_compiled, TP, backend, seed, backend="nccl")
 
 
-def _gpt_specs(rank, tp, seed):
-    """The flux and the baseline GPT specs give the same loss and gradients on GPUs (bf16, TP 2 + SP)."""
+def _gpt_model(tp: int, seed: int, baseline: bool):
+    """A 2-layer bf16 GPTModel (TP + SP) from flux's spec or the baseline spec, its weights from ``seed`` (the same
+    for both specs)."""
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from flux_layers.layers.spec import get_gpt_decoder_block_spec
-    _setup("reference", seed)
     config = TransformerConfig(
         num_layers=2, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=8, num_query_groups=4,
         tensor_model_parallel_size=tp, sequence_parallel=True, normalization="RMSNorm", gated_linear_unit=True,
@@ -266,13 +266,17 @@ def _gpt_specs(rank, tp, seed):
         params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, bias_activation_fusion=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, tp_comm_overlap=True)
-    models = []
-    for baseline in (False, True):
-        torch.manual_seed(seed)
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-        models.append(GPTModel(config, get_gpt_decoder_block_spec(config, baseline=baseline), vocab_size=4096,
-                               max_sequence_length=512, position_embedding_type="rope",
-                               share_embeddings_and_output_weights=False).cuda())
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return GPTModel(config, get_gpt_decoder_block_spec(config, baseline=baseline), vocab_size=4096,
+                    max_sequence_length=512, position_embedding_type="rope",
+                    share_embeddings_and_output_weights=False).cuda()
+
+
+def _gpt_specs(rank, tp, seed):
+    """The flux and the baseline GPT specs give the same loss and gradients on GPUs (bf16, TP 2 + SP)."""
+    _setup("reference", seed)
+    models = [_gpt_model(tp, seed, baseline) for baseline in (False, True)]
     g = torch.Generator(device="cuda").manual_seed(seed)
     tokens = torch.randint(0, 4096, (2, 512), generator=g, device="cuda")
     labels = torch.randint(0, 4096, (2, 512), generator=g, device="cuda")
@@ -294,30 +298,16 @@ def test_gpt_specs_agree():
 def _gpt_training(rank, tp, seed):
     """Flux's GPT spec on the fused path trains the baseline spec's losses: the same initial weights, batches and
     AdamW steps, the losses compared at every step; every flux linear's forward took the fused path."""
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core import parallel_state
 
     from flux_layers import ops
-    from flux_layers.layers.spec import get_gpt_decoder_block_spec
     os.environ["FLUX_LAYERS_BACKEND"] = "fused"
     ops.refresh_settings()
     _setup("fused", seed)
     group = parallel_state.get_tensor_model_parallel_group()
-    config = TransformerConfig(
-        num_layers=2, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=8, num_query_groups=4,
-        tensor_model_parallel_size=tp, sequence_parallel=True, normalization="RMSNorm", gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, bf16=True,
-        params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, bias_activation_fusion=False,
-        bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, tp_comm_overlap=True)
     steps, losses = 5, []
     for baseline in (False, True):
-        torch.manual_seed(seed)
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-        model = GPTModel(config, get_gpt_decoder_block_spec(config, baseline=baseline), vocab_size=4096,
-                         max_sequence_length=512, position_embedding_type="rope",
-                         share_embeddings_and_output_weights=False).cuda()
+        model = _gpt_model(tp, seed, baseline)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=1e-3)
         g = torch.Generator(device="cuda").manual_seed(seed)

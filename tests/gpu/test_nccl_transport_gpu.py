@@ -14,14 +14,21 @@ Needs a GPU per rank: NCCL refuses two ranks on one GPU, so FLUX_LAYERS_TEST_SHA
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from flux_layers.devtools.launch import run_distributed
-from tests.gpu.gpu_support import assert_close_rel, global_inputs, needs_gpus, poison_outputs, references
+from tests.gpu.gpu_support import (
+    ag_gemm_checked,
+    assert_close_rel,
+    gemm_rs_checked,
+    global_inputs,
+    needs_gpus,
+    poison_outputs,
+    references,
+)
 
 pytestmark = [pytest.mark.gpu, needs_gpus(2, shared=False)]
 
@@ -39,22 +46,10 @@ def _set_layout(node_size: str, order: str, numa: str) -> None:
     os.environ["FLUX_LAYERS_NUMA_MAP"] = numa
 
 
-def _one_call(rank, tp, seed, m, k, n, dtype, layout, *, with_bias=True, ws=None, late_rank=None, chunk_rows=None):
-    from flux_layers.ops import fused_ag_gemm
-    x, w, b = global_inputs(seed, m, k, n, dtype, layout)
-    x_shard_m = x.chunk(tp)[rank]
-    w_shard_n = w.chunk(tp, dim=0 if layout == "nt" else 1)[rank].contiguous()
-    b_shard_n = b.chunk(tp)[rank].contiguous() if with_bias else None
-    if late_rank == rank:
-        time.sleep(0.010)
-    out, gathered = fused_ag_gemm.ag_gemm(x_shard_m, w_shard_n, b_shard_n, group=dist.group.WORLD,
-                                          weight_layout=layout, return_gathered=True, ws=ws, transport="nccl",
-                                          chunk_rows=chunk_rows)
-    ref, cublas = references(x, w_shard_n, b_shard_n, layout)
-    tag = (f"rank {rank} nccl ag_gemm M={m} K={k} N={n} {dtype} {layout} node_size="
-           f"{os.environ['FLUX_LAYERS_NODE_SIZE']} order={os.environ['FLUX_LAYERS_AG_ORDER']}")
-    assert_close_rel(out, ref, cublas, tag)
-    assert torch.equal(gathered, x), f"{tag}: gathered input differs from the global x"
+def _one_call(rank, tp, seed, m, k, n, dtype, layout, **kwargs):
+    ag_gemm_checked(rank, tp, seed, m, k, n, dtype, layout, transport="nccl", **kwargs,
+                    what=f"nccl ag_gemm node_size={os.environ['FLUX_LAYERS_NODE_SIZE']} "
+                         f"order={os.environ['FLUX_LAYERS_AG_ORDER']}")
 
 
 def _matrix(rank, tp, seed):
@@ -129,20 +124,10 @@ def test_nccl_transport_taken_by_the_dispatcher():
 
 # ---------------------------------------------------------------- GEMM+ReduceScatter over NCCL
 
-def _rs_one_call(rank, tp, seed, m, k, n, dtype, layout, *, with_bias=True, ws=None, late_rank=None, tile=None):
-    from flux_layers.ops import fused_gemm_rs
-    x, w, b = global_inputs(seed, m, k, n, dtype, layout)
-    x_shard_k = x.chunk(tp, dim=1)[rank].contiguous()
-    w_shard_k = w.chunk(tp, dim=1 if layout == "nt" else 0)[rank].contiguous()
-    if late_rank == rank:
-        time.sleep(0.010)
-    out = fused_gemm_rs.gemm_rs(x_shard_k, w_shard_k, b if with_bias else None, group=dist.group.WORLD,
-                                weight_layout=layout, ws=ws, tile=tile, transport="nccl")
-    full, cublas = references(x, w, b if with_bias else None, layout)
-    assert_close_rel(out, full.chunk(tp)[rank], cublas.chunk(tp)[rank],
-                     f"rank {rank} nccl gemm_rs M={m} K={k} N={n} {dtype} {layout} tile={tile} node_size="
-                     f"{os.environ['FLUX_LAYERS_NODE_SIZE']}")
-    return out
+def _rs_one_call(rank, tp, seed, m, k, n, dtype, layout, **kwargs):
+    return gemm_rs_checked(rank, tp, seed, m, k, n, dtype, layout, transport="nccl", **kwargs,
+                           what=f"nccl gemm_rs tile={kwargs.get('tile')} node_size="
+                                f"{os.environ['FLUX_LAYERS_NODE_SIZE']}")
 
 
 def _rs_matrix(rank, tp, seed):
