@@ -237,11 +237,22 @@ CASES: tuple[BadInput, ...] = (
 
 
 def applicable(case: BadInput, env: Env) -> bool:
-    """Whether ``case`` runs in ``env``: on CPU only the ``cpu`` cases; on GPUs every case this process can build."""
+    """Whether ``case`` runs in ``env``: on CPU only the ``cpu`` cases; on GPUs every case this process can build
+    (the layers' cases need megatron-core, an install without it skips them; the CPU tests run them)."""
+    if case.stage == "layer" and not _megatron_available():
+        return False
     if env.device.type == "cpu":
         return case.cpu
     return torch.cuda.device_count() >= case.min_devices and not (
         case.min_devices > 1 and torch.cuda.device_count() > 0 and _shared_gpu())
+
+
+def _megatron_available() -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def _shared_gpu() -> bool:
