@@ -95,7 +95,8 @@ def _host_us(fn, data, calls, sleep_ms, in_flight):
 
 
 def _breakdown(rank, op, m, k, n, layout, data, group, args):
-    """Host time of the parts of one fused call (flux_layers.ops on the fused path): the dispatch lookup, the op
+    """Host time of the parts of one fused call (flux_layers.ops on the fused path): the dispatch lookup (as asked for
+    the fused path and for the automatic choice), torch's query whether the stream is being captured, the op
     library's call alone (and, for ag_gemm, without its GEMM launch), calling an op of the same signature that does
     nothing, the plain GEMM's launch, and allocating an output. Measured as ``host_us`` (same batches), then the
     maximum over ranks."""
@@ -104,8 +105,10 @@ def _breakdown(rank, op, m, k, n, layout, data, group, args):
     call = _dispatch.ag_gemm_call(x, w, group, layout, "fused") if op == "ag_gemm" else \
         _dispatch.gemm_rs_call(x, w, group, layout, "fused")
     weight_nn = layout == "nn"
-    parts = {"dispatch_lookup": lambda x, w: (_dispatch.ag_gemm_call if op == "ag_gemm" else _dispatch.gemm_rs_call)(
-        x, w, group, layout, "fused")}
+    lookup = _dispatch.ag_gemm_call if op == "ag_gemm" else _dispatch.gemm_rs_call
+    parts = {"dispatch_lookup": lambda x, w: lookup(x, w, group, layout, "fused"),
+             "dispatch_lookup_auto": lambda x, w: lookup(x, w, group, layout, "auto"),
+             "capture_query": lambda x, w: torch.cuda.is_current_stream_capturing()}
     if op == "ag_gemm":
         parts["op_call"] = lambda x, w: call.op(x, w, None, call.handle, call.plan, weight_nn, False, True)
         parts["op_call_without_gemm"] = lambda x, w: call.op(x, w, None, call.handle, call.plan, weight_nn, False,

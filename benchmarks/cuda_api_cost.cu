@@ -1,0 +1,89 @@
+// Host cost of one call of each CUDA operation a fused call makes: empty-kernel launches with parameter blocks of
+// several sizes (plain and with a cluster attribute, as the persistent GEMM is launched), stream memory operations
+// (single and batched), event record and wait, device-to-device copies through each API, a memset, the capture
+// query. Each figure: wall time per call of 300 calls enqueued on two streams behind a ~30 ms GPU spin (so the GPU
+// never drains the queue while the host enqueues), median of 7. One GPU; no torch.
+//
+// Build and run (nvcc on the CPU machine; the binary alone travels to the GPU machine):
+//   nvcc -O2 -std=c++17 -arch=sm_90a -o cuda_api_cost benchmarks/cuda_api_cost.cu && ./cuda_api_cost
+// Results: benchmarks/results/cuda_api_cost_h200.json.
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <vector>
+template <int N> struct alignas(64) P { char b[N]; };
+template <int N> __global__ void kplain(const __grid_constant__ P<N> p) { if (p.b[0] == 123 && threadIdx.x == 9999) printf("x"); }
+template <int N> __global__ void kclu(const __grid_constant__ P<N> p) { if (p.b[0] == 123 && threadIdx.x == 9999) printf("x"); }
+using Clock = std::chrono::steady_clock;
+__global__ void spin(long long ns) {
+  long long t0 = clock64();
+  while (clock64() - t0 < ns * 2) {}  // ~2 cycles per ns at the H200's clocks: long enough to queue behind
+}
+cudaStream_t g_streams[2];
+// Host wall time per call of n calls queued on both streams behind a ~30 ms GPU spin: the GPU never drains the
+// queue while the host enqueues, so this is the host's cost alone.
+template <class F> double per_call(F f, int n = 300) {
+  std::vector<double> r;
+  for (int rep = 0; rep < 7; ++rep) {
+    cudaDeviceSynchronize();
+    spin<<<1, 1, 0, g_streams[0]>>>(30000000);
+    spin<<<1, 1, 0, g_streams[1]>>>(30000000);
+    auto t0 = Clock::now();
+    for (int i = 0; i < n; ++i) f(i);
+    auto t1 = Clock::now();
+    r.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / n);
+  }
+  cudaDeviceSynchronize();
+  std::sort(r.begin(), r.end());
+  return r[3];
+}
+template <int N> void launches(cudaStream_t s) {
+  P<N> p{}; p.b[0] = 1;
+  double plain = per_call([&](int) { kplain<N><<<132, 384, 0, s>>>(p); });
+  cudaLaunchAttribute attr; attr.id = cudaLaunchAttributeClusterDimension; attr.val.clusterDim.x = 2; attr.val.clusterDim.y = 1; attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg = {}; cfg.gridDim = dim3(132); cfg.blockDim = dim3(384); cfg.stream = s; cfg.attrs = &attr; cfg.numAttrs = 1;
+  double clu = per_call([&](int) { cudaLaunchKernelEx(&cfg, kclu<N>, p); });
+  std::printf("params %5d B: <<<>>> %.2f us, cudaLaunchKernelEx cluster 2 %.2f us\n", N, plain, clu);
+}
+int main() {
+  cudaSetDevice(0);
+  cudaStream_t s, s2; cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking); cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking);
+  g_streams[0] = s; g_streams[1] = s2;
+  launches<256>(s); launches<1024>(s); launches<2048>(s); launches<4096>(s); launches<6144>(s); launches<8192>(s);
+  launches<256>(s); launches<6144>(s);
+  unsigned* w; cudaMalloc(&w, 4096); cudaMemset(w, 0, 4096);
+  void* fn; cudaDriverEntryPointQueryResult q;
+  cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &fn, 12000, cudaEnableDefault, &q);
+  auto wr = reinterpret_cast<CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned)>(fn);
+  cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000, cudaEnableDefault, &q);
+  auto wt = reinterpret_cast<CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned)>(fn);
+  cudaGetDriverEntryPointByVersion("cuStreamBatchMemOp", &fn, 12000, cudaEnableDefault, &q);
+  auto bt = reinterpret_cast<CUresult (*)(CUstream, unsigned, CUstreamBatchMemOpParams*, unsigned)>(fn);
+  std::printf("cuStreamWriteValue32 %.2f us\n", per_call([&](int i) { wr((CUstream)s, (CUdeviceptr)w, i, 0); }));
+  std::printf("cuStreamWaitValue32 (passes) %.2f us\n", per_call([&](int) { wt((CUstream)s, (CUdeviceptr)w, 0, CU_STREAM_WAIT_VALUE_GEQ); }));
+  CUstreamBatchMemOpParams ops[3] = {};
+  for (int j = 0; j < 3; ++j) { ops[j].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32; ops[j].writeValue.address = (CUdeviceptr)(w + j); ops[j].writeValue.value = 1; }
+  std::printf("cuStreamBatchMemOp 3 writes %.2f us\n", per_call([&](int) { bt((CUstream)s, 3, ops, 0); }));
+  cudaEvent_t e; cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+  std::printf("cudaEventRecord %.2f us\n", per_call([&](int) { cudaEventRecord(e, s); }));
+  std::printf("cudaStreamWaitEvent %.2f us\n", per_call([&](int) { cudaStreamWaitEvent(s2, e, 0); }));
+  cudaStreamCaptureStatus cs;
+  std::printf("cudaStreamIsCapturing %.2f us\n", per_call([&](int) { cudaStreamIsCapturing(s, &cs); }));
+  int dev; std::printf("cudaGetDevice %.3f us\n", per_call([&](int) { cudaGetDevice(&dev); }));
+  char *a, *b; cudaMalloc(&a, 1 << 24); cudaMalloc(&b, 1 << 24);
+  std::printf("cudaMemcpyAsync D2D 8 MiB %.2f us\n", per_call([&](int) { cudaMemcpyAsync(b, a, 1 << 23, cudaMemcpyDefault, s2); }));
+  std::printf("cudaMemcpy2DAsync D2D %.2f us\n", per_call([&](int) { cudaMemcpy2DAsync(b, 8192, a, 8192, 4096, 256, cudaMemcpyDefault, s2); }));
+  std::printf("cudaMemcpyAsync D2D kind DeviceToDevice %.2f us\n", per_call([&](int) { cudaMemcpyAsync(b, a, 1 << 20, cudaMemcpyDeviceToDevice, s2); }));
+  std::printf("cudaMemcpyAsync D2D 1 MiB kind Default %.2f us\n", per_call([&](int) { cudaMemcpyAsync(b, a, 1 << 20, cudaMemcpyDefault, s2); }));
+  std::printf("cudaMemcpyAsync D2D 64 KiB kind Default %.2f us\n", per_call([&](int) { cudaMemcpyAsync(b, a, 1 << 16, cudaMemcpyDefault, s2); }));
+  cudaGetDriverEntryPointByVersion("cuMemcpyDtoDAsync", &fn, 12000, cudaEnableDefault, &q);
+  auto dd = reinterpret_cast<CUresult (*)(CUdeviceptr, CUdeviceptr, size_t, CUstream)>(fn);
+  std::printf("cuMemcpyDtoDAsync 1 MiB %.2f us\n", per_call([&](int) { dd((CUdeviceptr)b, (CUdeviceptr)a, 1 << 20, (CUstream)s2); }));
+  cudaGetDriverEntryPointByVersion("cuMemcpyAsync", &fn, 12000, cudaEnableDefault, &q);
+  auto ma = reinterpret_cast<CUresult (*)(CUdeviceptr, CUdeviceptr, size_t, CUstream)>(fn);
+  std::printf("cuMemcpyAsync 1 MiB %.2f us\n", per_call([&](int) { ma((CUdeviceptr)b, (CUdeviceptr)a, 1 << 20, (CUstream)s2); }));
+  std::printf("cudaMemsetAsync 64 B %.2f us\n", per_call([&](int) { cudaMemsetAsync(w, 0, 64, s); }));
+  std::printf("error: %s\n", cudaGetErrorString(cudaGetLastError()));
+}
