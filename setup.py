@@ -1,7 +1,8 @@
 """Build flux_layers: the Python package, and (where a CUDA toolchain exists) the op library flux_layers/_C.
 
-The op library registers torch ops with TORCH_LIBRARY and uses no Python C API (py_limited_api, no
-libtorch_python), so a build made under one Python version loads under another with the same torch.
+The op library registers torch ops with TORCH_LIBRARY and is the module flux_layers._C of the fused ops' direct
+calls; it uses only the stable Python ABI (py_limited_api), so a build made under one Python version loads under
+another (3.10 on) with the same torch.
 
 FLUX_LAYERS_BUILD_OPS: ``auto`` (default: build if torch, nvcc and nvidia-cutlass are present, else install the
 pure-Python package with only the reference backend), ``1`` (build or fail), ``0`` (never build).
@@ -89,6 +90,8 @@ def _ops_build():
                      "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas=--warn-on-spills"] + undef_torch_half,
         },
         py_limited_api=True,
+        # csrc/bindings/fastcall.cpp: THPVariable_Wrap and torch's tensor classes (stable Python ABI only otherwise).
+        libraries=["torch_python"],
     )
     _note(f"building the op library with {nvcc} and CUTLASS headers from {cutlass_inc}")
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}

@@ -97,7 +97,8 @@ def _host_us(fn, data, calls, sleep_ms, in_flight):
 def _breakdown(rank, op, m, k, n, layout, data, group, args):
     """Host time of the parts of one fused call (flux_layers.ops on the fused path): the dispatch lookup (as asked for
     the fused path and for the automatic choice), torch's query whether the stream is being captured, the op
-    library's call alone (and, for ag_gemm, without its GEMM launch), calling an op of the same signature that does
+    library's call alone as the ops make it (the direct call where it applies, flux_layers/ops/_opcalls.py), the same
+    through the registered op, and, for ag_gemm, without its GEMM launch, calling an op of the same signature that does
     nothing, the plain GEMM's launch, and allocating an output. Measured as ``host_us`` (same batches), then the
     maximum over ranks."""
     from flux_layers.ops import _dispatch
@@ -110,11 +111,16 @@ def _breakdown(rank, op, m, k, n, layout, data, group, args):
              "dispatch_lookup_auto": lambda x, w: lookup(x, w, group, layout, "auto"),
              "capture_query": lambda x, w: torch.cuda.is_current_stream_capturing()}
     if op == "ag_gemm":
+        registered = torch.ops.flux_layers.ag_gemm.default
         parts["op_call"] = lambda x, w: call.op(x, w, None, call.handle, call.plan, weight_nn, False, True)
+        parts["op_call_registered"] = lambda x, w: registered(x, w, None, call.handle, call.plan, weight_nn, False,
+                                                              True)
         parts["op_call_without_gemm"] = lambda x, w: call.op(x, w, None, call.handle, call.plan, weight_nn, False,
                                                              False)
     else:
+        registered = torch.ops.flux_layers.gemm_rs.default
         parts["op_call"] = lambda x, w: call.op(x, w, None, call.handle, call.plan, weight_nn)
+        parts["op_call_registered"] = lambda x, w: registered(x, w, None, call.handle, call.plan, weight_nn)
     out_rows = m if op == "ag_gemm" else m // dist.get_world_size(group)
     out_cols = n // dist.get_world_size(group) if op == "ag_gemm" else n
     parts["call_an_empty_op"] = lambda x, w: torch.ops.flux_layers.call_overhead_probe.default(
@@ -213,6 +219,7 @@ def bench_case(rank, tp, op, m, k, n, layout, args, group, impls):
 
 def main_rank(rank, tp, args):
     import flux_layers
+    from flux_layers import _library
     group = dist.group.WORLD
     impls = [i for i in args.impls.split(",") if i]
     if args.shared_gpu:
@@ -251,6 +258,10 @@ def main_rank(rank, tp, args):
             "commit": commit, "gpu": torch.cuda.get_device_name(), "gpu_count": torch.cuda.device_count(),
             "tp": tp, "shared_gpu": args.shared_gpu, "library": os.path.dirname(flux_layers.__file__),
             "torch": torch.__version__, "python": platform.python_version(),
+            # (a tree from before the direct calls has neither function: scripts/gpu_check.sh's baseline_overhead)
+            "direct_calls": getattr(_library, "direct_calls", lambda: None)() is not None,
+            "direct_calls_unavailable": getattr(_library, "direct_calls_unavailable_reason",
+                                                lambda: "the library predates them")(),
             "method": (f"host_us: {args.calls} calls enqueued behind a {args.sleep_ms} ms GPU sleep, "
                        f"{args.in_flight} at a time, wall clock per call (median over batches); gpu_ms: CUDA "
                        f"events around one call behind a 1 ms GPU sleep, median of {args.reps}; "

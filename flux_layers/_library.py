@@ -1,13 +1,16 @@
 """Finding and loading the compiled op library (``flux_layers/_C*.so``).
 
-The library registers its operators with ``TORCH_LIBRARY(flux_layers, ...)`` and uses no Python C API, so one
-build serves every Python version of the same torch. It is optional: without it only the reference backend
+The library registers its operators with ``TORCH_LIBRARY(flux_layers, ...)``, and is also the Python module
+``flux_layers._C`` whose functions call the fused ops without torch's op dispatch (csrc/bindings/fastcall.cpp,
+:func:`direct_calls`). It uses only the stable Python ABI, so one build serves every Python version (3.10 on) of the
+same torch. It is optional: without it only the reference backend
 (torch.distributed collectives + matmul) is available, and asking for a fused operator raises
 :class:`FusedOpsUnavailable` saying why.
 """
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import threading
 
@@ -16,7 +19,7 @@ import torch
 from flux_layers import _env
 
 _lock = threading.Lock()
-_state: dict = {"loaded": False, "path": None, "error": None, "tried": False}
+_state: dict = {"loaded": False, "path": None, "error": None, "tried": False, "direct": None, "direct_error": None}
 
 _INSTALL_HINT = (
     "Build it on a machine with the CUDA toolkit (nvcc >= 12.3) and the nvidia-cutlass package: "
@@ -60,9 +63,45 @@ def load() -> bool:
                 errors.append(f"{path}: {exc}")
                 continue
             _state.update(loaded=True, path=path, error=None)
+            _load_direct_calls(path)
             return True
         _state["error"] = "; ".join(errors)
         return False
+
+
+def _load_direct_calls(path: str) -> None:
+    """Import the loaded library as the module flux_layers._C (the same file: the loader reuses it) for its direct
+    calls, unless FLUX_LAYERS_DIRECT_CALLS=0. A module without them (its import-time check of torch's tensor object
+    layout failed) or an import error leaves the registered ops as the only path."""
+    if _env.get("DIRECT_CALLS") != "1":
+        _state["direct_error"] = "FLUX_LAYERS_DIRECT_CALLS=0"
+        return
+    try:
+        spec = importlib.util.spec_from_file_location("flux_layers._C", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except Exception as exc:  # not importable as a module (e.g. an older build): the registered ops serve
+        _state["direct_error"] = f"{type(exc).__name__}: {exc}"
+        return
+    if not hasattr(module, "ag_gemm"):
+        _state["direct_error"] = "the library found torch's tensor objects laid out otherwise than it reads them"
+        return
+    _state["direct"] = module
+
+
+def direct_calls():
+    """The module whose ``ag_gemm`` / ``gemm_rs`` take the registered ops' arguments and return their results, or
+    ``NotImplemented`` where an argument is not a plain tensor or a torch-function or dispatch mode is active (then
+    call the op); None where there are none (:func:`direct_calls_unavailable_reason` says why)."""
+    load()
+    return _state["direct"]
+
+
+def direct_calls_unavailable_reason() -> str | None:
+    load()
+    if _state["direct"] is not None:
+        return None
+    return _state["direct_error"] or unavailable_reason() or "the op library is not loaded"
 
 
 def path() -> str | None:

@@ -1,8 +1,8 @@
 // torch binding of the op library: the workspace object (a torch custom class around flux::WorkspaceState),
 // tensor checks, then the torch-free launchers of csrc/runtime and csrc/kernels. Registered with TORCH_LIBRARY (no
-// Python C API), so one build loads under any Python version of the same torch. Bad arguments raise ValueError
-// (TORCH_CHECK_VALUE); CUDA failures raise RuntimeError; a workspace that timed out or has no CUDA-graph twin
-// raises RuntimeError tagged kWorkspaceErrorTag, which flux_layers/runtime/workspace.py turns into WorkspaceError.
+// Python C API here; fastcall.cpp calls the fused ops from Python through the stable ABI). Bad arguments raise
+// ValueError (TORCH_CHECK_VALUE); CUDA failures raise RuntimeError; a workspace that timed out or has no CUDA-graph
+// twin raises RuntimeError tagged kWorkspaceErrorTag, which flux_layers/runtime/workspace.py turns into WorkspaceError.
 // Everything a call checks is checked before its epoch advances, so a rejected call leaves the ranks in step.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
@@ -22,6 +22,7 @@
 #include "flux/fused_ops.h"
 #include "flux/gemm_dispatch.h"
 #include "flux/workspace_state.h"
+#include "fused_calls.h"
 
 namespace {
 
@@ -349,6 +350,12 @@ void enqueue(flux::WorkspaceState& st, Args& a, void (*launch)(const Args&)) {
   });
 }
 
+}  // namespace
+
+// The fused ops (declared in fused_calls.h): the registered ops below, and the direct calls from Python
+// (fastcall.cpp).
+namespace flux::bindings {
+
 std::tuple<Tensor, Tensor> ag_gemm(const Tensor& x_shard_m, const Tensor& w, const std::optional<Tensor>& bias,
                                    int64_t workspace_handle, int64_t plan_index, bool weight_nn, bool return_gathered,
                                    bool run_gemm) {
@@ -473,6 +480,10 @@ Tensor gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bi
   return out;
 }
 
+}  // namespace flux::bindings
+
+namespace {
+
 // The word flags[index] of a checked flag operation (write_flag, wait_flag), with `value` a valid 32-bit flag.
 uint32_t* flag_word(const Tensor& flags, int64_t index, int64_t value, const char* op) {
   TORCH_CHECK_VALUE(flags.is_cuda() && flags.scalar_type() == at::kInt && flags.dim() == 1 && flags.is_contiguous(), op,
@@ -538,8 +549,8 @@ TORCH_LIBRARY(flux_layers, m) {
 
 TORCH_LIBRARY_IMPL(flux_layers, CUDA, m) {
   m.impl("gemm", &gemm);
-  m.impl("ag_gemm", &ag_gemm);
-  m.impl("gemm_rs", &gemm_rs);
+  m.impl("ag_gemm", &flux::bindings::ag_gemm);
+  m.impl("gemm_rs", &flux::bindings::gemm_rs);
   m.impl("write_flag", &write_flag);
   m.impl("wait_flag", &wait_flag);
   m.impl("call_overhead_probe", &call_overhead_probe);

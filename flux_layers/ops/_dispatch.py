@@ -15,7 +15,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from flux_layers.ops import reference
+from flux_layers.ops import _opcalls, reference
 from flux_layers.ops._checks import check_fused_tensor, check_matmul_args
 from flux_layers.ops.backend import Choice, choose
 
@@ -136,7 +136,7 @@ class _FusedAgGemm:
         self.ws = workspace.get_ag_workspace(group, x_shard_m.dtype, m, k)
         self.handle, self.plan = self.ws.handle, fused_ag_gemm.plan_call(self.ws, m=m, k=k, n=n)
         self.weight_nn = weight_layout == "nn"
-        self.op = torch.ops.flux_layers.ag_gemm.default
+        self.op = _opcalls.ag_gemm()
 
     def __call__(self, x_shard_m, weight, bias, return_gathered):
         try:
@@ -199,7 +199,7 @@ class _FusedGemmRs:
         self.ws = workspace.get_rs_workspace(group, x.dtype, m, n)
         self.handle, self.plan = self.ws.handle, fused_gemm_rs.plan_call(self.ws, m=m, k=k, n=n)
         self.weight_nn = weight_layout == "nn"
-        self.op = torch.ops.flux_layers.gemm_rs.default
+        self.op = _opcalls.gemm_rs()
 
     def __call__(self, x, weight, bias):
         try:

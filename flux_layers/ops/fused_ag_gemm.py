@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from flux_layers import _env, _library
+from flux_layers.ops import _opcalls
 from flux_layers.ops._checks import check_fused_dims, check_fused_tensor, check_matmul_args
 from flux_layers.runtime import nccl_transport, schedules, tuning, workspace
 
@@ -153,8 +154,7 @@ def run(ws: workspace.AgWorkspace, plan: int, x_shard_m: torch.Tensor, weight: t
     """One call of the op library's ag_gemm: (out [M, N], gathered [M, K], or [0, K] unless ``return_gathered``).
     The op checks the tensors against the workspace before anything is enqueued."""
     try:
-        return torch.ops.flux_layers.ag_gemm(x_shard_m, weight, bias, ws.handle, plan, weight_nn, return_gathered,
-                                             run_gemm)
+        return _opcalls.ag_gemm()(x_shard_m, weight, bias, ws.handle, plan, weight_nn, return_gathered, run_gemm)
     except RuntimeError as exc:
         failed = workspace.workspace_error(exc)
         if failed is None:

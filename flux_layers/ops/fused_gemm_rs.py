@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from flux_layers import _env, _library
+from flux_layers.ops import _opcalls
 from flux_layers.ops._checks import check_fused_dims, check_fused_tensor, check_matmul_args
 from flux_layers.runtime import nccl_rs_transport, nccl_transport, tuning, workspace
 
@@ -119,7 +120,7 @@ def run(ws: workspace.RsWorkspace, plan: int, x: torch.Tensor, weight: torch.Ten
     """One call of the op library's gemm_rs; the op checks the tensors against the workspace before anything is
     enqueued."""
     try:
-        return torch.ops.flux_layers.gemm_rs(x, weight, bias, ws.handle, plan, weight_nn)
+        return _opcalls.gemm_rs()(x, weight, bias, ws.handle, plan, weight_nn)
     except RuntimeError as exc:
         failed = workspace.workspace_error(exc)
         if failed is None:
