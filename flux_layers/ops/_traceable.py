@@ -2,7 +2,8 @@
 
 Dynamo cannot trace the operators' Python dispatch (tuning-table files, the workspace registry and its lock,
 loading the op library, host-side epochs), so under torch.compile ``ops.gemm`` / ``ag_gemm`` / ``gemm_rs``
-each become one custom op here. Its implementation is the same eager call, dispatch included; its fake
+each become one custom op here. Its implementation is the same eager call, dispatch included, which reaches the op
+library's implementation by its direct call (flux_layers/ops/_opcalls.py), not by a second, nested op; its fake
 implementation only gives the output shapes. Eager calls never come through here.
 
 The process group travels by name (``ProcessGroup.group_name``) and is resolved when the op runs.
