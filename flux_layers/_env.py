@@ -7,7 +7,7 @@ launchers can set them per process.
 |---|---|---|
 | FLUX_LAYERS_BACKEND | ``auto`` / ``fused`` / ``reference``: which implementation the ops use | auto |
 | FLUX_LAYERS_OPS_LIB | path of the compiled op library to load instead of the packaged one | (packaged) |
-| FLUX_LAYERS_DIRECT_CALLS | ``1``: the fused ops are called from Python directly, without torch's op dispatch, where the arguments are plain tensors and no torch-function or dispatch mode is active (csrc/bindings/fastcall.cpp); ``0``: always through the registered op. Read when the library loads | 1 |
+| FLUX_LAYERS_DIRECT_CALLS | ``1``: the fused ops are called from Python directly, without torch's op dispatch, where the arguments are plain tensors, no torch-function or dispatch mode is active and no input requires grad under grad mode (csrc/bindings/fastcall.cpp); ``0``: always through the registered op. Read when the library loads | 1 |
 | FLUX_LAYERS_AG_MODE | copy-engine all-gather direction: ``push`` or ``pull`` | push |
 | FLUX_LAYERS_AG_ORDER | all-gather order: ``auto`` (from topology), ``mesh``, ``ring`` (one node), ``internode`` (several nodes, NVLink inside each) or ``numa2d`` (PCIe nodes with two NUMA domains); flux_layers/runtime/topology.py | auto |
 | FLUX_LAYERS_NODE_SIZE | ranks per node, declaring node boundaries (global rank // N is the node); emulates several nodes on one machine. ``0``: torchrun's LOCAL_WORLD_SIZE where the job spans nodes, else one node | 0 |

@@ -91,8 +91,9 @@ def _load_direct_calls(path: str) -> None:
 
 def direct_calls():
     """The module whose ``ag_gemm`` / ``gemm_rs`` take the registered ops' arguments and return their results, or
-    ``NotImplemented`` where an argument is not a plain tensor or a torch-function or dispatch mode is active (then
-    call the op); None where there are none (:func:`direct_calls_unavailable_reason` says why)."""
+    ``NotImplemented`` where an argument is not a plain tensor, a torch-function or dispatch mode is active, or an
+    input requires grad under grad mode (then call the op); None where there are none
+    (:func:`direct_calls_unavailable_reason` says why)."""
     load()
     return _state["direct"]
 

@@ -8,8 +8,10 @@
 // implementation directly.
 //
 // Only the plain case comes here: every tensor argument exactly a torch.Tensor or nn.Parameter, no torch-function or
-// dispatch mode active. Anything else (tensor subclasses, FakeTensor, modes that observe or rewrite ops) returns
-// NotImplemented, and the caller makes the registered op's call instead. The profiler still sees the call
+// dispatch mode active, and no input that autograd would record (the ops have no autograd formula: the layers'
+// autograd.Functions call them with grad mode off). Anything else (tensor subclasses, FakeTensor, modes that observe
+// or rewrite ops, inputs requiring grad under grad mode) returns NotImplemented, and the caller makes the registered
+// op's call instead, which handles it as torch does for any op. The profiler still sees the call
 // (RECORD_FUNCTION under the op's name).
 //
 // Stable ABI (Py_LIMITED_API, as the whole library): the Python API used is the limited one. Two facts of
@@ -21,6 +23,7 @@
 // Python.h first (it may set feature macros); then torch.
 #include <ATen/ATen.h>
 #include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/record_function.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/Exception.h>
@@ -54,6 +57,10 @@ const at::Tensor* plain_tensor(PyObject* obj) {
 
 bool no_modes() {
   return !c10::impl::TorchDispatchModeTLS::any_modes_set() && !at::impl::torch_function_mode_enabled();
+}
+
+bool records_grad(const at::Tensor& x, const at::Tensor& w, const at::Tensor* b) {
+  return at::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad() || (b != nullptr && b->requires_grad()));
 }
 
 PyObject* not_implemented() {
@@ -107,7 +114,8 @@ PyObject* fast_ag_gemm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const at::Tensor* x = plain_tensor(args[0]);
   const at::Tensor* w = plain_tensor(args[1]);
   const at::Tensor* b = args[2] == Py_None ? nullptr : plain_tensor(args[2]);
-  if (x == nullptr || w == nullptr || (args[2] != Py_None && b == nullptr) || !no_modes()) return not_implemented();
+  if (x == nullptr || w == nullptr || (args[2] != Py_None && b == nullptr) || !no_modes() || records_grad(*x, *w, b))
+    return not_implemented();
   int64_t v[5];
   if (!read_ints(args, 3, 5, v)) return nullptr;
   std::optional<at::Tensor> bias = b != nullptr ? std::optional<at::Tensor>(*b) : std::nullopt;
@@ -131,7 +139,8 @@ PyObject* fast_gemm_rs(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const at::Tensor* x = plain_tensor(args[0]);
   const at::Tensor* w = plain_tensor(args[1]);
   const at::Tensor* b = args[2] == Py_None ? nullptr : plain_tensor(args[2]);
-  if (x == nullptr || w == nullptr || (args[2] != Py_None && b == nullptr) || !no_modes()) return not_implemented();
+  if (x == nullptr || w == nullptr || (args[2] != Py_None && b == nullptr) || !no_modes() || records_grad(*x, *w, b))
+    return not_implemented();
   int64_t v[3];
   if (!read_ints(args, 3, 3, v)) return nullptr;
   std::optional<at::Tensor> bias = b != nullptr ? std::optional<at::Tensor>(*b) : std::nullopt;

@@ -1,6 +1,7 @@
 """The op library's fused calls as Python callables: the direct call (csrc/bindings/fastcall.cpp, no torch op
 dispatch) where it applies, the registered op where it does not (tensor subclasses, torch-function or dispatch modes,
-FLUX_LAYERS_DIRECT_CALLS=0, a library without direct calls). Same arguments, results and errors either way."""
+inputs requiring grad under grad mode, FLUX_LAYERS_DIRECT_CALLS=0, a library without direct calls). Same arguments,
+results and errors either way."""
 from __future__ import annotations
 
 import torch

@@ -1,6 +1,7 @@
 """The fused ops' direct calls from Python (csrc/bindings/fastcall.cpp, flux_layers/ops/_opcalls.py), on the CPU: they
-take only plain tensors outside torch-function and dispatch modes (NotImplemented otherwise, and the callers then make
-the registered op's call), check their arguments as the op does, and can be switched off. Needs the built op library
+take only plain tensors outside torch-function and dispatch modes, none that autograd would record (NotImplemented
+otherwise, and the callers then make the registered op's call), check their arguments as the op does, and can be
+switched off. Needs the built op library
 (it loads without a GPU); the GPU tests run the calls themselves."""
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def test_plain_tensors_reach_the_ops_checks():
     with pytest.raises(ValueError, match="x must be a CUDA tensor"):
         _direct().gemm_rs(x, w, None, 0, 0, False)
     with pytest.raises(ValueError, match="x must be a CUDA tensor"):
-        _direct().ag_gemm(x, torch.nn.Parameter(w), x[0], 0, 0, False, False, True)
+        _direct().ag_gemm(x, torch.nn.Parameter(w, requires_grad=False), x[0], 0, 0, False, False, True)
     with pytest.raises(ValueError, match="must be bfloat16 or float16"):
         _direct().gemm_rs(x.float(), w.float(), None, 0, 0, False)
 
@@ -79,6 +80,18 @@ def test_modes_are_left_to_the_registered_op(mode):
     with mode():
         assert _direct().gemm_rs(x, w, None, 0, 0, False) is NotImplemented
         assert _direct().ag_gemm(x, w, None, 0, 0, False, False, True) is NotImplemented
+
+
+def test_inputs_that_autograd_would_record_are_left_to_the_registered_op():
+    x, w = _bf16(8, 16), _bf16(16, 16)
+    for which in ("x", "weight"):
+        args = {"x": x, "weight": w}
+        args[which] = torch.nn.Parameter(args[which])  # requires grad
+        assert _direct().gemm_rs(args["x"], args["weight"], None, 0, 0, False) is NotImplemented
+        with torch.no_grad():  # as the layers' autograd.Functions call the ops
+            with pytest.raises(ValueError, match="must be a CUDA tensor"):
+                _direct().gemm_rs(args["x"], args["weight"], None, 0, 0, False)
+    assert _direct().ag_gemm(x, w, torch.nn.Parameter(_bf16(16)), 0, 0, False, False, True) is NotImplemented
 
 
 def test_callers_fall_back_to_the_registered_op():
