@@ -45,7 +45,8 @@ namespace {
 
 // torch/csrc/autograd/python_variable.h's THPVariable, as far as this module reads it.
 struct TensorObject {
-  PyObject_HEAD at::Tensor cdata;
+  PyObject ob_base;  // PyObject_HEAD
+  at::Tensor cdata;
 };
 
 // The tensor of an exact torch.Tensor or nn.Parameter object; null for anything else.
