@@ -85,11 +85,13 @@ flux_layers._library.path(), flux_layers._library.unavailable_reason())'" ;;
     ag_test) step ag_test 300 $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_ag_gemm_gpu.py ;;
     rs_test) step rs_test 300 $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_gemm_rs_gpu.py ;;
     graph_test) step graph_test 300 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_graph_ops_gpu.py \
-      tests/gpu/test_compile_ops_gpu.py tests/gpu/test_layers_gpu.py -k "${GRAPH_TEST_K:-graph or compile}" ;;
+      tests/gpu/test_compile_ops_gpu.py tests/gpu/test_direct_calls_gpu.py tests/gpu/test_layers_gpu.py \
+      -k "${GRAPH_TEST_K:-graph or compile or direct}" ;;
     reliability_test) step reliability_test 360 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_reliability_gpu.py ;;
     shared_tests) step shared_tests 540 env FLUX_LAYERS_TEST_SHARED_GPU=1 FLUX_LAYERS_TIMEOUT_S=${SHARED_TIMEOUT_S:-60} \
       $PY -m pytest -q -p no:cacheprovider tests/gpu/test_ag_gemm_gpu.py tests/gpu/test_gemm_rs_gpu.py \
-      tests/gpu/test_cuda_graph_ops_gpu.py tests/gpu/test_compile_ops_gpu.py tests/gpu/test_reliability_gpu.py \
+      tests/gpu/test_cuda_graph_ops_gpu.py tests/gpu/test_compile_ops_gpu.py tests/gpu/test_direct_calls_gpu.py \
+      tests/gpu/test_reliability_gpu.py \
       ${SHARED_TESTS_K:+-k "$SHARED_TESTS_K"} ;;
     reliability_bench)  # one GPU: two ranks sharing it (--shared-gpu), results checked, times not TP times
       if [ "$GPUS" -ge 2 ]; then

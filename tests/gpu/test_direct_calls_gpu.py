@@ -1,0 +1,59 @@
+"""The fused ops' direct calls (csrc/bindings/fastcall.cpp) on GPUs: taken for plain tensors (the module exists and
+answers with tensors, not NotImplemented), bitwise equal to the registered op's call on the same inputs, and within the
+oracle's bound of fp32; a call the direct path declines (an input requiring grad under grad mode) still gives the same
+result through the registered op."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flux_layers.devtools.launch import run_distributed
+from tests.gpu.gpu_support import assert_close_rel, global_inputs, needs_gpus, poison_outputs, references
+
+pytestmark = [pytest.mark.gpu, needs_gpus(2)]
+
+TP = min(max(torch.cuda.device_count(), 2), 8)
+
+
+def _direct_equals_registered(rank, tp, seed, layout):
+    from flux_layers import _library
+    from flux_layers.ops import _dispatch, _opcalls
+    poison_outputs()
+    direct = _library.direct_calls()
+    assert direct is not None, _library.direct_calls_unavailable_reason()
+    group = dist.group.WORLD
+    m, k, n = 264 * tp, 1024, 768  # 264 rows per rank: not a multiple of the tile
+    x, w, b = global_inputs(seed, m, k, n, torch.bfloat16, layout)
+    x_shard_m = x.chunk(tp)[rank].contiguous()
+    w_shard_n = w.chunk(tp, dim=0 if layout == "nt" else 1)[rank].contiguous()
+    b_shard_n = b.chunk(tp)[rank].contiguous()
+    x_shard_k = x.chunk(tp, dim=1)[rank].contiguous()
+    w_shard_k = w.chunk(tp, dim=1 if layout == "nt" else 0)[rank].contiguous()
+
+    ag = _dispatch.ag_gemm_call(x_shard_m, w_shard_n, group, layout, "fused")
+    rs = _dispatch.gemm_rs_call(x_shard_k, w_shard_k, group, layout, "fused")
+    ag_args = (x_shard_m, w_shard_n, b_shard_n, ag.handle, ag.plan, layout == "nn", True, True)
+    rs_args = (x_shard_k, w_shard_k, b, rs.handle, rs.plan, layout == "nn")
+    y_direct, gathered_direct = direct.ag_gemm(*ag_args)
+    z_direct = direct.gemm_rs(*rs_args)
+    y_op, gathered_op = torch.ops.flux_layers.ag_gemm.default(*ag_args)
+    z_op = torch.ops.flux_layers.gemm_rs.default(*rs_args)
+    w_grad = torch.nn.Parameter(w_shard_n.clone())  # requires grad: declined by the direct path, the op runs it
+    assert direct.ag_gemm(x_shard_m, w_grad, *ag_args[2:]) is NotImplemented
+    y_declined, _ = _opcalls.ag_gemm()(x_shard_m, w_grad, *ag_args[2:])
+    torch.cuda.synchronize()
+
+    ref_y, cublas_y = references(x, w_shard_n, b_shard_n, layout)
+    ref_z, cublas_z = references(x, w, b, layout)
+    assert_close_rel(y_direct, ref_y, cublas_y, f"rank {rank} direct ag_gemm {layout}")
+    assert_close_rel(z_direct, ref_z.chunk(tp)[rank], cublas_z.chunk(tp)[rank], f"rank {rank} direct gemm_rs {layout}")
+    assert torch.equal(gathered_direct, x), f"rank {rank} direct ag_gemm {layout}: gathered input"
+    for what, a, c in (("ag_gemm", y_direct, y_op), ("ag_gemm gathered", gathered_direct, gathered_op),
+                       ("gemm_rs", z_direct, z_op), ("ag_gemm declined", y_direct, y_declined)):
+        assert torch.equal(a, c), f"rank {rank} {what} {layout}: the direct call differs bitwise from the op's"
+
+
+@pytest.mark.parametrize("layout", ["nt", "nn"])
+def test_direct_calls_are_bitwise_the_registered_ops(layout):
+    run_distributed(_direct_equals_registered, TP, int(torch.randint(0, 2**30, ()).item()), layout, backend="nccl")
