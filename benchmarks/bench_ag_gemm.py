@@ -28,6 +28,7 @@ import torch.distributed as dist
 from benchmarks.harness import (
     check_kernel_variants,
     env_override,
+    operator_columns,
     operator_main,
     overlap_figures,
     parse_shapes,
@@ -216,27 +217,18 @@ def run(rank, tp, args):
                   f"seq {tt['nccl_then_gemm']:.3f} torch {tt['torch_symm_mem_fused']} fused {tt['fused']:.3f} ms",
                   flush=True)
     if transport == "nccl":
-        report_operator_rows(rank, tp, rows, [("m", "M", ""), ("k", "K", ""), ("n", "N", ""),
-                             ("gemm_cublas", "gemm", ".3f"), ("gemm_flux_beside_nccl", "gemm_sms", ".3f"),
-                             ("nccl_ag", "nccl_ag", ".3f"), ("nccl_p2p_ag", "p2p_ag", ".3f"),
-                             ("nccl_then_gemm", "seq", ".3f"), ("torch_symm_mem_fused", "torch", ".3f"),
-                             ("fused", "fused", ".3f"), ("fused_1chunk", "f_1ch", ".3f"),
-                             ("fused_2chunk", "f_2ch", ".3f"), ("fused_4chunk", "f_4ch", ".3f"),
-                             ("fused_over_bound", "fused/bound", ".3f"), ("seq_over_fused", "seq/fused", ".3f"),
-                             ("overlap_efficiency", "E", ".2f"), ("dispatch_auto", "auto", "")], args.out,
-                             extra={"transport": "nccl"})
+        report_operator_rows(rank, tp, rows, operator_columns([
+            ("gemm_flux_beside_nccl", "gemm_sms", ".3f"), ("nccl_ag", "nccl_ag", ".3f"),
+            ("nccl_p2p_ag", "p2p_ag", ".3f"), ("nccl_then_gemm", "seq", ".3f"),
+            ("torch_symm_mem_fused", "torch", ".3f"), ("fused", "fused", ".3f"), ("fused_1chunk", "f_1ch", ".3f"),
+            ("fused_2chunk", "f_2ch", ".3f"), ("fused_4chunk", "f_4ch", ".3f")]), args.out, extra={"transport": "nccl"})
         return
-    report_operator_rows(rank, tp, rows, [("m", "M", ""), ("k", "K", ""), ("n", "N", ""),
-                           ("gemm_cublas", "gemm", ".3f"),
-                           ("ce_ag", "ce_ag", ".3f"), ("nccl_ag", "nccl_ag", ".3f"), ("nccl_then_gemm", "seq", ".3f"),
-                           ("torch_symm_mem_fused", "torch", ".3f"), ("fused", "fused", ".3f"),
-                           ("fused_pull", "pull", ".3f"), ("ce_ag_pull", "ce_pull", ".3f"),
-                           ("ce_ag_1chunk", "ce_1ch", ".3f"), ("ce_ag_2chunk", "ce_2ch", ".3f"),
-                           ("fused_1chunk", "f_1ch", ".3f"), ("fused_2chunk", "f_2ch", ".3f"),
-                           ("fused_over_bound", "fused/bound", ".3f"), ("seq_over_fused", "seq/fused", ".3f"),
-                           ("overlap_efficiency", "E", ".2f"), ("ce_over_p2p", "ce/p2p", ".2f"),
-                           ("dispatch_auto", "auto", "")], args.out, extra={"transport": "copy_engine"})
-
+    report_operator_rows(rank, tp, rows, operator_columns([
+        ("ce_ag", "ce_ag", ".3f"), ("nccl_ag", "nccl_ag", ".3f"), ("nccl_then_gemm", "seq", ".3f"),
+        ("torch_symm_mem_fused", "torch", ".3f"), ("fused", "fused", ".3f"), ("fused_pull", "pull", ".3f"),
+        ("ce_ag_pull", "ce_pull", ".3f"), ("ce_ag_1chunk", "ce_1ch", ".3f"), ("ce_ag_2chunk", "ce_2ch", ".3f"),
+        ("fused_1chunk", "f_1ch", ".3f"), ("fused_2chunk", "f_2ch", ".3f"), ("ce_over_p2p", "ce/p2p", ".2f")]),
+        args.out, extra={"transport": "copy_engine"})
 
 def main():
     operator_main(__doc__, DEFAULT_SHAPES, run)

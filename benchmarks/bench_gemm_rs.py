@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from benchmarks.harness import (
     check_kernel_variants,
+    operator_columns,
     operator_main,
     overlap_figures,
     parse_shapes,
@@ -200,28 +201,18 @@ def run(rank, tp, args):
                   f"{tt['gemm_then_nccl']:.3f} torch {tt['torch_symm_mem_fused']} fused {tt['fused']:.3f} ms",
                   flush=True)
     if transport == "nccl":
-        report_operator_rows(rank, tp, rows, [("m", "M", ""), ("k", "K", ""), ("n", "N", ""),
-                             ("gemm_cublas", "gemm", ".3f"), ("gemm_flux_beside_nccl", "gemm_sms", ".3f"),
-                             ("nccl_rs", "nccl_rs", ".3f"), ("gemm_then_nccl", "seq", ".3f"),
-                             ("torch_symm_mem_fused", "torch", ".3f"), ("fused", "fused", ".3f"),
-                             ("chunks_per_peer", "chunks", ""), ("fused_over_bound", "fused/bound", ".3f"),
-                             ("seq_over_fused", "seq/fused", ".3f"), ("overlap_efficiency", "E", ".2f"),
-                             ("dispatch_auto", "auto", "")], args.out,
-                             extra={"transport": "nccl (FLUX_LAYERS_TRANSPORT=nccl; node size "
-                                                 f"{topology.declared_node_size()})"})
+        report_operator_rows(rank, tp, rows, operator_columns([
+            ("gemm_flux_beside_nccl", "gemm_sms", ".3f"), ("nccl_rs", "nccl_rs", ".3f"),
+            ("gemm_then_nccl", "seq", ".3f"), ("torch_symm_mem_fused", "torch", ".3f"), ("fused", "fused", ".3f"),
+            ("chunks_per_peer", "chunks", "")]), args.out,
+            extra={"transport": f"nccl (FLUX_LAYERS_TRANSPORT=nccl; node size {topology.declared_node_size()})"})
         return
-    report_operator_rows(rank, tp, rows, [("m", "M", ""), ("k", "K", ""), ("n", "N", ""),
-                           ("gemm_cublas", "gemm", ".3f"),
-                           ("gemm_flux", "gemm_flux", ".3f"), ("nccl_rs", "nccl_rs", ".3f"),
-                           ("gemm_then_nccl", "seq", ".3f"), ("torch_symm_mem_fused", "torch", ".3f"),
-                           ("fused", "fused", ".3f"), ("fused_direct", "direct", ".3f"),
-                           ("fused_copy_engine", "ce", ".3f"), ("fused_copy_engine_cols512", "ce512", ".3f"),
-                           ("fused_copy_engine_cols2048", "ce2048", ".3f"),
-                           ("fused_copy_engine_cols4096", "ce4096", ".3f"), ("fused_over_bound", "fused/bound", ".3f"),
-                           ("seq_over_fused", "seq/fused", ".3f"), ("overlap_efficiency", "E", ".2f"),
-                           ("dispatch_auto", "auto", "")], args.out,
-                         extra={"transport": "epilogue stores / copy engine (peer-mapped; per shape: fused_transport)"})
-
+    report_operator_rows(rank, tp, rows, operator_columns([
+        ("gemm_flux", "gemm_flux", ".3f"), ("nccl_rs", "nccl_rs", ".3f"), ("gemm_then_nccl", "seq", ".3f"),
+        ("torch_symm_mem_fused", "torch", ".3f"), ("fused", "fused", ".3f"), ("fused_direct", "direct", ".3f"),
+        ("fused_copy_engine", "ce", ".3f"), ("fused_copy_engine_cols512", "ce512", ".3f"),
+        ("fused_copy_engine_cols2048", "ce2048", ".3f"), ("fused_copy_engine_cols4096", "ce4096", ".3f")]),
+        args.out, extra={"transport": "epilogue stores / copy engine (peer-mapped; per shape: fused_transport)"})
 
 def main():
     operator_main(__doc__, DEFAULT_SHAPES, run)

@@ -209,6 +209,14 @@ def time_kernel_variants(call, *, reps: int, group) -> dict[str, float]:
             for name, cfg in KERNEL_VARIANTS.items()}
 
 
+def operator_columns(own: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """The table columns of an operator benchmark (bench_ag_gemm, bench_gemm_rs): the shape and cuBLAS's GEMM, the
+    benchmark's ``own`` timings, then the derived figures and the automatic choice."""
+    return ([("m", "M", ""), ("k", "K", ""), ("n", "N", ""), ("gemm_cublas", "gemm", ".3f")] + own
+            + [("fused_over_bound", "fused/bound", ".3f"), ("seq_over_fused", "seq/fused", ".3f"),
+               ("overlap_efficiency", "E", ".2f"), ("dispatch_auto", "auto", "")])
+
+
 def report_operator_rows(rank: int, tp: int, rows: list[dict], columns: list[tuple[str, str, str]], out: str,
                          extra: dict | None = None) -> None:
     """Rank 0: print the per-shape table (times flattened next to the derived figures) and write the JSON

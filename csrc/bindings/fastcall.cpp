@@ -56,12 +56,26 @@ const at::Tensor* plain_tensor(PyObject* obj) {
   return &reinterpret_cast<TensorObject*>(obj)->cdata;
 }
 
-bool no_modes() {
-  return !c10::impl::TorchDispatchModeTLS::any_modes_set() && !at::impl::torch_function_mode_enabled();
-}
+// A call's (x, weight, bias or None), its first three arguments, where the direct path takes them.
+struct Operands {
+  const at::Tensor* x = nullptr;
+  const at::Tensor* w = nullptr;
+  std::optional<at::Tensor> bias;
+};
 
-bool records_grad(const at::Tensor& x, const at::Tensor& w, const at::Tensor* b) {
-  return at::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad() || (b != nullptr && b->requires_grad()));
+// False where the call is left to the registered op: an argument that is not a plain tensor, a torch-function or
+// dispatch mode active, or an input that autograd would record.
+bool plain_operands(PyObject* const* args, Operands& ops) {
+  ops.x = plain_tensor(args[0]);
+  ops.w = plain_tensor(args[1]);
+  const at::Tensor* b = args[2] == Py_None ? nullptr : plain_tensor(args[2]);
+  if (ops.x == nullptr || ops.w == nullptr || (args[2] != Py_None && b == nullptr)) return false;
+  if (c10::impl::TorchDispatchModeTLS::any_modes_set() || at::impl::torch_function_mode_enabled()) return false;
+  if (at::GradMode::is_enabled() &&
+      (ops.x->requires_grad() || ops.w->requires_grad() || (b != nullptr && b->requires_grad())))
+    return false;
+  if (b != nullptr) ops.bias = *b;
+  return true;
 }
 
 PyObject* not_implemented() {
@@ -112,18 +126,14 @@ bool wrong_count(const char* op, Py_ssize_t nargs, Py_ssize_t expected) {
 // ag_gemm(x_shard_m, weight, bias | None, workspace, plan, weight_nn, return_gathered, run_gemm) -> (out, gathered)
 PyObject* fast_ag_gemm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (wrong_count("ag_gemm", nargs, 8)) return nullptr;
-  const at::Tensor* x = plain_tensor(args[0]);
-  const at::Tensor* w = plain_tensor(args[1]);
-  const at::Tensor* b = args[2] == Py_None ? nullptr : plain_tensor(args[2]);
-  if (x == nullptr || w == nullptr || (args[2] != Py_None && b == nullptr) || !no_modes() || records_grad(*x, *w, b))
-    return not_implemented();
+  Operands o;
+  if (!plain_operands(args, o)) return not_implemented();
   int64_t v[5];
   if (!read_ints(args, 3, 5, v)) return nullptr;
-  std::optional<at::Tensor> bias = b != nullptr ? std::optional<at::Tensor>(*b) : std::nullopt;
   std::tuple<at::Tensor, at::Tensor> result;
   bool const ok = call_released([&] {
     RECORD_FUNCTION("flux_layers::ag_gemm", std::vector<c10::IValue>());
-    result = flux::bindings::ag_gemm(*x, *w, bias, v[0], v[1], v[2] != 0, v[3] != 0, v[4] != 0);
+    result = flux::bindings::ag_gemm(*o.x, *o.w, o.bias, v[0], v[1], v[2] != 0, v[3] != 0, v[4] != 0);
   });
   if (!ok) return nullptr;
   PyObject* out = THPVariable_Wrap(std::get<0>(result));
@@ -137,18 +147,14 @@ PyObject* fast_ag_gemm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // gemm_rs(x, weight, bias | None, workspace, plan, weight_nn) -> out
 PyObject* fast_gemm_rs(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (wrong_count("gemm_rs", nargs, 6)) return nullptr;
-  const at::Tensor* x = plain_tensor(args[0]);
-  const at::Tensor* w = plain_tensor(args[1]);
-  const at::Tensor* b = args[2] == Py_None ? nullptr : plain_tensor(args[2]);
-  if (x == nullptr || w == nullptr || (args[2] != Py_None && b == nullptr) || !no_modes() || records_grad(*x, *w, b))
-    return not_implemented();
+  Operands o;
+  if (!plain_operands(args, o)) return not_implemented();
   int64_t v[3];
   if (!read_ints(args, 3, 3, v)) return nullptr;
-  std::optional<at::Tensor> bias = b != nullptr ? std::optional<at::Tensor>(*b) : std::nullopt;
   at::Tensor result;
   bool const ok = call_released([&] {
     RECORD_FUNCTION("flux_layers::gemm_rs", std::vector<c10::IValue>());
-    result = flux::bindings::gemm_rs(*x, *w, bias, v[0], v[1], v[2] != 0);
+    result = flux::bindings::gemm_rs(*o.x, *o.w, o.bias, v[0], v[1], v[2] != 0);
   });
   return ok ? THPVariable_Wrap(result) : nullptr;
 }

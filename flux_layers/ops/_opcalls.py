@@ -4,6 +4,8 @@ inputs requiring grad under grad mode, FLUX_LAYERS_DIRECT_CALLS=0, a library wit
 results and errors either way."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from flux_layers import _library
@@ -16,6 +18,7 @@ def _with_fallback(direct, op):
     return call
 
 
+@functools.cache  # the library loads once per process, and with it whether direct calls exist
 def ag_gemm():
     """``(x_shard_m, weight, bias, workspace, plan, weight_nn, return_gathered, run_gemm) -> (out, gathered)``."""
     op = torch.ops.flux_layers.ag_gemm.default
@@ -23,6 +26,7 @@ def ag_gemm():
     return op if direct is None else _with_fallback(direct.ag_gemm, op)
 
 
+@functools.cache
 def gemm_rs():
     """``(x, weight, bias, workspace, plan, weight_nn) -> out``."""
     op = torch.ops.flux_layers.gemm_rs.default
