@@ -5,7 +5,7 @@
 | ``peer_death`` | after two good calls the last rank exits; the others go on calling (a call, then a device sync, as a training step) | ``raised`` (WorkspaceError on every survivor), ``seconds`` from the first call after the death to the raise (max over survivors), ``timeout_s``, ``message``, ``names_peer`` |
 | ``rejected_call_then_valid`` | rank 0 alone makes rejected calls (Python checks and the op library's), then M = 0 calls, then valid calls on every rank | ``ok`` (rejections raised, epochs equal across ranks, M = 0 a no-op, valid calls right) |
 | ``graph_replay_timeout`` | a captured call replays on rank 0 only | ``raised`` (``workspace.check_graph_replays()`` raised within timeout + 10 s), ``seconds``, ``eager_call_raised`` (the next eager call on the workspace raises), ``drained`` (after ``release()``) |
-| ``rank_mismatch`` | ranks make different fused calls (M, layout, op) | ``raised_on_both`` (ValueError on every rank, for every variant), ``names_every_rank`` (every rank's call in the message), ``later_ok`` |
+| ``rank_mismatch`` | ranks make different fused calls (M, layout, op: checked on the host when a call is new), or calls of known shapes out of step (``out_of_step_*``: checked on the device) | ``raised_on_both`` (ValueError, or WorkspaceError for the device variants, on every rank, for every variant), ``names_every_rank`` (every rank's call in the message; device variants: the two calls that met), ``later_ok``, ``device_seconds`` (longest time to the device variants' error) |
 | ``bad_inputs`` | the catalogue of flux_layers/devtools/bad_inputs.py, a valid call of each op after each case | ``cases``, ``unclear`` (raised without naming the argument and the rule), ``not_raised``, ``later_calls_ok``, ``epoch_advanced`` |
 | ``workspace_growth`` | M grows call to call (both ops); then the cap FLUX_LAYERS_WORKSPACE_MAX_GIB is set below the next size | ``bounded``, ``peak_gib``, ``final_workspace_gib``, ``created_gib``, ``outgrown_freed``, ``cap_raised``, ``cap_message``, ``after_cap_ok`` |
 | ``reset_after_timeout`` | rank 0 times out waiting for rank 1, which never made the call; every rank calls ``workspace.reset()`` | ``ok`` (rank 0 raised, valid calls right after the reset) |
@@ -286,8 +286,40 @@ def rank_mismatch(rank, tp, opts, out_dir):
             results[name] = {"raised": True, "message": message[:600],
                              "names_every_rank": all(f"rank {r}:" in message for r in range(tp))}
         results[name]["later_ok"] = all(_valid(rank, tp, o, seed + 10 + i)[0] for o in ("ag_gemm", "gemm_rs"))
+    for i, op in enumerate(("ag_gemm", "gemm_rs")):
+        results[f"out_of_step_{op}"] = _out_of_step(rank, tp, op, seed + 20 + i)
     torch.cuda.synchronize()
     _write(out_dir, rank, results)
+
+
+def _out_of_step(rank, tp, op, seed):
+    """Calls of shapes every rank has decided (256 and 128 rows per rank), then rank 0 calls 256 rows and the
+    others 128: no host-side check runs (the calls are known), the kernels compare the calls' signatures. Raised
+    (WorkspaceError, within seconds, not at the timeout) on every rank, both calls named, in step after a reset."""
+    import torch
+    import torch.distributed as dist
+
+    from flux_layers.runtime import workspace
+    from flux_layers.runtime.workspace import WorkspaceError
+    for rows in (256, 128):
+        _valid(rank, tp, op, seed, rows=rows)
+    torch.cuda.synchronize()
+    dist.barrier()
+    mine, theirs = (256, 128) if rank == 0 else (128, 256)
+    began = time.monotonic()
+    record = {"device": True, "raised": False}
+    try:
+        _valid(rank, tp, op, seed, rows=mine)
+        for ws in list(workspace._cache.values()):
+            ws.check()
+    except WorkspaceError as exc:
+        message = str(exc)
+        record.update(raised=True, message=message[:600],
+                      names_every_rank=f"{op}(M={mine * tp}," in message and f"{op}(M={theirs * tp}," in message)
+    record["seconds"] = round(time.monotonic() - began, 2)
+    workspace.reset()
+    record["later_ok"] = all(_valid(rank, tp, o, seed + 10)[0] for o in ("ag_gemm", "gemm_rs"))
+    return record
 
 
 def _merge_mismatch(records, opts):
@@ -296,7 +328,11 @@ def _merge_mismatch(records, opts):
     return {"raised_on_both": bool(r) and all(rec[v]["raised"] for rec in r for v in variants),
             "names_every_rank": bool(r) and all(rec[v].get("names_every_rank") for rec in r for v in variants),
             "later_ok": bool(r) and all(rec[v]["later_ok"] for rec in r for v in variants),
-            "variants": variants, "message": r[0][variants[0]].get("message") if r and variants else None}
+            "variants": variants, "message": r[0][variants[0]].get("message") if r and variants else None,
+            "device_message": next((rec[v].get("message") for rec in r for v in variants if rec[v].get("device")),
+                                   None),
+            "device_seconds": max((rec[v]["seconds"] for rec in r for v in variants if rec[v].get("device")),
+                                  default=None)}
 
 
 def bad_inputs(rank, tp, opts, out_dir):

@@ -258,16 +258,23 @@ struct GemmKernel {
     }
   }
 
-  // AllGather: the A tile of a peer's rows may only be loaded once every chunk it covers has landed.
-  CUTLASS_DEVICE static void wait_chunks(GemmProblem const& p, TileCoord t) {
+  // AllGather: the A tile of a peer's rows may only be loaded once every chunk it covers has landed. The first
+  // time this CTA sees a group's chunks, it compares the source's call signature with ours (signature_checked:
+  // bit g once done).
+  CUTLASS_DEVICE static void wait_chunks(GemmProblem const& p, TileCoord t, uint32_t& signature_checked) {
     int row_begin = t.m * kTileM;
     int row_end = min(row_begin + kTileM, p.rows_per_group);
     if (row_begin >= row_end) return;  // a padding tile of the cluster: TMA reads zeros, nothing is stored
     int c_begin = row_begin / p.rows_per_chunk;
     int c_end = (row_end - 1) / p.rows_per_chunk;
+    bool arrived = true;
     for (int c = c_begin; c <= c_end; ++c) {
       int index = t.group * p.chunks_per_group + c;
-      wait_flag(p.chunk_flags + index, p.epoch, p, kChunkTimeout, index);
+      arrived &= wait_flag(p.chunk_flags + index, p.epoch, p, kChunkTimeout, index);
+    }
+    if (arrived && !(signature_checked >> t.group & 1u)) {
+      check_signature(p, t.group);
+      signature_checked |= 1u << t.group;
     }
     // The chunk was written by the copy engine; the TMA loads that follow read through the async proxy.
     asm volatile("fence.proxy.async.global;" ::: "memory");
@@ -362,8 +369,11 @@ struct GemmKernel {
   // Own rows of a ReduceScatter: wait until every peer's partial of tile t has landed here (one consumer thread).
   CUTLASS_DEVICE static void wait_partial_flags(GemmProblem const& p, TileCoord t) {
     int const flag_index = rs_chunk_index(t.m, t.n, p.rs_chunk_tiles_m, p.rs_chunk_tiles_n, p.rs_chunks_n);
-    for (int i = 0; i < p.rs_num_partials; ++i)
-      wait_flag(p.rs_partial_flags[i] + flag_index, p.epoch, p, kTileTimeout, i * (1 << 24) + flag_index);
+    for (int i = 0; i < p.rs_num_partials; ++i) {
+      // Partials are in source order, this rank skipped; each source's signature was written before its flags.
+      if (wait_flag(p.rs_partial_flags[i] + flag_index, p.epoch, p, kTileTimeout, i * (1 << 24) + flag_index))
+        check_signature(p, i < p.rank ? i : i + 1);
+    }
     // The partials were written by a peer or a copy engine; the TMA loads that follow read through the async proxy.
     asm volatile("fence.proxy.async.global;" ::: "memory");
   }
@@ -418,9 +428,11 @@ struct GemmKernel {
     constexpr int kSubTiles = kTileN / kEpiCols;
 
     if (mma_thread_idx == 0) {
-      if (to_peer && direct && p.rs_consumed != nullptr && !(consumed_seen & (1u << t.group))) {
-        // The peer must have finished reading its receive slots of the previous call before we overwrite.
-        wait_flag(p.rs_consumed + t.group, p.epoch - 1, p, kConsumedTimeout, t.group);
+      if (to_peer && direct && !(consumed_seen & (1u << t.group))) {
+        // The peer must have finished reading its receive slots (and our signature) of the previous call before
+        // we overwrite them (null: the host-side stream already waited).
+        if (p.rs_consumed != nullptr) wait_flag(p.rs_consumed + t.group, p.epoch - 1, p, kConsumedTimeout, t.group);
+        if (p.rs_signature_out[t.group] != nullptr) write_signature(p.rs_signature_out[t.group], p);
         consumed_seen |= 1u << t.group;
       }
       if (reduce && !partials_loading) wait_partial_flags(p, t);
@@ -594,10 +606,11 @@ struct GemmKernel {
       cutlass::arch::warpgroup_reg_dealloc<kLoadRegs>();
       if (warp_in_group == 0 && lane_predicate) {
         PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
+        uint32_t signature_checked = 0;
         Segment seg;
         for (SegmentCursor cur = params.split.begin(cluster_id, num_clusters); params.split.next(cur, seg);) {
           TileCoord t = sched.get(seg.work, cluster_rank_m);
-          if (p.chunk_flags != nullptr && t.group != p.own_group) wait_chunks(p, t);
+          if (p.chunk_flags != nullptr && t.group != p.own_group) wait_chunks(p, t, signature_checked);
           load_tile(params, t, seg.k_begin, seg.k_end, pipeline, write_state, ss, block_rank_in_cluster);
         }
         // Keep the CTA alive until every stage was released by the cluster's consumers (no remote

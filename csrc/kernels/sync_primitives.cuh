@@ -63,6 +63,38 @@ __device__ __forceinline__ void record_timeout(const GemmProblem& p, int code, i
   }
 }
 
+// After a flag of rank `src` for this call: the signature src wrote here before that flag must equal ours
+// (gemm_params.h). A mismatch claims the error record with both signatures; the claim makes every other wait of the
+// call give up, so the ranks stop within microseconds instead of exchanging data of different calls.
+__device__ __forceinline__ void check_signature(const GemmProblem& p, int src) {
+  if (!(p.signature_sources >> src & 1u)) return;
+  volatile const uint32_t* theirs = p.peer_signatures + src * kSignatureWords;
+  uint32_t const w0 = theirs[0], w1 = theirs[1], w2 = theirs[2];
+  if (w0 == p.signature[0] && w1 == p.signature[1] && w2 == p.signature[2]) return;
+  if (p.error_record == nullptr || p.error_claim == nullptr) return;
+  if (atomicCAS(p.error_claim, 0, kSignatureMismatch) == 0) {
+    volatile int* rec = p.error_record;
+    rec[1] = p.rank;
+    rec[2] = src;
+    rec[3] = static_cast<int>(p.epoch);
+    rec[4] = static_cast<int>(w0);
+    rec[5] = static_cast<int>(w1);
+    rec[6] = static_cast<int>(w2);
+    rec[7] = static_cast<int>(p.signature[1]);
+    rec[8] = static_cast<int>(p.signature[2]);
+    __threadfence_system();
+    rec[0] = kSignatureMismatch;
+    __threadfence_system();
+  }
+}
+
+// This rank's signature into a peer's slot for it (ReduceScatter direct stores). The same thread's later
+// system-scope release of a flag at that peer orders these stores before the flag.
+__device__ __forceinline__ void write_signature(uint32_t* slot, const GemmProblem& p) {
+  volatile uint32_t* out = slot;
+  for (int i = 0; i < kSignatureWords; ++i) out[i] = p.signature[i];
+}
+
 // Spin until ready(load(flag)), giving up after limit_ns (then the timeout is recorded under `code`, `index`).
 // Returns false on timeout or when another waiter already timed out (then the result of this call is garbage
 // and the host raises).

@@ -13,6 +13,11 @@
 //                   comm streams and writes done[r] = e at every peer.
 // CUDA-graph protocol: done[p] is waited for >= 1 and cleared at once; chunk and avail are cleared after the
 // join, before done is written (a peer sets them again only after it saw that write).
+// Call signatures (gemm_params.h): the first flag a rank writes at a peer in a call (a chunk flag when pushing, an
+// avail flag when pulled from) goes in one batch after its signature writes into the peer's sig slot for it, so the
+// peer's GEMM, which waits for that flag or one written after it, compares signatures after a wait that passed.
+// Mesh: every rank compares every peer's; ring: its left neighbour's (the ranks compare pairwise around the ring).
+// A rank writes the slot again only after the peer's done of the previous call, as it does the data.
 //   external      : the caller moves the chunks and sets chunk[g][c] = e in our flags (the NCCL transport); the
 //                   op launches the GEMM alone (local buffer, local flags; CUDA-graph protocol: the chunk flags
 //                   are cleared after it on the compute stream).
@@ -34,6 +39,7 @@ struct AgPlan {
   AgFlagLayout flags;
   int chunks;
   size_t row_bytes;
+  uint32_t signature[kSignatureWords];
 
   // Byte address of rows [row, ...) of shard g in rank q's gathered buffer (compact for this call's M).
   char* region(int q, int g, int row) const { return a.buffers[q] + (size_t(g) * a.rows_per_group + row) * row_bytes; }
@@ -41,6 +47,21 @@ struct AgPlan {
   int chunk_rows(int c) const { return std::min(a.rows_per_chunk, a.rows_per_group - c * a.rows_per_chunk); }
   uint32_t* flag(int q, int64_t index) const { return a.flags[q] + index; }
   uint32_t* my(int64_t index) const { return a.flags[a.rank] + index; }
+
+  // Flag `index` = epoch at rank q, after our signature in q's slot for us: one batch.
+  void signed_flag(cudaStream_t s, int q, int64_t index) const {
+    FlagOp ops[kMaxFlagOps];
+    int n = add_signature_writes(ops, 0, flag(q, flags.signature(a.rank)), signature);
+    ops[n++] = {flag(q, index), a.epoch};
+    stream_write_u32_all(s, ops, n);
+  }
+  void flag_at(cudaStream_t s, int q, int64_t index, bool first) const {
+    if (first) {
+      signed_flag(s, q, index);
+    } else {
+      stream_write_u32(s, flag(q, index), a.epoch);
+    }
+  }
 
   void copy_rows(cudaStream_t s, char* dst, const char* src, size_t src_pitch, int rows) const {
     if (src_pitch == row_bytes) {
@@ -91,9 +112,9 @@ void stage_own(const AgPlan& p, bool x_in_buffer, cudaStream_t stage) {
       p.copy_rows(stage, p.region(r, r, p.chunk_begin(c)), p.x_rows(p.chunk_begin(c)), p.x_pitch(), p.chunk_rows(c));
     if (a.order == AgOrder::kMesh) {
       for (int q = 0; q < tp; ++q)
-        if (q != r) stream_write_u32(stage, p.flag(q, p.flags.avail(r, c)), a.epoch);
+        if (q != r) p.flag_at(stage, q, p.flags.avail(r, c), c == 0);
     } else {
-      stream_write_u32(stage, p.flag(right, p.flags.avail(r, c)), a.epoch);
+      p.flag_at(stage, right, p.flags.avail(r, c), c == 0);
     }
   }
 }
@@ -140,14 +161,15 @@ void push(const AgPlan& p) {
       for (int c = 0; c < p.chunks; ++c) {
         cudaStream_t s = a.comm[(o - 1 + (two_per_peer && c % 2 ? tp - 1 : 0)) % a.num_comm];
         p.copy_rows(s, p.region(dst, r, p.chunk_begin(c)), p.x_rows(p.chunk_begin(c)), p.x_pitch(), p.chunk_rows(c));
-        stream_write_u32(s, p.flag(dst, p.flags.chunk(r, c)), a.epoch);
+        // The first flag of each stream carries the signature: the two streams' flags may land in either order.
+        p.flag_at(s, dst, p.flags.chunk(r, c), c < (two_per_peer ? 2 : 1));
       }
     }
   } else {
     cudaStream_t s = a.comm[0];
     for (int c = 0; c < p.chunks; ++c) {
       p.copy_rows(s, p.region(right, r, p.chunk_begin(c)), p.x_rows(p.chunk_begin(c)), p.x_pitch(), p.chunk_rows(c));
-      stream_write_u32(s, p.flag(right, p.flags.chunk(r, c)), a.epoch);
+      p.flag_at(s, right, p.flags.chunk(r, c), c == 0);
     }
     for (int step = 1; step < tp - 1; ++step) {
       int g = (r - step + tp) % tp;
@@ -223,6 +245,13 @@ GemmProblem gemm_problem(const AgPlan& p) {
   g.error_record = a.error_record;
   g.error_claim = a.error_claim;
   g.rank = a.rank;
+  if (a.mode != AgMode::kExternal) {  // external transfers: no peer writes here, nothing to compare
+    g.peer_signatures = p.my(p.flags.signature(0));
+    int const left = (a.rank - 1 + a.tp) % a.tp;
+    for (int q = 0; q < a.tp; ++q)
+      if (q != a.rank && (a.order == AgOrder::kMesh || q == left)) g.signature_sources |= 1u << q;
+    std::copy(p.signature, p.signature + kSignatureWords, g.signature);
+  }
   g.launch = a.launch;
   return g;
 }
@@ -238,8 +267,13 @@ void ag_gemm(const AgGemmArgs& a) {
   FLUX_CHECK(a.protocol == FlagProtocol::kEpoch || a.epoch == 1, "the CUDA-graph flag protocol sets flags to 1, got ",
              a.epoch);
   if (a.rows_per_group == 0) return;
-  AgPlan p{a, AgFlagLayout{a.tp, a.chunk_capacity}, (a.rows_per_group + a.rows_per_chunk - 1) / a.rows_per_chunk,
-           size_t(a.k) * 2};
+  FLUX_CHECK(a.n < kMaxSignatureDim, "N = ", a.n, " exceeds the call signature's ", kMaxSignatureDim);
+  AgPlan p{a,
+           AgFlagLayout{a.tp, a.chunk_capacity},
+           (a.rows_per_group + a.rows_per_chunk - 1) / a.rows_per_chunk,
+           size_t(a.k) * 2,
+           {a.epoch, uint32_t(a.rows_per_group),
+            signature_shape_word(0, int(a.layout), int(a.mode) * 2 + int(a.order), a.n)}};
   FLUX_CHECK(p.chunks <= a.chunk_capacity, "this call needs ", p.chunks, " chunks per shard, the workspace holds ",
              a.chunk_capacity);
 

@@ -90,6 +90,12 @@ void stream_write_u32_all(cudaStream_t stream, const FlagOp* writes, int count) 
   if (count > 1) batch(stream, writes, count, false);
 }
 
+int add_signature_writes(FlagOp* ops, int count, uint32_t* slot, const uint32_t* words) {
+  FLUX_CHECK(count + kSignatureWords <= kMaxFlagOps, "no room for a signature in a batch of ", count, " writes");
+  for (int i = 0; i < kSignatureWords; ++i) ops[count++] = {slot + i, words[i]};
+  return count;
+}
+
 void stream_wait_u32_geq_all(cudaStream_t stream, const FlagOp* waits, int count) {
   if (count == 1) return stream_wait_u32_geq(stream, waits[0].address, waits[0].value);
   if (count > 1) batch(stream, waits, count, true);

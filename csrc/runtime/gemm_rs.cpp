@@ -22,7 +22,11 @@
 // direct stores on the compute stream before the kernel, which then skips its own wait); our tile flags are
 // cleared after the kernel, before consumed is written (a peer sets them again only after it saw that write).
 // Flag words of one rank: flag[src][flags_per_source] (set for us by src), consumed[tp] (set by each peer),
-// count[dst][flags_per_source] (our tiles of dst's rows per chunk; copy-engine transport, cleared per call).
+// count[dst][flags_per_source] (our tiles of dst's rows per chunk; copy-engine transport, cleared per call),
+// sig[src][kSignatureWords] (src's call signature, gemm_params.h; rs_signature_word).
+// Call signatures: before its first flag at a destination, a rank writes its signature into the destination's
+// slot for it (direct stores: each CTA, after its consumed wait; copy engine: in one batch with the first chunk's
+// flag), and the destination's kernel compares it with its own after each partial's flag. Not external.
 #include <cuda_runtime.h>  // before tile_schedule.cuh: defines __host__ / __device__ for the host compiler
 
 #include <algorithm>
@@ -60,6 +64,10 @@ void gemm_rs(const GemmRsArgs& a) {
   const size_t elem = 2;
   const size_t slot_bytes = size_t(a.slot_rows) * a.n * elem;
   const int64_t fps = a.flags_per_source;
+  FLUX_CHECK(a.k < kMaxSignatureDim, "K = ", a.k, " exceeds the call signature's ", kMaxSignatureDim);
+  uint32_t const signature[kSignatureWords] = {a.epoch, uint32_t(a.rows_per_group),
+                                               signature_shape_word(1, int(a.layout), copy_engine ? 1 : 0, a.k)};
+  auto signature_slot = [&](int d) { return a.flags[d] + rs_signature_word(a.tp, fps, r); };
   auto consumed = [&](int q) { return a.flags[q] + int64_t(a.tp) * fps; };
   uint32_t* const counts = a.flags[r] + int64_t(a.tp) * fps + a.tp;
   // Stream-side wait for peer d to have finished reading its receive slots (its previous call).
@@ -112,6 +120,15 @@ void gemm_rs(const GemmRsArgs& a) {
   g.error_claim = a.error_claim;
   g.rank = r;
   g.launch = a.launch;
+  if (!external) {
+    g.peer_signatures = a.flags[r] + rs_signature_word(a.tp, fps, 0);
+    for (int q = 0; q < a.tp; ++q)
+      if (q != r) g.signature_sources |= 1u << q;
+    std::copy(signature, signature + kSignatureWords, g.signature);
+    if (!copy_engine)
+      for (int d = 0; d < a.tp; ++d)
+        if (d != r) g.rs_signature_out[d] = signature_slot(d);
+  }
 
   cudaEvent_t* const ev = a.events;
   TileSchedule const sched = TileSchedule::make(g, tile_m(a.tile), tile_n(a.tile), kClusterM);
@@ -169,7 +186,15 @@ void gemm_rs(const GemmRsArgs& a) {
           FLUX_CUDA_CHECK(cudaMemcpy2DAsync(a.recv[d] + size_t(r) * slot_bytes + offset, row_bytes,
                                             stage_slot(d) + offset, row_bytes, size_t(cols) * elem, rows,
                                             cudaMemcpyDefault, s));
-          stream_write_u32(s, a.flags[d] + int64_t(r) * fps + c, a.epoch);
+          uint32_t* const flag = a.flags[d] + int64_t(r) * fps + c;
+          if (cm == 0 && cn == 0) {  // the first flag at d: after our signature there, in one batch
+            FlagOp ops[kMaxFlagOps];
+            int n = add_signature_writes(ops, 0, signature_slot(d), signature);
+            ops[n++] = {flag, a.epoch};
+            stream_write_u32_all(s, ops, n);
+          } else {
+            stream_write_u32(s, flag, a.epoch);
+          }
         }
       }
     }

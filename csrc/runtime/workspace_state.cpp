@@ -68,6 +68,23 @@ const char* wait_error(int code) {
       return "an unknown wait";
   }
 }
+
+// One rank's call from its signature words 1-2 (gemm_params.h), e.g. "gemm_rs(M=512, K=256, nt, direct stores)".
+std::string describe_call(uint32_t rows_word, uint32_t shape_word, int tp) {
+  int const op = signature_op(shape_word);
+  int const transport = signature_transport(shape_word);
+  std::ostringstream os;
+  os << (op == 0 ? "ag_gemm" : "gemm_rs") << "(M=" << int64_t(rows_word) * tp << ", " << (op == 0 ? "N" : "K")
+     << " per rank=" << signature_dim(shape_word) << ", " << (signature_layout(shape_word) ? "nn" : "nt") << ", ";
+  if (op == 0) {
+    os << (transport / 2 == int(AgMode::kPush) ? "push" : "pull") << " "
+       << (transport % 2 == int(AgOrder::kRing) ? "ring" : "mesh");
+  } else {
+    os << (transport == 1 ? "copy engine" : "direct stores");
+  }
+  os << ")";
+  return os.str();
+}
 }  // namespace
 
 WorkspaceState::WorkspaceState(WorkspaceConfig config) : cfg_(std::move(config)) {
@@ -241,6 +258,16 @@ std::string WorkspaceState::describe_record() const {
   // [source][chunk], partial-tile waits are numbered (peer position, skipping this rank) << 24 | tile, and a
   // consumed wait's index is the destination.
   int const index = rec[2];
+  if (code == kSignatureMismatch) {
+    std::ostringstream os;
+    os << cfg_.what << ": the ranks' calls went out of step: rank " << rec[1] << "'s call "
+       << describe_call(uint32_t(rec[7]), uint32_t(rec[8]), cfg_.tp) << " (epoch " << rec[3] << ") met rank " << index
+       << "'s call " << describe_call(uint32_t(rec[5]), uint32_t(rec[6]), cfg_.tp) << " (epoch " << rec[4]
+       << "); every rank must make the same fused calls in the same order (call signatures compared on the device). "
+       << "Outputs of that call are invalid and this workspace cannot be used again (workspace.reset() on every "
+          "rank brings the group back).";
+    return os.str();
+  }
   int peer = -1;
   if (code == kChunkTimeout && cfg_.capacity > 0) peer = index / cfg_.capacity;
   if (code == kTileTimeout) peer = (index >> 24) < cfg_.rank ? (index >> 24) : (index >> 24) + 1;

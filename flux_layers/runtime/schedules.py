@@ -16,6 +16,8 @@ SPLIT_TILE_CONFIGS = (1,)  # configurations built with the stream-K tail (GemmKe
 CLUSTER_M = 2  # kClusterM
 DEFAULT_STREAM_K_FILL = 75  # percent, kDefaultSplitMaxFillPct; FLUX_LAYERS_STREAM_K_MAX_FILL's default
 DEFAULT_RS_CHUNK_COLS = 1024  # RsChunkGrid::kDefaultChunkCols
+SIGNATURE_WORDS = 3  # kSignatureWords: a call signature's flag words per source rank
+ERROR_RECORD_WORDS = 9  # kErrorRecordWords
 
 
 def ag_group_order(rank: int, tp: int, order: str) -> list[int]:

@@ -21,7 +21,9 @@ FLUX_LAYERS_POISON_OUTPUTS) are read when the workspace is made.
 Flags are epoch-valued (a flag is set for call ``e`` when it holds a value >= e): they are never cleared,
 which removes the reset race between back-to-back calls. Every cross-rank wait is bounded: a waiter that
 times out writes {code, rank, index, epoch} into a host-mapped record, and the next call (or
-:meth:`Workspace.check`) raises a :class:`WorkspaceError` that says who waited for what.
+:meth:`Workspace.check`) raises a :class:`WorkspaceError` that says who waited for what. Each call also carries
+its signature (op, M, N or K, layout, transport, epoch) to the peers it sends to, and their kernels compare it with
+their own (csrc/include/flux/gemm_params.h): ranks whose calls went out of step raise, naming both calls.
 
 CUDA graphs. A captured call replays with the values it was captured with, so a host-side epoch cannot order
 replays. Calls made while the current stream is being captured therefore use the workspace's *graph twin*:
@@ -43,11 +45,12 @@ import torch.distributed as dist
 
 from flux_layers import _env, _library
 from flux_layers.runtime import topology
-from flux_layers.runtime.schedules import MAX_TP
+from flux_layers.runtime.schedules import ERROR_RECORD_WORDS, MAX_TP, SIGNATURE_WORDS
 
 
 class WorkspaceError(RuntimeError):
-    """A bounded wait inside a fused operator timed out; the workspace cannot be used any more."""
+    """A bounded wait inside a fused operator timed out, or the ranks' calls went out of step; the workspace cannot be
+    used any more."""
 
 
 # The op library marks the errors of an unusable workspace with this tag (csrc/bindings/ops.cpp).
@@ -127,7 +130,7 @@ class Workspace:
         self.flag_ptrs = [p + self._flag_offset if p else 0 for p in self.base_ptrs]
         self.flags = self._storage[self._flag_offset:self._flag_offset + flag_words * 4].view(torch.int32)
         self.comm_streams = [torch.cuda.Stream(device=self.device, priority=-1) for _ in range(num_comm_streams)]
-        self.error_record = torch.zeros(5, dtype=torch.int32, pin_memory=True)
+        self.error_record = torch.zeros(ERROR_RECORD_WORDS, dtype=torch.int32, pin_memory=True)
         self.error_claim = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._timeout_s = _env.get_float("TIMEOUT_S")
         if not self._timeout_s > 0:
@@ -233,9 +236,9 @@ class AgWorkspace(Workspace):
         self.dtype, self.max_m, self.k, self.chunk_capacity = dtype, max_m, k, chunk_capacity
         self.transport = transport
         elem = torch.tensor([], dtype=dtype).element_size()
-        done = 2 * tp * chunk_capacity  # AgFlagLayout: chunk[tp][cap], avail[tp][cap], done[tp]
+        done = 2 * tp * chunk_capacity  # AgFlagLayout: chunk[tp][cap], avail[tp][cap], done[tp], sig[tp][words]
         nccl = transport == "nccl"
-        super().__init__(group, data_bytes=max_m * k * elem, flag_words=done + tp,
+        super().__init__(group, data_bytes=max_m * k * elem, flag_words=done + tp + tp * SIGNATURE_WORDS,
                          handshake_words=slice(done, done + tp), num_comm_streams=1 if nccl else tp, what="ag_gemm",
                          graph_protocol=graph_protocol, dtype=dtype, max_m=max_m, inner=k, capacity=chunk_capacity,
                          peer_mapped=not nccl)
@@ -296,9 +299,11 @@ class RsWorkspace(Workspace):
         tiles_m = -(-(-(-self.slot_rows // min_tile)) // 2) * 2
         self.flags_per_source = tiles_m * -(-n // min_tile)
         elem = torch.tensor([], dtype=dtype).element_size()
-        consumed = tp * self.flags_per_source  # flag[tp][per_source], consumed[tp], count[tp][per_source]
+        # flag[tp][per_source], consumed[tp], count[tp][per_source], sig[tp][words] (csrc/runtime/gemm_rs.cpp)
+        consumed = tp * self.flags_per_source
         super().__init__(group, data_bytes=tp * self.slot_rows * n * elem,
-                         flag_words=2 * tp * self.flags_per_source + tp, handshake_words=slice(consumed, consumed + tp),
+                         flag_words=2 * tp * self.flags_per_source + tp + tp * SIGNATURE_WORDS,
+                         handshake_words=slice(consumed, consumed + tp),
                          num_comm_streams=1 if nccl else tp - 1, what="gemm_rs", graph_protocol=graph_protocol,
                          dtype=dtype, max_m=max_m, inner=n, capacity=self.flags_per_source, peer_mapped=not nccl)
         # This rank's receive slots: slot s holds source s's partial of our rows.

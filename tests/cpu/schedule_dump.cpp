@@ -47,6 +47,7 @@ int dump_rs_chunks(int argc, char** argv) {
 int dump_constants() {
   std::printf("max_groups %d\ncluster_m %d\nsplit_max_fill_pct %d\nrs_chunk_cols %d\n", flux::kMaxGroups,
               flux::kClusterM, flux::kDefaultSplitMaxFillPct, flux::RsChunkGrid::kDefaultChunkCols);
+  std::printf("signature_words %d\nerror_record_words %d\n", flux::kSignatureWords, flux::kErrorRecordWords);
   for (int t = 0; t < flux::kNumTileConfigs; ++t)
     std::printf("tile %d %d %d\n", t, flux::tile_m(flux::TileConfig(t)), flux::tile_n(flux::TileConfig(t)));
   return 0;

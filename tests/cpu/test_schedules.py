@@ -202,5 +202,6 @@ def test_constants_match_the_cpp_headers(schedule_dump):
             cpp[name] = int(values[0])
     assert cpp == {"max_groups": schedules.MAX_TP, "cluster_m": schedules.CLUSTER_M,
                    "split_max_fill_pct": schedules.DEFAULT_STREAM_K_FILL,
-                   "rs_chunk_cols": schedules.DEFAULT_RS_CHUNK_COLS}
+                   "rs_chunk_cols": schedules.DEFAULT_RS_CHUNK_COLS, "signature_words": schedules.SIGNATURE_WORDS,
+                   "error_record_words": schedules.ERROR_RECORD_WORDS}
     assert tiles == schedules.TILE_CONFIGS

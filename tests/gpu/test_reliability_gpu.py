@@ -1,6 +1,7 @@
 """The fused ops when a peer misbehaves or a caller errs (2 GPUs, or one shared under FLUX_LAYERS_TEST_SHARED_GPU=1):
 a dead peer raises instead of hanging; a rejected call leaves the ranks in step; M = 0 is a no-op; a graph replay
-that times out is reported; ranks making different calls raise on every rank; the bad-input catalogue
+that times out is reported; ranks making different calls raise on every rank (new calls on the host, calls and
+replays out of step on the device); the bad-input catalogue
 (flux_layers/devtools/bad_inputs.py) is answered clearly; workspaces grow bounded and capped; a collective reset
 after a timeout; a short pipelined stress run (flux_layers/devtools/stress.py). Timeouts are short, so each test runs
 in seconds; benchmarks/reliability.py runs the long versions."""
@@ -177,6 +178,100 @@ def _mismatch(rank, tp, seed):
 
 def test_ranks_making_different_calls_raise_on_every_rank():
     run_distributed(_mismatch, TP, _seed(), backend="nccl")
+
+
+def _check_cached_workspaces():
+    """Raise the WorkspaceError any cached workspace recorded, once the work queued so far finished (bounded)."""
+    from flux_layers.runtime import workspace
+    for ws in list(workspace._cache.values()):
+        ws.check()
+
+
+# Transports whose call signatures the kernels compare: (FLUX_LAYERS_AG_MODE, AG_ORDER, RS_TRANSPORT).
+SIGNED_TRANSPORTS = {"push-mesh-direct": ("push", "mesh", "direct"), "pull-ring-copy": ("pull", "ring", "copy_engine")}
+
+
+def _out_of_step(rank, tp, seed, transports):
+    """Shapes every rank has decided, called out of step (rank 0 with 256 rows per rank, the others with 128): the
+    host-side check of a new call cannot see it, the kernels compare the calls' signatures and every rank raises
+    well before the timeout, naming both calls; workspace.reset() brings the ranks back in step."""
+    from flux_layers.runtime import workspace
+    from flux_layers.runtime.workspace import WorkspaceError
+    ag_mode, ag_order, rs_transport = transports
+    os.environ.update(FLUX_LAYERS_AG_MODE=ag_mode, FLUX_LAYERS_AG_ORDER=ag_order, FLUX_LAYERS_RS_TRANSPORT=rs_transport,
+                      FLUX_LAYERS_TIMEOUT_S="60")  # a wait that timed out would take a minute
+    poison_outputs()
+    mine, theirs = (256, 128) if rank == 0 else (128, 256)
+    for i, (op, call) in enumerate((("ag_gemm", _ag_call), ("gemm_rs", _rs_call))):
+        for rows in (256, 128):  # decided in step (the host-side check of a new call passes)
+            assert_close_rel(*call(rank, tp, seed + i, m=rows), f"rank {rank} {op} rows {rows} in step")
+        torch.cuda.synchronize()
+        dist.barrier()
+        began = time.monotonic()
+        with pytest.raises(WorkspaceError) as raised:
+            call(rank, tp, seed + i, m=mine)
+            _check_cached_workspaces()
+        seconds = time.monotonic() - began
+        message = str(raised.value)
+        assert "went out of step" in message, message
+        assert f"{op}(M={mine * tp}," in message and f"{op}(M={theirs * tp}," in message, message
+        assert seconds < 20, f"rank {rank}: the mismatch took {seconds:.1f} s (a timeout?)"
+        workspace.reset()
+    for i in range(2):  # every rank in step again
+        assert_close_rel(*_ag_call(rank, tp, seed + 10 + i), f"rank {rank} ag_gemm after the reset")
+        assert_close_rel(*_rs_call(rank, tp, seed + 10 + i), f"rank {rank} gemm_rs after the reset")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("transports", SIGNED_TRANSPORTS.values(), ids=SIGNED_TRANSPORTS.keys())
+def test_calls_out_of_step_raise_on_every_rank_from_the_device(transports):
+    run_distributed(_out_of_step, TP, _seed(), transports, backend="nccl", timeout_s=240)
+
+
+def _replays_out_of_step(rank, tp, seed):
+    """Two captured calls replayed in a different order on rank 0: the twin's kernels compare the signatures and
+    check_graph_replays() raises on every rank; a reset brings eager calls back."""
+    from flux_layers import ops
+    from flux_layers.runtime import workspace
+    from flux_layers.runtime.workspace import WorkspaceError
+    os.environ["FLUX_LAYERS_TIMEOUT_S"] = "60"
+    workspace.enable_cuda_graphs()
+    graphs, inputs, expected = {}, {}, {}
+    for rows in (256, 128):
+        x, w, _ = global_inputs(seed + rows, rows * tp, 256, 128, torch.bfloat16, "nt")
+        x_shard_m = x.chunk(tp)[rank].contiguous()
+        inputs[rows] = (x_shard_m, w)  # a graph's inputs must outlive its replays
+        ops.ag_gemm(x_shard_m, w, group=dist.group.WORLD, backend="fused")  # decided eagerly, in step
+        torch.cuda.synchronize()
+        graphs[rows] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[rows]):
+            out = ops.ag_gemm(x_shard_m, w, group=dist.group.WORLD, backend="fused")
+        expected[rows] = (out, *references(x, w, None, "nt"))
+    for rows in (256, 128):
+        graphs[rows].replay()
+    torch.cuda.synchronize()
+    for rows in (256, 128):
+        assert_close_rel(*expected[rows], f"rank {rank} replay of {rows} rows in step")
+    workspace.check_graph_replays()
+    dist.barrier()
+    graphs[256 if rank == 0 else 128].replay()
+    began = time.monotonic()
+    while True:
+        try:
+            workspace.check_graph_replays()
+        except WorkspaceError as exc:
+            assert "went out of step" in str(exc) and "(CUDA-graph twin)" in str(exc), str(exc)
+            break
+        assert time.monotonic() - began < 20, f"rank {rank}: the replays' mismatch was not reported"
+        time.sleep(0.01)
+    torch.cuda.synchronize()  # the twin's kernels gave up: the device drains
+    workspace.reset()
+    assert_close_rel(*_ag_call(rank, tp, seed + 1), f"rank {rank} ag_gemm after the reset")
+    torch.cuda.synchronize()
+
+
+def test_replays_out_of_step_are_reported_on_every_rank():
+    run_distributed(_replays_out_of_step, TP, _seed(), backend="nccl", timeout_s=240)
 
 
 def _bad_inputs(rank, tp, seed):

@@ -39,15 +39,23 @@ enum class FlagProtocol : int { kEpoch = 0, kCudaGraph = 1 };
 //   chunk[g][c] : rows chunk c of shard g are in this rank's gathered buffer     (the GEMM waits on these)
 //   avail[g][c] : chunk (g, c) can be pulled from this rank's source rank          (pull modes)
 //   done[p]     : rank p finished its previous call (its reads of our buffer and its writes into it)
+//   sig[p][kSignatureWords] : rank p's call signature (gemm_params.h), written before its first flag here
 struct AgFlagLayout {
   int tp;
   int chunk_capacity;  // chunks per shard the workspace was sized for
   int64_t chunk(int g, int c) const { return int64_t(g) * chunk_capacity + c; }
   int64_t avail(int g, int c) const { return int64_t(tp) * chunk_capacity + int64_t(g) * chunk_capacity + c; }
   int64_t done(int p) const { return 2 * int64_t(tp) * chunk_capacity + p; }
+  int64_t signature(int p) const { return 2 * int64_t(tp) * chunk_capacity + tp + int64_t(p) * kSignatureWords; }
   int64_t data_words() const { return 2 * int64_t(tp) * chunk_capacity; }  // chunk and avail: cleared per call
-  int64_t words() const { return 2 * int64_t(tp) * chunk_capacity + tp; }
+  int64_t words() const { return signature(tp); }
 };
+
+// The reduce-scatter workspace's signature slots follow its flag[tp][fps], consumed[tp] and count[tp][fps] words
+// (csrc/runtime/gemm_rs.cpp): sig[p][kSignatureWords] is rank p's call signature.
+constexpr int64_t rs_signature_word(int tp, int64_t flags_per_source, int p) {
+  return 2 * int64_t(tp) * flags_per_source + tp + int64_t(p) * kSignatureWords;
+}
 
 struct AgGemmArgs {
   // operands (this rank)
@@ -164,6 +172,10 @@ struct FlagOp {
 };
 constexpr int kMaxFlagOps = kMaxGroups + 1;
 void stream_write_u32_all(cudaStream_t stream, const FlagOp* writes, int count);
+
+// Appends the writes of signature `words` into the slot at `slot` (kSignatureWords flag words) to `ops`; returns
+// the new count. Put in the same batch before a flag write, they reach the peer before that flag.
+int add_signature_writes(FlagOp* ops, int count, uint32_t* slot, const uint32_t* words);
 void stream_wait_u32_geq_all(cudaStream_t stream, const FlagOp* waits, int count);
 
 // Where the end of each call of a workspace writes its epoch (host-mapped memory, read by the watchdog without a

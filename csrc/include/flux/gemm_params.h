@@ -35,14 +35,40 @@ constexpr int kDefaultSplitMaxFillPct = 75;
 enum class DType : int { kBF16 = 0, kFP16 = 1 };
 enum class WeightLayout : int { kNT = 0 /* W [N, K]: x @ W^T */, kNN = 1 /* W [K, N]: x @ W */ };
 
-// Error codes written into GemmProblem::error_record[0] when a bounded wait times out.
+// Error codes written into GemmProblem::error_record[0] when a bounded wait times out, or when a peer's call
+// differs from this rank's.
 enum WaitError : int {
   kNoError = 0,
   kChunkTimeout = 1,
   kTileTimeout = 2,
   kConsumedTimeout = 3,
-  kSplitTimeout = 4,  // a stream-K reducer waited too long for a partial of its own grid (a kernel bug)
+  kSplitTimeout = 4,       // a stream-K reducer waited too long for a partial of its own grid (a kernel bug)
+  kSignatureMismatch = 5,  // a peer's call signature (below) differs from this rank's
 };
+
+// The error record: host-mapped int[kErrorRecordWords], written once by the first failing waiter (error_claim):
+//   {code, rank, index, epoch, observed flag}: a timed-out wait (index: the flag's, see describe_record);
+//   {kSignatureMismatch, rank, peer, epoch, peer's signature words 0-2, this rank's words 1-2}.
+constexpr int kErrorRecordWords = 9;
+
+// A fused call's signature: what the ranks of a group must agree on, call by call. Each rank writes its signature
+// into every peer it sends to (the peer's signature slot for it) before the first flag of the call there; the
+// peer's kernel compares it with its own after that flag, so ranks whose calls went out of step (the same shapes
+// in a different order, a skipped call) stop at once with both calls named instead of exchanging mismatched data.
+//   word 0: the epoch (1 under the CUDA-graph flag protocol)
+//   word 1: rows per rank (Mg)
+//   word 2: the other dimension the ranks share (N per rank for AllGather+GEMM, K per rank for GEMM+ReduceScatter)
+//           << 6 | transport << 2 | weight layout << 1 | op (0: ag_gemm, 1: gemm_rs)
+// transport: ag_gemm: AgMode * 2 + AgOrder (pull/push x mesh/ring); gemm_rs: 0 direct stores, 1 copy engine.
+constexpr int kSignatureWords = 3;
+constexpr uint32_t signature_shape_word(int op, int layout, int transport, int64_t dim) {
+  return uint32_t(dim) << 6 | uint32_t(transport & 15) << 2 | uint32_t(layout & 1) << 1 | uint32_t(op & 1);
+}
+constexpr int signature_op(uint32_t word2) { return int(word2 & 1u); }
+constexpr int signature_layout(uint32_t word2) { return int(word2 >> 1 & 1u); }
+constexpr int signature_transport(uint32_t word2) { return int(word2 >> 2 & 15u); }
+constexpr int64_t signature_dim(uint32_t word2) { return int64_t(word2 >> 6); }
+constexpr int64_t kMaxSignatureDim = int64_t(1) << 26;  // the dimension's bits in word 2
 
 // How the persistent grid runs one problem; the fused operators' arguments carry the same struct.
 struct LaunchOptions {
@@ -103,12 +129,21 @@ struct GemmProblem {
   // engine waits for a chunk's count, moves the chunk into g's receive slot and raises g's flag for it.
   uint32_t* rs_stage_counters = nullptr;
 
+  // ReduceScatter direct stores: destination g's signature slot for this rank (null: the host writes it, or
+  // there is none); a CTA writes it before its first flag at g.
+  uint32_t* rs_signature_out[kMaxGroups] = {nullptr};
+
   // ---- synchronisation common to both
   uint32_t epoch = 0;
   uint64_t timeout_ns = 0;
-  int* error_record = nullptr;  // host-mapped int[5]: {code, rank, index, epoch, observed value} of the first timeout
-  int* error_claim = nullptr;   // device int: claimed (non-zero) by the first waiter that times out
+  int* error_record = nullptr;  // host-mapped int[kErrorRecordWords]: the first failure (see kErrorRecordWords)
+  int* error_claim = nullptr;   // device int: claimed (non-zero) by the first waiter that fails
   int rank = 0;
+  // Call signatures (kSignatureWords): peer_signatures[s * kSignatureWords + i] is what rank s wrote here for its
+  // call; after a flag of rank s's, the kernel compares it with `signature` where bit s of signature_sources is set.
+  const uint32_t* peer_signatures = nullptr;
+  uint32_t signature_sources = 0;
+  uint32_t signature[kSignatureWords] = {0, 0, 0};
 
   // ---- launch
   LaunchOptions launch;

@@ -51,7 +51,7 @@ struct WorkspaceConfig {
   std::vector<uint32_t*> flags;    // every rank's flag words (only this rank's where !peer_mapped)
   bool peer_mapped = true;         // false: local memory, peers' pointers null (AgMode::kExternal plans only)
   std::vector<cudaStream_t> comm;  // owned by the caller, outlive this object
-  int* error_record = nullptr;     // host-mapped int[5] {code, rank, index, epoch, observed}
+  int* error_record = nullptr;     // host-mapped int[kErrorRecordWords] (gemm_params.h)
   int* error_claim = nullptr;      // device int
   bool graph_protocol = false;
   uint64_t timeout_ns = 0;
