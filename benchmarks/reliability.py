@@ -4,7 +4,7 @@
 |---|---|---|
 | ``peer_death`` | after two good calls the last rank exits; the others go on calling (a call, then a device sync, as a training step) | ``raised`` (WorkspaceError on every survivor), ``seconds`` from the first call after the death to the raise (max over survivors), ``timeout_s``, ``message``, ``names_peer`` |
 | ``rejected_call_then_valid`` | rank 0 alone makes rejected calls (Python checks and the op library's), then M = 0 calls, then valid calls on every rank | ``ok`` (rejections raised, epochs equal across ranks, M = 0 a no-op, valid calls right) |
-| ``graph_replay_timeout`` | a captured call replays on rank 0 only | ``raised`` (``workspace.check_graph_replays()`` raised within timeout + 10 s), ``seconds``, ``eager_call_raised`` (the next eager call on the workspace raises), ``drained`` (after ``release()``) |
+| ``graph_replay_timeout`` | a captured call replays on rank 0 only | ``raised`` (``workspace.check_graph_replays()`` raised within timeout + 10 s), ``seconds``, ``eager_call_raised`` (the next eager call on the workspace raises), ``later_replays_nan`` (three more replays, still alone, finish and yield NaN), ``later_replay_max_s``, ``drained`` (after ``release()``) |
 | ``rank_mismatch`` | ranks make different fused calls (M, layout, op: checked on the host when a call is new), or calls of known shapes out of step (``out_of_step_*``: checked on the device) | ``raised_on_both`` (ValueError, or WorkspaceError for the device variants, on every rank, for every variant), ``names_every_rank`` (every rank's call in the message; device variants: the two calls that met), ``later_ok``, ``device_seconds`` (longest time to the device variants' error) |
 | ``bad_inputs`` | the catalogue of flux_layers/devtools/bad_inputs.py, a valid call of each op after each case | ``cases``, ``unclear`` (raised without naming the argument and the rule), ``not_raised``, ``later_calls_ok``, ``epoch_advanced`` |
 | ``workspace_growth`` | M grows call to call (both ops); then the cap FLUX_LAYERS_WORKSPACE_MAX_GIB is set below the next size | ``bounded``, ``peak_gib``, ``final_workspace_gib``, ``created_gib``, ``outgrown_freed``, ``cap_raised``, ``cap_message``, ``after_cap_ok`` |
@@ -244,6 +244,17 @@ def graph_replay_timeout(rank, tp, opts, out_dir):
             eager_raised = False
         except WorkspaceError:
             eager_raised = True
+        # Later replays, still alone, without releasing the twin here: they must run through (the watchdog keeps a
+        # failed twin released) and yield NaN (the GEMM of a failed call), not hang or return numbers.
+        later_nan, later_s = True, 0.0
+        for _ in range(3):
+            graph.replay()
+            finished, began = torch.cuda.Event(), time.monotonic()
+            finished.record()
+            while not finished.query() and time.monotonic() - began < timeout + 10:
+                time.sleep(0.01)
+            later_s = max(later_s, time.monotonic() - began)
+            later_nan = later_nan and finished.query() and bool(torch.isnan(out).all())
         twin.release()
         drained = torch.cuda.Event()
         drained.record()
@@ -251,7 +262,7 @@ def graph_replay_timeout(rank, tp, opts, out_dir):
         while not drained.query() and time.monotonic() < deadline:
             time.sleep(0.01)
         record.update(raised=raised, seconds=round(seconds, 2), message=message, eager_call_raised=eager_raised,
-                      drained=drained.query())
+                      later_replays_nan=later_nan, later_replay_max_s=round(later_s, 3), drained=drained.query())
         open(done, "w").close()
     else:
         record["rank0_finished"] = _wait_for(done, 3 * timeout + 30)
@@ -263,7 +274,9 @@ def _merge_graph_timeout(records, opts):
     r0 = records.get(0, {})
     return {"raised": bool(r0.get("raised")), "seconds": r0.get("seconds"), "timeout_s": opts["graph_timeout_s"],
             "message": r0.get("message"), "eager_call_raised": r0.get("eager_call_raised"),
-            "drained": r0.get("drained"), "replay_ok_before": all(r.get("replay_ok") for r in records.values())}
+            "drained": r0.get("drained"), "later_replays_nan": r0.get("later_replays_nan"),
+            "later_replay_max_s": r0.get("later_replay_max_s"),
+            "replay_ok_before": all(r.get("replay_ok") for r in records.values())}
 
 
 def rank_mismatch(rank, tp, opts, out_dir):

@@ -280,6 +280,22 @@ struct GemmKernel {
     asm volatile("fence.proxy.async.global;" ::: "memory");
   }
 
+  // ---------------------------------------------------------------- failed calls
+  // A call whose workspace recorded a failure (a wait of this call or of an earlier one timed out, or a peer's
+  // signature differed) produces NaN, not numbers that look right: its waits give up (bounded_wait), so the data
+  // its tiles read may be missing or another call's. This matters for a CUDA-graph twin, whose replays run no host
+  // check: every replay after its failure yields NaN until the host reports it (eager calls are refused by the host).
+  // The schedule, the stores, the flags and the counts go on as usual, so no peer or copy stream waits for a tile
+  // that never comes, and the CTAs of a cluster stay in step.
+  CUTLASS_DEVICE static bool call_failed(GemmProblem const& p) {
+    return p.error_claim != nullptr && *reinterpret_cast<volatile int const*>(p.error_claim) != 0;
+  }
+  template <class Accum>
+  CUTLASS_DEVICE static void poison(Accum& accum) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(accum); ++i) accum(i) = __int_as_float(0x7fc00000);
+  }
+
   // ---------------------------------------------------------------- stream-K partials
   // Layout of a CTA's partial: float4 j of consumer thread i at [j * kMmaThreads + i] (coalesced; the reducer
   // reads it back with the same thread/fragment mapping, so no shuffle is needed).
@@ -648,10 +664,12 @@ struct GemmKernel {
           }
         }
         int const k_count = seg.k_end - seg.k_begin;
+        bool const refused = call_failed(p);  // read before the mainloop, which hides the load
         Tensor accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
         collective.mma(pipeline, read_state, accum, k_count, mma_thread_idx, ss.mainloop, params.mainloop_own);
         collective.mma_tail(pipeline, read_state, k_count);
         read_state.advance(k_count);
+        if (refused) poison(accum);
         if constexpr (kSplitCapable) {
           if (seg.k_begin > 0) {  // a later segment of a split item: hand the partial to the item's reducer
             store_partial(params, accum, cluster_id * kClusterM + cluster_rank_m, mma_thread_idx);

@@ -112,13 +112,18 @@ WorkspaceState::WorkspaceState(WorkspaceConfig config) : cfg_(std::move(config))
     FLUX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&completion_host_), bytes, cudaHostAllocMapped));
     std::memset(completion_host_, 0, bytes);
     FLUX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&completion_device_), completion_host_, 0));
-    Watchdog::instance().add(this);
+  } else {
+    FLUX_CUDA_CHECK(cudaEventCreateWithFlags(&twin_release_done_, cudaEventDisableTiming));
   }
+  Watchdog::instance().add(this);
 }
 
 WorkspaceState::~WorkspaceState() {
   Watchdog::instance().remove(this);
-  // No throw from a destructor: a failure here leaks an event or a stream.
+  // No throw from a destructor: a failure here leaks an event or a stream. A twin's pending release must not write
+  // into flags that are freed after this object.
+  if (twin_release_pending_) cudaEventSynchronize(twin_release_done_);
+  if (twin_release_done_ != nullptr) cudaEventDestroy(twin_release_done_);
   for (auto& e : events_)
     if (e != nullptr) cudaEventDestroy(e);
   if (completion_host_ != nullptr) cudaFreeHost(completion_host_);
@@ -142,6 +147,7 @@ bool WorkspaceState::completed(uint32_t epoch) const {
 }
 
 void WorkspaceState::poll() {
+  if (cfg_.graph_protocol) return keep_twin_released();
   std::lock_guard<std::mutex> lock(watch_mu_);
   while (!watched_.empty() && completed(watched_.front().epoch)) {
     watched_.pop_front();
@@ -203,6 +209,18 @@ void WorkspaceState::release(uint32_t epoch) {
   // Every wait on this rank's flags returns (epoch comparisons are wrap-safe: 0x7f7f7f7f is ahead of any epoch).
   cudaMemsetAsync(cfg_.flags[cfg_.rank], 0x7f, size_t(words) * 4, release_stream_);
   cudaStreamSynchronize(release_stream_);
+}
+
+void WorkspaceState::keep_twin_released() {
+  if (failure().empty()) return;
+  // One release in flight at a time, and never a wait for it here: with a single hardware queue
+  // (CUDA_DEVICE_MAX_CONNECTIONS=1) it may be stuck behind a blocked stream wait, and this thread serves every
+  // workspace of the process.
+  if (twin_release_pending_ && cudaEventQuery(twin_release_done_) == cudaErrorNotReady) return;
+  if (cudaSetDevice(cfg_.device) != cudaSuccess) return;
+  mark_failed(cfg_.what + ": released after a failed replay");  // keeps the recorded failure if there is one
+  cudaMemsetAsync(cfg_.flags[cfg_.rank], 0x7f, size_t(flag_words()) * 4, release_stream_);
+  twin_release_pending_ = cudaEventRecord(twin_release_done_, release_stream_) == cudaSuccess;
 }
 
 int WorkspaceState::add_plan(const CallPlan& plan) {

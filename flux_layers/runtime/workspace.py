@@ -470,9 +470,10 @@ def get_rs_workspace(group, dtype: torch.dtype, m: int, n: int, nccl: bool = Fal
 
 
 def check_graph_replays() -> None:
-    """Raise :class:`WorkspaceError` if a CUDA-graph twin recorded a timeout during a replay. Replays run no host
-    code, so this (a read of host memory, no synchronization; e.g. once per step after the replays) and the next
-    eager call on the workspace are where such a timeout surfaces; the twin's later replays produce garbage."""
+    """Raise :class:`WorkspaceError` if a CUDA-graph twin recorded a failure during a replay (a wait that timed out,
+    a peer's call out of step). Replays run no host code, so this (a read of host memory, no synchronization; e.g.
+    once per step after the replays) and the next eager call on the workspace are where such a failure surfaces; the
+    twin's later replays run through (the watchdog keeps it released) and their outputs are NaN."""
     for ws in list(_cache.values()) + _retired:
         if ws.graph_twin is not None:
             ws.graph_twin.raise_if_failed()

@@ -149,8 +149,19 @@ def _graph_timeout(rank, tp, seed, done):
             time.sleep(0.01)
         with pytest.raises(WorkspaceError):  # the next eager call on the workspace reports it too
             call()
+        for i in range(3):  # later replays, still without the peer: they run through and yield NaN
+            graph.replay()
+            finished = torch.cuda.Event()
+            finished.record()
+            began = time.monotonic()
+            while not finished.query():
+                assert time.monotonic() - began < 10, f"replay {i} after the failure hangs"
+                time.sleep(0.01)
+            assert torch.isnan(out).all(), f"replay {i} after the failure wrote numbers, not NaN"
+        with pytest.raises(WorkspaceError, match="rank 0 timed out"):
+            workspace.check_graph_replays()
         twin.release()
-        torch.cuda.synchronize()  # the released twin lets the device drain
+        torch.cuda.synchronize()
         open(done, "w").close()
     else:
         deadline = time.monotonic() + 3 * TIMEOUT_S + 30

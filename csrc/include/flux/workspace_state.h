@@ -67,6 +67,11 @@ struct WorkspaceConfig {
 // peer this rank waits for, records the failure, and sets this rank's flags to their maximum so that every wait
 // returns, including stream waits on comm streams the compute stream no longer waits for, and the process can
 // shut down (outputs of that call are garbage; the workspace refuses further calls).
+// A CUDA-graph twin is not watched call by call (its replays run no host code), but once it failed (a wait of a
+// replay timed out, a signature differed, or it was released) the watchdog keeps its flags at their maximum: every
+// replay clears its handshake words, so without a peer that still replays the next replay would wait for ever. So
+// later replays run through (their GEMM yields NaN, gemm_sm90.cuh) instead of hanging, until the host reports the
+// failure (workspace.check_graph_replays(), the next eager call).
 class WorkspaceState {
  public:
   explicit WorkspaceState(WorkspaceConfig config);
@@ -96,13 +101,14 @@ class WorkspaceState {
   uint32_t* completion_ring() const { return completion_device_; }
   // After a call's work is enqueued (not under capture: replays are not watched).
   void watch_call(uint32_t epoch);
-  // The watchdog's check (its thread): retire finished calls, release a hung one.
+  // The watchdog's check (its thread): retire finished calls, release a hung one; keep a failed twin released.
   void poll();
 
  private:
   std::string describe_record() const;
   std::string lagging_peer(const std::vector<uint32_t>& flags, uint32_t epoch) const;
   void release(uint32_t epoch);
+  void keep_twin_released();
   int64_t flag_words() const;
 
   bool completed(uint32_t epoch) const;
@@ -117,6 +123,8 @@ class WorkspaceState {
   uint32_t* completion_device_ = nullptr;
   cudaStream_t release_stream_ = nullptr;  // non-blocking: not held up by the streams it unblocks
   bool released_ = false;
+  cudaEvent_t twin_release_done_ = nullptr;  // after a failed twin's last release (the next waits for it)
+  bool twin_release_pending_ = false;
 
   WorkspaceConfig cfg_;
   int sms_ = 0;
