@@ -2,7 +2,7 @@
 
 | scenario | what happens | recorded |
 |---|---|---|
-| ``peer_death`` | after two good calls the last rank exits; the others go on calling (a call, then a device sync, as a training step) | ``raised`` (WorkspaceError on every survivor), ``seconds`` from the first call after the death to the raise (max over survivors), ``timeout_s``, ``message``, ``names_peer`` |
+| ``peer_death`` | after two good calls the last rank exits; the others enqueue three calls and synchronize, then go on calling (a call, then a device sync, as a training step) | ``raised`` (WorkspaceError on every survivor), ``seconds`` from the first call after the death to the raise (max over survivors), ``timeout_s``, ``message``, ``names_peer``, ``pipelined_drain_s`` (until the three enqueued calls drained) |
 | ``rejected_call_then_valid`` | rank 0 alone makes rejected calls (Python checks and the op library's), then M = 0 calls, then valid calls on every rank | ``ok`` (rejections raised, epochs equal across ranks, M = 0 a no-op, valid calls right) |
 | ``graph_replay_timeout`` | a captured call replays on rank 0 only | ``raised`` (``workspace.check_graph_replays()`` raised within timeout + 10 s), ``seconds``, ``eager_call_raised`` (the next eager call on the workspace raises), ``later_replays_nan`` (three more replays, still alone, finish and yield NaN), ``later_replay_max_s``, ``drained`` (after ``release()``) |
 | ``rank_mismatch`` | ranks make different fused calls (M, layout, op: checked on the host when a call is new), or calls of known shapes out of step (``out_of_step_*``: checked on the device) | ``raised_on_both`` (ValueError, or WorkspaceError for the device variants, on every rank, for every variant), ``names_every_rank`` (every rank's call in the message; device variants: the two calls that met), ``later_ok``, ``device_seconds`` (longest time to the device variants' error) |
@@ -116,9 +116,19 @@ def peer_death(rank, tp, opts, out_dir):
         os._exit(0)  # between calls: no error, no goodbye
     _say(rank, f"rank {tp - 1} exited; calling on with FLUX_LAYERS timeout {opts['timeout_s']} s")
     began = time.monotonic()
-    raised, message, calls = False, None, 0
+    raised, message, calls, drained_s = False, None, 0, None
     try:
-        for i in range(opts["peer_death_calls"]):  # a training loop: a call, then a sync (a loss read)
+        # As a training step does: calls enqueued back to back, then a sync. Behind the first, which waits for the
+        # dead rank's chunks, the next ones' stream waits for its handshake would hold the only hardware queue under
+        # CUDA_DEVICE_MAX_CONNECTIONS=1 but for the kernel's own release.
+        x = torch.randn(256, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(N // tp, K, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            _fused_ag(x, w, group=dist.group.WORLD, ws=ws)
+            calls += 1
+        torch.cuda.synchronize()
+        drained_s = time.monotonic() - began
+        for i in range(opts["peer_death_calls"]):  # then a call and a sync (a loss read) at a time
             _valid(rank, tp, "ag_gemm", opts["seed"] + 10 + i, ws=ws)
             calls += 1
             torch.cuda.synchronize()
@@ -126,7 +136,8 @@ def peer_death(rank, tp, opts, out_dir):
         raised, message = True, str(exc)
     seconds = time.monotonic() - began
     _write(out_dir, rank, {"role": "survivor", "raised": raised, "seconds": round(seconds, 2), "message": message,
-                           "calls_before_raise": calls, "good_before": all(ok for ok, _ in before)})
+                           "calls_before_raise": calls, "good_before": all(ok for ok, _ in before),
+                           "pipelined_drain_s": None if drained_s is None else round(drained_s, 2)})
     os._exit(0)  # the peer is gone: no collective shutdown
 
 
@@ -138,7 +149,9 @@ def _merge_peer_death(records, opts):
             "timeout_s": opts["timeout_s"], "message": survivors[0]["message"] if survivors else None,
             "names_peer": bool(survivors) and all(f"rank {tp - 1}" in (r["message"] or "") for r in survivors),
             "within_timeout_plus_10s": seconds is not None and seconds <= opts["timeout_s"] + 10,
-            "survivors": len(survivors), "good_before": all(r["good_before"] for r in survivors)}
+            "survivors": len(survivors), "good_before": all(r["good_before"] for r in survivors),
+            "pipelined_calls": 3,
+            "pipelined_drain_s": max((r["pipelined_drain_s"] or 0 for r in survivors), default=None)}
 
 
 def rejected_call_then_valid(rank, tp, opts, out_dir):

@@ -688,6 +688,10 @@ struct GemmKernel {
       }
       // Shared memory must outlive the last TMA stores' reads (their writes complete with the grid).
       if (mma_thread_idx == 0) cute::tma_store_wait<0>();
+      // A call on a failed workspace (a CUDA-graph replay after its twin failed) releases this rank's waits again at
+      // its end: the replay cleared its handshake words at its start (CUDA-graph protocol), and the next replay's
+      // handshake wait may come before anything else in the only hardware queue.
+      if (mma_thread_idx == 0 && blockIdx.x == 0 && call_failed(p)) release_own_flags(p);
     }
 #endif
   }

@@ -47,6 +47,14 @@ __device__ __forceinline__ bool epoch_reached(uint32_t flag, uint32_t epoch) {
   return static_cast<int32_t>(flag - epoch) >= 0;  // wrap-safe
 }
 
+// Every wait on this rank's flags returns (GemmProblem::release_words; 0x7f7f7f7f is ahead of any epoch, as the
+// host's release writes). One thread; the words are few (flags, handshakes, chunk counts of one workspace).
+__device__ __forceinline__ void release_own_flags(const GemmProblem& p) {
+  volatile uint32_t* words = p.release_words;
+  for (int64_t i = 0; i < p.release_count; ++i) words[i] = 0x7f7f7f7fu;
+  __threadfence_system();
+}
+
 // The error record is host-mapped pinned memory {code, rank, index, epoch, observed flag}, readable by the host without
 // a synchronisation; the first waiter to time out claims it through a device-memory word (error_claim).
 __device__ __forceinline__ void record_timeout(const GemmProblem& p, int code, int index, uint32_t observed) {
@@ -60,6 +68,7 @@ __device__ __forceinline__ void record_timeout(const GemmProblem& p, int code, i
     __threadfence_system();
     rec[0] = code;
     __threadfence_system();
+    release_own_flags(p);
   }
 }
 
@@ -85,6 +94,7 @@ __device__ __forceinline__ void check_signature(const GemmProblem& p, int src) {
     __threadfence_system();
     rec[0] = kSignatureMismatch;
     __threadfence_system();
+    release_own_flags(p);
   }
 }
 

@@ -245,6 +245,8 @@ GemmProblem gemm_problem(const AgPlan& p) {
   g.error_record = a.error_record;
   g.error_claim = a.error_claim;
   g.rank = a.rank;
+  g.release_words = p.my(0);  // chunk, avail and done: every word a wait of this rank reads
+  g.release_count = p.flags.data_words() + a.tp;
   if (a.mode != AgMode::kExternal) {  // external transfers: no peer writes here, nothing to compare
     g.peer_signatures = p.my(p.flags.signature(0));
     int const left = (a.rank - 1 + a.tp) % a.tp;

@@ -120,6 +120,8 @@ void gemm_rs(const GemmRsArgs& a) {
   g.error_claim = a.error_claim;
   g.rank = r;
   g.launch = a.launch;
+  g.release_words = a.flags[r];  // flag, consumed and count: every word a wait of this rank reads
+  g.release_count = 2 * int64_t(a.tp) * fps + a.tp;
   if (!external) {
     g.peer_signatures = a.flags[r] + rs_signature_word(a.tp, fps, 0);
     for (int q = 0; q < a.tp; ++q)

@@ -112,18 +112,18 @@ WorkspaceState::WorkspaceState(WorkspaceConfig config) : cfg_(std::move(config))
     FLUX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&completion_host_), bytes, cudaHostAllocMapped));
     std::memset(completion_host_, 0, bytes);
     FLUX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&completion_device_), completion_host_, 0));
-  } else {
-    FLUX_CUDA_CHECK(cudaEventCreateWithFlags(&twin_release_done_, cudaEventDisableTiming));
   }
+  FLUX_CUDA_CHECK(cudaEventCreateWithFlags(&release_done_, cudaEventDisableTiming));
   Watchdog::instance().add(this);
 }
 
 WorkspaceState::~WorkspaceState() {
   Watchdog::instance().remove(this);
-  // No throw from a destructor: a failure here leaks an event or a stream. A twin's pending release must not write
-  // into flags that are freed after this object.
-  if (twin_release_pending_) cudaEventSynchronize(twin_release_done_);
-  if (twin_release_done_ != nullptr) cudaEventDestroy(twin_release_done_);
+  // No throw from a destructor: a failure here leaks an event or a stream. A pending release must not write into
+  // flags that are freed after this object.
+  if (release_pending_) cudaEventSynchronize(release_done_);
+  if (release_done_ != nullptr) cudaEventDestroy(release_done_);
+  if (flags_host_ != nullptr) cudaFreeHost(flags_host_);
   for (auto& e : events_)
     if (e != nullptr) cudaEventDestroy(e);
   if (completion_host_ != nullptr) cudaFreeHost(completion_host_);
@@ -191,24 +191,44 @@ std::string WorkspaceState::lagging_peer(const std::vector<uint32_t>& f, uint32_
   return "its peers (every flag of this call arrived: the GPU may be stalled by other work)";
 }
 
+void WorkspaceState::release_flags_async() {
+  // Every wait on this rank's flags returns (epoch comparisons are wrap-safe: 0x7f7f7f7f is ahead of any epoch).
+  cudaMemsetAsync(cfg_.flags[cfg_.rank], 0x7f, size_t(flag_words()) * 4, release_stream_);
+  release_pending_ = cudaEventRecord(release_done_, release_stream_) == cudaSuccess;
+}
+
 void WorkspaceState::release(uint32_t epoch) {
   released_ = true;
   int64_t const words = flag_words();
-  std::vector<uint32_t> flags(size_t(words), 0);
   std::string waits_for = "its peers";
-  if (cudaMemcpyAsync(flags.data(), cfg_.flags[cfg_.rank], size_t(words) * 4, cudaMemcpyDeviceToHost,
-                      release_stream_) == cudaSuccess &&
-      cudaStreamSynchronize(release_stream_) == cudaSuccess)
-    waits_for = lagging_peer(flags, epoch);
+  // Read this rank's flags to name the peer, waiting at most 0.2 s: where a blocked stream wait holds the only
+  // hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) the copy waits behind it (the kernels' own release, by the
+  // device, is what unblocks such a queue).
+  if (flags_host_ == nullptr &&
+      cudaHostAlloc(reinterpret_cast<void**>(&flags_host_), size_t(words) * 4, cudaHostAllocDefault) != cudaSuccess)
+    flags_host_ = nullptr;
+  if (flags_host_ != nullptr &&
+      cudaMemcpyAsync(flags_host_, cfg_.flags[cfg_.rank], size_t(words) * 4, cudaMemcpyDeviceToHost, release_stream_) ==
+          cudaSuccess &&
+      cudaEventRecord(release_done_, release_stream_) == cudaSuccess) {
+    bool copied = false;
+    for (int i = 0; i < 200 && !copied; ++i) {
+      copied = cudaEventQuery(release_done_) == cudaSuccess;
+      if (!copied) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (copied) {
+      waits_for = lagging_peer(std::vector<uint32_t>(flags_host_, flags_host_ + words), epoch);
+    } else {
+      waits_for = "its peers (the device did not answer within 0.2 s: a stream wait holds its hardware queue)";
+    }
+  }
   std::ostringstream os;
   os << cfg_.what << ": rank " << cfg_.rank << " timed out after " << double(cfg_.timeout_ns) * 1e-9
      << " s waiting for " << waits_for << " (epoch " << epoch << "; the call did not finish, watchdog). A peer rank "
      << "did not enter the call, crashed, or is slower than FLUX_LAYERS_TIMEOUT_S allows. Its waits were released so "
         "that the process can shut down: outputs of that call are invalid and this workspace cannot be used again.";
   mark_failed(os.str());
-  // Every wait on this rank's flags returns (epoch comparisons are wrap-safe: 0x7f7f7f7f is ahead of any epoch).
-  cudaMemsetAsync(cfg_.flags[cfg_.rank], 0x7f, size_t(words) * 4, release_stream_);
-  cudaStreamSynchronize(release_stream_);
+  release_flags_async();  // not waited for (see above)
 }
 
 void WorkspaceState::keep_twin_released() {
@@ -216,11 +236,10 @@ void WorkspaceState::keep_twin_released() {
   // One release in flight at a time, and never a wait for it here: with a single hardware queue
   // (CUDA_DEVICE_MAX_CONNECTIONS=1) it may be stuck behind a blocked stream wait, and this thread serves every
   // workspace of the process.
-  if (twin_release_pending_ && cudaEventQuery(twin_release_done_) == cudaErrorNotReady) return;
+  if (release_pending_ && cudaEventQuery(release_done_) == cudaErrorNotReady) return;
   if (cudaSetDevice(cfg_.device) != cudaSuccess) return;
   mark_failed(cfg_.what + ": released after a failed replay");  // keeps the recorded failure if there is one
-  cudaMemsetAsync(cfg_.flags[cfg_.rank], 0x7f, size_t(flag_words()) * 4, release_stream_);
-  twin_release_pending_ = cudaEventRecord(twin_release_done_, release_stream_) == cudaSuccess;
+  release_flags_async();
 }
 
 int WorkspaceState::add_plan(const CallPlan& plan) {

@@ -74,7 +74,14 @@ def _peer_death(rank, tp, seed):
     os._exit(0)  # the peer is gone: no collective shutdown
 
 
-def test_dead_peer_raises_instead_of_hanging():
+# The default, and the single hardware queue Megatron asks for, where a blocked stream wait holds every stream's work
+# (the host's release included): there the kernels release this rank's waits themselves.
+CONNECTIONS = ["8", "1"]
+
+
+@pytest.mark.parametrize("connections", CONNECTIONS)
+def test_dead_peer_raises_instead_of_hanging(connections, monkeypatch):
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", connections)
     run_distributed(_peer_death, TP, _seed(), backend="nccl", timeout_s=180)
 
 
@@ -171,7 +178,9 @@ def _graph_timeout(rank, tp, seed, done):
     os._exit(0)  # the twin is unusable: no collective shutdown
 
 
-def test_graph_replay_timeout_is_reported(tmp_path):
+@pytest.mark.parametrize("connections", CONNECTIONS)
+def test_graph_replay_timeout_is_reported(tmp_path, connections, monkeypatch):
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", connections)
     run_distributed(_graph_timeout, TP, _seed(), str(tmp_path / "done"), backend="nccl", timeout_s=120)
 
 

@@ -144,6 +144,12 @@ struct GemmProblem {
   const uint32_t* peer_signatures = nullptr;
   uint32_t signature_sources = 0;
   uint32_t signature[kSignatureWords] = {0, 0, 0};
+  // This rank's flag words that its stream and kernel waits read (null: none). The waiter that claims the error
+  // record sets them all to their maximum from the device, and so does a call that starts on a workspace that
+  // already failed: every wait queued behind it returns without the host, even where a blocked stream wait holds
+  // the only hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) and the host's release could not get through.
+  uint32_t* release_words = nullptr;
+  int64_t release_count = 0;
 
   // ---- launch
   LaunchOptions launch;

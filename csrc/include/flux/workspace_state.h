@@ -123,8 +123,12 @@ class WorkspaceState {
   uint32_t* completion_device_ = nullptr;
   cudaStream_t release_stream_ = nullptr;  // non-blocking: not held up by the streams it unblocks
   bool released_ = false;
-  cudaEvent_t twin_release_done_ = nullptr;  // after a failed twin's last release (the next waits for it)
-  bool twin_release_pending_ = false;
+  // After the last release's memset: a release is issued only once the previous one finished, and never waited for
+  // without a bound (a stream wait may hold the only hardware queue; this thread serves every workspace).
+  cudaEvent_t release_done_ = nullptr;
+  bool release_pending_ = false;
+  uint32_t* flags_host_ = nullptr;  // pinned copy of this rank's flags (to name the peer a hung call waits for)
+  void release_flags_async();
 
   WorkspaceConfig cfg_;
   int sms_ = 0;
