@@ -151,7 +151,7 @@ def _merge_peer_death(records, opts):
             "within_timeout_plus_10s": seconds is not None and seconds <= opts["timeout_s"] + 10,
             "survivors": len(survivors), "good_before": all(r["good_before"] for r in survivors),
             "pipelined_calls": 3,
-            "pipelined_drain_s": max((r["pipelined_drain_s"] or 0 for r in survivors), default=None)}
+            "pipelined_drain_s": max((r.get("pipelined_drain_s") or 0 for r in survivors), default=None)}
 
 
 def rejected_call_then_valid(rank, tp, opts, out_dir):

@@ -37,6 +37,23 @@ def test_merges():
         {0: {"role": "survivor", "raised": True, "seconds": 7.1, "message": "rank 0 timed out ... rank 1",
              "good_before": True}, 1: {"role": "died"}}, opts)
     assert death["raised"] and death["names_peer"] and death["within_timeout_plus_10s"] and death["seconds"] == 7.1
+    assert death["pipelined_drain_s"] == 0  # a record without the pipelined calls' figure (older runs)
+    drained = reliability._merge_peer_death({0: {"role": "survivor", "raised": True, "seconds": 5.0, "message": "",
+                                                 "good_before": True, "pipelined_drain_s": 5.0}}, opts)
+    assert drained["pipelined_drain_s"] == 5.0
+    host = {"raised": True, "message": "rank 0: ... rank 1: ...", "names_every_rank": True, "later_ok": True}
+    device = {"device": True, "raised": True, "message": "went out of step", "names_every_rank": True,
+              "seconds": 0.3, "later_ok": True}
+    mismatch = reliability._merge_mismatch({r: {"M": host, "out_of_step_ag_gemm": dict(device, seconds=0.1 + r)}
+                                            for r in range(2)}, opts)
+    assert mismatch["raised_on_both"] and mismatch["names_every_rank"] and mismatch["later_ok"]
+    assert (mismatch["device_seconds"], mismatch["device_message"]) == (1.1, "went out of step")
+    missed = reliability._merge_mismatch({0: {"out_of_step_ag_gemm": device},
+                                          1: {"out_of_step_ag_gemm": dict(device, raised=False)}}, opts)
+    assert not missed["raised_on_both"]
+    graph = reliability._merge_graph_timeout({0: {"replay_ok": True, "raised": True, "later_replays_nan": False,
+                                                  "later_replay_max_s": 13.0}, 1: {"replay_ok": True}}, opts)
+    assert graph["raised"] and graph["later_replays_nan"] is False and graph["later_replay_max_s"] == 13.0
     rows = [{"case": "a", "clear": True, "raised": True, "later_ok": True, "epoch_advanced": False},
             {"case": "b", "clear": False, "raised": True, "later_ok": True, "epoch_advanced": False}]
     other = [dict(r, clear=True) for r in rows]
