@@ -29,6 +29,18 @@ pair's calls in issue order, which is the plan order on both sides).
 The executor is generic over how a chunk's flag is set and which tensors hold the buffers (``AgExecutor.run``
 takes callables), so the CPU tests run this very code with gloo and CPU tensors (tests/cpu/test_nccl_transport.py).
 
+Plans across nodes whose ranks inside a node can map each other's memory (``hybrid_plan``: NCCL between nodes, the
+copy engine inside them) also have copy-engine transfers: a node's own shards, and each chunk that crossed the
+network, fanned out to the node's other ranks. With ``copy_engine=True`` the executor drives those of its rank as
+pushes (``run``'s ``push`` callable: copy the chunk into the peer's buffer, then set the peer's flag), after the
+NCCL part of their batch, so a chunk received here by NCCL is forwarded only once it arrived. A chunk that a
+local peer pushed here (a ring inside the node, NUMA-2D) and that this rank forwards, by NCCL or by a push, is
+waited for first (``wait_arrival``: on GPUs a stream wait on this rank's flag of the chunk); the plan has it
+arrive in an earlier step, so every batch of every rank completes (by induction on the batch keys). The CPU tests
+run that too, with shared-memory tensors standing in for peer-mapped buffers. What such plans still lack on GPUs is
+their workspace (peer-mapped inside a node, local across, and the start-of-call handshake with the node's peers
+that a push into their buffers needs): the fused op runs all-NCCL plans (``nccl_plan``) for groups that span nodes.
+
 CUDA graphs: not supported; a captured call is refused (:data:`CAPTURE_REFUSAL`). NCCL calls can be captured, but
 the executor's batches are host-driven and untested under capture; the copy-engine transport serves captured
 calls.
@@ -43,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from flux_layers import _env
-from flux_layers.runtime.transfer_plan import AgPlan, GroupLayout, Transfer, build_ag_plan
+from flux_layers.runtime.transfer_plan import AgPlan, Chunk, GroupLayout, Transfer, build_ag_plan
 
 CAPTURE_REFUSAL = ("the NCCL transport of the fused all-gather cannot run under CUDA-graph capture (its transfers "
                    "are driven from the host per call); capture with the copy-engine transport (peer-mapped GPUs) "
@@ -52,25 +64,42 @@ CAPTURE_REFUSAL = ("the NCCL transport of the fused all-gather cannot run under 
 
 @dataclass(frozen=True)
 class Batch:
-    """One group of NCCL calls of a rank: its sends and receives of the plan's transfers with one key."""
+    """One group of a rank's transfers with one key: its NCCL sends and receives, then the copy-engine pushes it
+    drives (hybrid plans only)."""
     key: tuple[int, int]            # (plan step, chunk index)
     sends: tuple[Transfer, ...]     # in plan order
     recvs: tuple[Transfer, ...]     # in plan order
+    copies: tuple[Transfer, ...] = ()  # copy-engine transfers from this rank, in plan order
+    waits: tuple[Chunk, ...] = ()      # chunks pushed here by a peer that this batch forwards: wait for them first
 
 
-def rank_batches(plan: AgPlan, rank: int) -> tuple[Batch, ...]:
-    """What `rank` issues, grouped into batches in key order (module docstring). Every transfer the rank takes part
-    in must be an NCCL one: this executor does not drive the copy engine."""
-    by_key: dict[tuple[int, int], tuple[list, list]] = {}
+def rank_batches(plan: AgPlan, rank: int, copy_engine: bool = False) -> tuple[Batch, ...]:
+    """What `rank` issues, grouped into batches in key order (module docstring). Without ``copy_engine`` every
+    transfer the rank takes part in must be an NCCL one; with it, the copy-engine transfers from this rank are its
+    pushes (a copy-engine transfer into this rank needs nothing from it: its sender sets the flag)."""
+    by_key: dict[tuple[int, int], tuple[list, list, list]] = {}
+    nccl_received = {t.chunk for _, t in plan.transfers() if t.dst == rank and t.transport != "copy_engine"}
     for step, t in plan.transfers():
         if rank not in (t.src, t.dst):
             continue
-        if t.transport != "nccl":
+        if t.transport != "nccl" and not copy_engine:
             raise ValueError(f"rank {rank}: step {step} moves chunk {t.chunk} {t.src}->{t.dst} by {t.transport!r}; "
-                             "the NCCL executor runs plans whose transfers are all NCCL")
-        sends, recvs = by_key.setdefault((step, t.chunk[1]), ([], []))
-        (sends if t.src == rank else recvs).append(t)
-    return tuple(Batch(key, tuple(s), tuple(r)) for key, (s, r) in sorted(by_key.items()))
+                             "the NCCL executor runs plans whose transfers are all NCCL (copy_engine=False)")
+        sends, recvs, copies = by_key.setdefault((step, t.chunk[1]), ([], [], []))
+        if t.transport == "copy_engine":
+            if t.src == rank:
+                copies.append(t)
+        else:
+            (sends if t.src == rank else recvs).append(t)
+    batches, awaited = [], set()
+    for key, (s, r, c) in sorted(by_key.items()):
+        if not (s or r or c):
+            continue
+        forwarded = [t.chunk for t in s + c if t.chunk[0] != rank and t.chunk not in nccl_received]
+        waits = tuple(dict.fromkeys(ch for ch in forwarded if ch not in awaited))
+        awaited.update(waits)
+        batches.append(Batch(key, tuple(s), tuple(r), tuple(c), waits))
+    return tuple(batches)
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,6 +107,13 @@ def nccl_plan(layout: GroupLayout, chunks: int, order: str | None = None) -> AgP
     """The all-gather plan with every transfer on NCCL (validated): ``order`` None or 'auto' takes
     transfer_plan.choose_order's (one node: mesh or ring; several: internode, or numa2d for PCIe nodes)."""
     return build_ag_plan(layout, order, chunks=chunks, transport="nccl")
+
+
+@functools.lru_cache(maxsize=None)
+def hybrid_plan(layout: GroupLayout, chunks: int, order: str | None = None) -> AgPlan:
+    """The all-gather plan with NCCL between nodes (and between ranks of a node without peer access) and the copy
+    engine inside nodes (validated): each chunk crosses the network once and is fanned out inside the node."""
+    return build_ag_plan(layout, order, chunks=chunks)
 
 
 def gemm_sms_beside_nccl(device: torch.device) -> int:
@@ -94,11 +130,11 @@ def gemm_sms_beside_nccl(device: torch.device) -> int:
 class AgExecutor:
     """This rank's batches of one plan and the group they run on; :meth:`run` issues them."""
 
-    def __init__(self, plan: AgPlan, rank: int, group):
+    def __init__(self, plan: AgPlan, rank: int, group, copy_engine: bool = False):
         self.plan = plan
         self.rank = rank
         self.group = group
-        self.batches = rank_batches(plan, rank)
+        self.batches = rank_batches(plan, rank, copy_engine)
 
     @property
     def gemm_order(self) -> tuple[int, ...]:
@@ -106,20 +142,35 @@ class AgExecutor:
         return self.plan.gemm_order[self.rank]
 
     def run(self, own: Callable[[int], torch.Tensor], region: Callable[[int, int], torch.Tensor],
-            announce: Callable[[int, int], None]) -> None:
+            announce: Callable[[int, int], None],
+            push: Callable[[int, int, int, torch.Tensor], None] | None = None,
+            wait_arrival: Callable[[int, int], None] | None = None) -> None:
         """Issue every batch on the current stream. ``own(c)``: chunk c of this rank's shard (what it sends of its
         own); ``region(g, c)``: where chunk c of shard g sits in this rank's gathered buffer (received into, and
         forwarded from); ``announce(g, c)``: set that chunk's flag, called once its receive completed (on the
-        stream for NCCL: ``wait`` orders the current stream after the transfer; gloo's ``wait`` blocks)."""
+        stream for NCCL: ``wait`` orders the current stream after the transfer; gloo's ``wait`` blocks);
+        ``push(dst, g, c, data)``: the copy-engine transfers (copy ``data`` into chunk c of shard g in rank dst's
+        buffer, then set its flag there), issued after the batch's NCCL part; ``wait_arrival(g, c)``: wait until a
+        local peer's push of that chunk here has landed (its flag), before the batch that forwards it."""
         isend, irecv = dist.isend, dist.irecv
+        if push is None and any(batch.copies for batch in self.batches):
+            raise ValueError(f"rank {self.rank}: the plan has copy-engine transfers and no push was given")
+        if wait_arrival is None and any(batch.waits for batch in self.batches):
+            raise ValueError(f"rank {self.rank}: the plan forwards chunks pushed here and no wait_arrival was given")
         for batch in self.batches:
+            for chunk in batch.waits:
+                wait_arrival(*chunk)
             ops = [dist.P2POp(isend, own(t.chunk[1]) if t.chunk[0] == self.rank else region(*t.chunk),
                               group=self.group, group_peer=t.dst) for t in batch.sends]
             ops += [dist.P2POp(irecv, region(*t.chunk), group=self.group, group_peer=t.src) for t in batch.recvs]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            if ops:
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
             for t in batch.recvs:
                 announce(*t.chunk)
+            for t in batch.copies:
+                push(t.dst, *t.chunk, own(t.chunk[1]) if t.chunk[0] == self.rank else region(*t.chunk))
 
 
-__all__ = ["CAPTURE_REFUSAL", "Batch", "rank_batches", "nccl_plan", "gemm_sms_beside_nccl", "AgExecutor"]
+__all__ = ["CAPTURE_REFUSAL", "Batch", "rank_batches", "nccl_plan", "hybrid_plan", "gemm_sms_beside_nccl",
+           "AgExecutor"]

@@ -120,6 +120,101 @@ def test_executor_moves_every_chunk_once_with_gloo(tp):
     run_distributed(_run_cases, tp, 5, 2, 3, 1)
 
 
+# Hybrid plans (NCCL between nodes, the copy engine inside): (nnodes, ranks per node, NUMA map of a node, order).
+HYBRID_CASES = {4: [(2, 2, None, None), (2, 2, (0, 1), "numa2d")],
+                8: [(2, 4, None, None), (4, 2, None, None), (2, 4, (0, 0, 1, 1), "numa2d")]}
+
+
+@pytest.mark.parametrize("case", [c for cases in HYBRID_CASES.values() for c in cases] + [(2, 8, None, None)],
+                         ids=lambda c: f"{c[0]}x{c[1]}-{c[3] or 'auto'}")
+def test_hybrid_batches_cross_the_network_once_and_push_only_what_arrived(case):
+    nnodes, size, numa, order = case
+    plan = nccl_transport.hybrid_plan(GroupLayout.uniform(nnodes, size, numa=numa), 2, order)
+    tp = plan.layout.tp
+    delivered: dict[int, list] = {r: [] for r in range(tp)}
+    for rank in range(tp):
+        pushed_here = {t.chunk for _, t in plan.transfers() if t.dst == rank and t.transport == "copy_engine"}
+        awaited: set = set()
+        for b in nccl_transport.rank_batches(plan, rank, copy_engine=True):
+            awaited.update(b.waits)
+            for t in b.sends + b.copies:  # a chunk a peer pushed here is awaited before it is forwarded
+                assert t.chunk[0] == rank or t.chunk not in pushed_here or t.chunk in awaited, (rank, t)
+            for t in b.sends + b.recvs:
+                assert not plan.layout.same_node(t.src, t.dst), f"{t}: NCCL inside a node"
+            for t in b.copies:
+                assert plan.layout.same_node(t.src, t.dst) and t.src == rank, t
+                delivered[t.dst].append(t.chunk)
+            for t in b.recvs:
+                delivered[rank].append(t.chunk)
+    for rank in range(tp):
+        assert sorted(delivered[rank]) == [(g, c) for g in range(tp) if g != rank for c in range(2)], rank
+    crossings = [t for _, t in plan.transfers() if not plan.layout.same_node(t.src, t.dst)]
+    assert len(crossings) == len({(t.chunk, plan.layout.node_of[t.dst]) for t in crossings}), \
+        "a chunk crossed into a node twice"
+    with pytest.raises(ValueError, match="all NCCL"):
+        nccl_transport.rank_batches(plan, 0)
+
+
+def _run_hybrid_cases(rank, tp, rows, rows_per_chunk, k, late_rank, buffers, counts):
+    """Each rank's gathered buffer is buffers[rank] (shared memory, standing in for peer-mapped GPU memory), its
+    flags counts[rank] (how many times each chunk's flag was set)."""
+    group = dist.group.WORLD
+    chunks = -(-rows // rows_per_chunk)
+    for nnodes, size, numa, order in HYBRID_CASES[tp]:
+        if rank == 0:
+            buffers.fill_(float("nan"))
+            counts.zero_()
+        dist.barrier()
+        plan = nccl_transport.hybrid_plan(GroupLayout.uniform(nnodes, size, numa=numa), chunks, order)
+        executor = nccl_transport.AgExecutor(plan, rank, group, copy_engine=True)
+        x = _shard(rank, rows, k)
+
+        def at(q, g, c):
+            return buffers[q, g * rows + c * rows_per_chunk:g * rows + min((c + 1) * rows_per_chunk, rows)]
+
+        def expected(g, c):
+            lo = c * rows_per_chunk
+            return _shard(g, rows, k)[lo:lo + at(rank, g, c).shape[0]]
+
+        def announce(g, c):  # received by NCCL here: in place when its flag is set
+            assert torch.equal(at(rank, g, c), expected(g, c)), f"rank {rank}: flag of {(g, c)} set before its data"
+            counts[rank, g * chunks + c] += 1
+
+        def push(dst, g, c, data):  # the copy engine: what is forwarded had arrived here first
+            assert torch.equal(data, expected(g, c)), f"rank {rank} pushes {(g, c)} to {dst} before it has it"
+            at(dst, g, c).copy_(data)
+            counts[dst, g * chunks + c] += 1
+
+        def wait_arrival(g, c):  # a local peer's push of (g, c) here: its flag
+            deadline = time.monotonic() + 30
+            while counts[rank, g * chunks + c] < 1:
+                assert time.monotonic() < deadline, f"rank {rank}: {(g, c)} never arrived"
+                time.sleep(0.001)
+
+        if rank == late_rank:
+            time.sleep(0.2)
+        executor.run(lambda c: x[c * rows_per_chunk:(c + 1) * rows_per_chunk], lambda g, c: at(rank, g, c),
+                     announce, push, wait_arrival)
+        dist.barrier()
+        what = f"rank {rank}, {nnodes}x{size} {plan.order}"
+        want = [0 if g == rank else 1 for g in range(tp) for _ in range(chunks)]
+        assert counts[rank].tolist() == want, f"{what}: flags set {counts[rank].tolist()}"
+        for g in range(tp):
+            if g != rank:
+                assert torch.equal(buffers[rank, g * rows:(g + 1) * rows], _shard(g, rows, k)), f"{what}: shard {g}"
+        assert buffers[rank, rank * rows:(rank + 1) * rows].isnan().all(), f"{what}: own rows written"
+        dist.barrier()
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_hybrid_executor_fans_out_every_chunk_once_with_gloo(tp):
+    # 5 rows per shard in chunks of 2 (a short last chunk); rank 1 starts late.
+    rows, rows_per_chunk, k = 5, 2, 3
+    buffers = torch.full((tp, tp * rows, k), float("nan"), dtype=torch.float64).share_memory_()
+    counts = torch.zeros((tp, tp * -(-rows // rows_per_chunk)), dtype=torch.int32).share_memory_()
+    run_distributed(_run_hybrid_cases, tp, rows, rows_per_chunk, k, 1, buffers, counts)
+
+
 def test_ag_transport_and_blocker(monkeypatch):
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
     devices = (0, 1, 2, 3)
