@@ -201,6 +201,10 @@ Registry& registry() {
 }
 
 struct Workspace : torch::CustomClassHolder {
+  // The memory the state's pointers name (symmetric storage, error record and claim, staging area), kept alive
+  // here so that it outlives the state: members are destroyed in reverse order, and the state's destructor waits
+  // for a release the watchdog may still have in flight on it (from Python the storage could go first).
+  std::vector<Tensor> memory;
   std::unique_ptr<flux::WorkspaceState> state;
   c10::intrusive_ptr<Workspace> twin;
   int64_t handle_ = 0;
@@ -274,6 +278,9 @@ struct Workspace : torch::CustomClassHolder {
     twin = std::move(t);
   }
   void set_stage(int64_t ptr) { state->set_stage(reinterpret_cast<char*>(ptr)); }
+  void keep_memory(std::vector<Tensor> tensors) {
+    for (Tensor& t : tensors) memory.push_back(std::move(t));
+  }
   void set_timeout(double timeout_s) {
     TORCH_CHECK_VALUE(timeout_s > 0, "timeout_s must be positive, got ", timeout_s);
     state->set_timeout_ns(uint64_t(timeout_s * 1e9));
@@ -527,6 +534,7 @@ TORCH_LIBRARY(flux_layers, m) {
       .def("add_plan", &Workspace::add_plan)
       .def("set_twin", &Workspace::set_twin)
       .def("set_stage", &Workspace::set_stage)
+      .def("keep_memory", &Workspace::keep_memory)
       .def("set_timeout", &Workspace::set_timeout)
       .def("failure", &Workspace::failure)
       .def("mark_failed", &Workspace::mark_failed)

@@ -146,6 +146,9 @@ class Workspace:
             [self.error_record.data_ptr(), self.error_claim.data_ptr()], graph_protocol, self._timeout_s,
             _env.get("POISON_OUTPUTS") == "1", self.what)
         self.handle = self.native.handle()  # what the ops take (the object lives as long as this workspace)
+        # The native state outlives nothing it points into (a release of its flags may still be in flight when Python
+        # drops this workspace, attributes in any order).
+        self.native.keep_memory([self._storage, self.error_record, self.error_claim])
         dist.barrier(group=self.group)  # every rank's flags are zero before anyone signals
 
     def new_graph_twin(self) -> Workspace:
@@ -334,6 +337,7 @@ class RsWorkspace(Workspace):
         if self._stage is None:
             self._stage = torch.empty((self.tp - 1) * self.slot_rows * self.n, dtype=self.dtype, device=self.device)
             self.native.set_stage(self._stage.data_ptr())
+            self.native.keep_memory([self._stage])
         return self._stage
 
     def new_graph_twin(self) -> RsWorkspace | None:

@@ -226,3 +226,25 @@ def test_workspace_growth_is_geometric_aligned_capped_and_frees_the_outgrown(mon
     with pytest.raises(RuntimeError, match="FLUX_LAYERS_WORKSPACE_MAX_GIB=0.01"):
         W._cached("ag", group, torch.bfloat16, 4096, 8192, make, tp=2)
     assert W._cache[W._Key("tp", "ag", torch.bfloat16, 4096)] is second, "a refused growth keeps the workspace"
+
+
+def test_every_native_workspace_method_python_calls_is_registered():
+    """flux_layers/runtime/workspace.py calls methods of the op library's Workspace class only on GPUs: each name and
+    argument count it uses must be one the built library registers (a typo would only show on a GPU machine)."""
+    import re
+
+    from flux_layers import _library
+    if not _library.load():
+        pytest.skip("the op library is not built")
+    schemas = {}
+    for schema in torch._C._jit_get_custom_class_schemas():
+        text = str(schema)
+        if "flux_layers.Workspace _0" in text:
+            name, args = text.split("(", 1)
+            schemas[name] = args.split(")")[0].count(",")  # arguments besides the object itself
+    from flux_layers.runtime import workspace
+    with open(workspace.__file__) as f:
+        source = f.read()
+    calls = set(re.findall(r"\.native\.(\w+)\(", source))
+    assert calls and calls <= set(schemas), f"not registered: {sorted(calls - set(schemas))}"
+    assert schemas["keep_memory"] == 1 and schemas["add_plan"] == 10, schemas
