@@ -269,7 +269,6 @@ void ag_gemm(const AgGemmArgs& a) {
   FLUX_CHECK(a.protocol == FlagProtocol::kEpoch || a.epoch == 1, "the CUDA-graph flag protocol sets flags to 1, got ",
              a.epoch);
   if (a.rows_per_group == 0) return;
-  FLUX_CHECK(a.n < kMaxSignatureDim, "N = ", a.n, " exceeds the call signature's ", kMaxSignatureDim);
   AgPlan p{a,
            AgFlagLayout{a.tp, a.chunk_capacity},
            (a.rows_per_group + a.rows_per_chunk - 1) / a.rows_per_chunk,

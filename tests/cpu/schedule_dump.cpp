@@ -43,6 +43,16 @@ int dump_rs_chunks(int argc, char** argv) {
   return 0;
 }
 
+// signature op layout transport dim: a call signature's word 2 (gemm_params.h), then its fields decoded.
+int dump_signature(int argc, char** argv) {
+  if (argc < 6) return 2;
+  uint32_t w =
+      flux::signature_shape_word(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), std::atoll(argv[5]));
+  std::printf("%u %d %d %d %lld\n", w, flux::signature_op(w), flux::signature_layout(w), flux::signature_transport(w),
+              static_cast<long long>(flux::signature_dim(w)));
+  return 0;
+}
+
 // constants: the values the Python mirrors must equal, one "name value..." line each.
 int dump_constants() {
   std::printf("max_groups %d\ncluster_m %d\nsplit_max_fill_pct %d\nrs_chunk_cols %d\n", flux::kMaxGroups,
@@ -57,6 +67,7 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "constants") return dump_constants();
   if (argc > 1 && std::string(argv[1]) == "streamk") return dump_stream_k(argc, argv);
   if (argc > 1 && std::string(argv[1]) == "rschunks") return dump_rs_chunks(argc, argv);
+  if (argc > 1 && std::string(argv[1]) == "signature") return dump_signature(argc, argv);
   // rows_per_group n num_groups tile_m tile_n cluster_m swizzle_m order...
   if (argc < 8) return 2;
   flux::GemmProblem p;

@@ -190,6 +190,21 @@ def test_cpp_rs_chunks_match_python(schedule_dump):
                                                      for nt in range(tiles_n)], (rows, n, tile, swizzle, cols)
 
 
+SIGNATURES = [(0, 0, 2, 4096), (1, 1, 1, 11008), (0, 1, 3, 1), (1, 0, 0, 2**26 - 1), (0, 0, 0, 2**26),
+              (1, 1, 15, 3 * 2**26 + 5)]  # (op, layout, transport, dim)
+
+
+@pytest.mark.parametrize("op,layout,transport,dim", SIGNATURES)
+def test_call_signature_word_round_trips(schedule_dump, op, layout, transport, dim):
+    """The kernels compare signature words; the host decodes a mismatch's words into both calls: every field comes
+    back, and a dimension past the word's 26 bits is written as 2^26 - 1 rather than wrapped."""
+    out = subprocess.run([schedule_dump, "signature", str(op), str(layout), str(transport), str(dim)],
+                         capture_output=True, text=True, check=True).stdout.split()
+    word, *fields = (int(v) for v in out)
+    assert fields == [op, layout, transport, min(dim, 2**26 - 1)]
+    assert word < 2**32
+
+
 def test_constants_match_the_cpp_headers(schedule_dump):
     """schedules.py's constants mirror csrc/include/flux/gemm_params.h and tile_schedule.cuh, their one source."""
     out = subprocess.run([schedule_dump, "constants"], capture_output=True, text=True, check=True).stdout

@@ -60,15 +60,17 @@ constexpr int kErrorRecordWords = 9;
 //   word 2: the other dimension the ranks share (N per rank for AllGather+GEMM, K per rank for GEMM+ReduceScatter)
 //           << 6 | transport << 2 | weight layout << 1 | op (0: ag_gemm, 1: gemm_rs)
 // transport: ag_gemm: AgMode * 2 + AgOrder (pull/push x mesh/ring); gemm_rs: 0 direct stores, 1 copy engine.
+// A dimension of 2^26 or more is written as 2^26 - 1 (never rejected: a call is checked before its epoch advances).
 constexpr int kSignatureWords = 3;
+constexpr int64_t kMaxSignatureDim = int64_t(1) << 26;  // the dimension's bits in word 2
 constexpr uint32_t signature_shape_word(int op, int layout, int transport, int64_t dim) {
-  return uint32_t(dim) << 6 | uint32_t(transport & 15) << 2 | uint32_t(layout & 1) << 1 | uint32_t(op & 1);
+  return uint32_t(dim < kMaxSignatureDim ? dim : kMaxSignatureDim - 1) << 6 | uint32_t(transport & 15) << 2 |
+         uint32_t(layout & 1) << 1 | uint32_t(op & 1);
 }
 constexpr int signature_op(uint32_t word2) { return int(word2 & 1u); }
 constexpr int signature_layout(uint32_t word2) { return int(word2 >> 1 & 1u); }
 constexpr int signature_transport(uint32_t word2) { return int(word2 >> 2 & 15u); }
 constexpr int64_t signature_dim(uint32_t word2) { return int64_t(word2 >> 6); }
-constexpr int64_t kMaxSignatureDim = int64_t(1) << 26;  // the dimension's bits in word 2
 
 // How the persistent grid runs one problem; the fused operators' arguments carry the same struct.
 struct LaunchOptions {
