@@ -161,7 +161,7 @@ def bench_shape_nccl(rank, tp, m, k, n, dtype, reps, sets=2):
     """bench_shape for the NCCL transport (the module docstring's variants)."""
     from flux_layers import ops
     from flux_layers.ops import fused_ag_gemm
-    from flux_layers.runtime import tuning, workspace
+    from flux_layers.runtime import nccl_transport, tuning, workspace
 
     group = dist.group.WORLD
     n_local = n // tp
@@ -175,7 +175,7 @@ def bench_shape_nccl(rank, tp, m, k, n, dtype, reps, sets=2):
     ref, err = _checked(rank, fused(0), gathered[0], ws_[0], f"fused ag_gemm (nccl) on {m}x{k}x{n}")
     check_kernel_variants(lambda **cfg: fused(0, **cfg), ref, f"rank {rank}: fused ag_gemm (nccl) on {m}x{k}x{n}")
 
-    sms = fused_ag_gemm.gemm_sms_beside_nccl(ag_ws.device)
+    sms = nccl_transport.gemm_sms_beside_nccl(ag_ws.device)
     t = _unfused_times(rank, xs, ws_, gathered, reps, f"{m}x{k}x{n}", sms=sms)
     t["nccl_p2p_ag"] = time_ms(lambda i: fused_ag_gemm.nccl_all_gather(xs[i % sets], group=group, ws=ag_ws),
                                reps=reps, group=group)

@@ -383,12 +383,20 @@ struct GemmKernel {
   }
 
   // Own rows of a ReduceScatter: wait until every peer's partial of tile t has landed here (one consumer thread).
-  CUTLASS_DEVICE static void wait_partial_flags(GemmProblem const& p, TileCoord t) {
+  // The first time this CTA's partial of a source passed its wait, the source's call signature is compared (bit
+  // kSignatureSeen + s of `seen`, the consumer's per-destination bits: no register of its own).
+  static constexpr int kSignatureSeen = kMaxGroups;
+  CUTLASS_DEVICE static void wait_partial_flags(GemmProblem const& p, TileCoord t, uint32_t& seen) {
     int const flag_index = rs_chunk_index(t.m, t.n, p.rs_chunk_tiles_m, p.rs_chunk_tiles_n, p.rs_chunks_n);
     for (int i = 0; i < p.rs_num_partials; ++i) {
       // Partials are in source order, this rank skipped; each source's signature was written before its flags.
-      if (wait_flag(p.rs_partial_flags[i] + flag_index, p.epoch, p, kTileTimeout, i * (1 << 24) + flag_index))
-        check_signature(p, i < p.rank ? i : i + 1);
+      int const src = i < p.rank ? i : i + 1;
+      uint32_t const bit = 1u << (kSignatureSeen + src);
+      if (wait_flag(p.rs_partial_flags[i] + flag_index, p.epoch, p, kTileTimeout, i * (1 << 24) + flag_index) &&
+          !(seen & bit)) {
+        check_signature(p, src);
+        seen |= bit;
+      }
     }
     // The partials were written by a peer or a copy engine; the TMA loads that follow read through the async proxy.
     asm volatile("fence.proxy.async.global;" ::: "memory");
@@ -451,7 +459,7 @@ struct GemmKernel {
         if (p.rs_signature_out[t.group] != nullptr) write_signature(p.rs_signature_out[t.group], p);
         consumed_seen |= 1u << t.group;
       }
-      if (reduce && !partials_loading) wait_partial_flags(p, t);
+      if (reduce && !partials_loading) wait_partial_flags(p, t, consumed_seen);
     }
 
     TiledMma tiled_mma;
@@ -639,7 +647,8 @@ struct GemmKernel {
       PipelineState read_state;
       Mainloop collective;
       TiledMma tiled_mma;
-      uint32_t consumed_seen = 0;
+      uint32_t consumed_seen = 0;  // thread 0: bit g, destination g released (epilogue); bit kSignatureSeen + s
+                                   // source s's signature compared (wait_partial_flags)
       uint32_t partial_phase = 0;  // bit b: parity of partial_full[b]'s next phase
       PendingSignal pending;
       Segment seg;
@@ -657,7 +666,7 @@ struct GemmKernel {
           if (t.group == p.rs_own_group && seg.k_begin == 0 && t.m * kTileM < p.rows_per_group) {
             if (mma_thread_idx == 0) {
               cute::tma_store_wait<0>();
-              wait_partial_flags(p, t);
+              wait_partial_flags(p, t, consumed_seen);
               load_partial_subtiles(params, t, 0, 0, kTileN / kEpiCols, ss);
             }
             partials_loading = true;

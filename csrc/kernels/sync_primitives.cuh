@@ -55,21 +55,27 @@ __device__ __forceinline__ void release_own_flags(const GemmProblem& p) {
   __threadfence_system();
 }
 
-// The error record is host-mapped pinned memory {code, rank, index, epoch, observed flag}, readable by the host without
-// a synchronisation; the first waiter to time out claims it through a device-memory word (error_claim).
+// The error record is host-mapped pinned memory (gemm_params.h kErrorRecordWords), readable by the host without a
+// synchronisation. The first failing waiter claims it through a device-memory word (error_claim), fills in
+// fields[i] at rec[1 + i], publishes the code last, and releases this rank's waits. False: already claimed (or no
+// record: the plain GEMM).
+template <int kFields>
+__device__ __forceinline__ bool publish_error(const GemmProblem& p, int code, const int (&fields)[kFields]) {
+  static_assert(kFields < kErrorRecordWords, "the record holds the code and kErrorRecordWords - 1 fields");
+  if (p.error_record == nullptr || p.error_claim == nullptr) return false;
+  if (atomicCAS(p.error_claim, 0, code) != 0) return false;
+  volatile int* rec = p.error_record;
+  for (int i = 0; i < kFields; ++i) rec[1 + i] = fields[i];
+  __threadfence_system();
+  rec[0] = code;
+  __threadfence_system();
+  release_own_flags(p);
+  return true;
+}
+
+// A timed-out wait: {code, rank, index, epoch, observed flag}.
 __device__ __forceinline__ void record_timeout(const GemmProblem& p, int code, int index, uint32_t observed) {
-  if (p.error_record == nullptr || p.error_claim == nullptr) return;
-  if (atomicCAS(p.error_claim, 0, code) == 0) {
-    volatile int* rec = p.error_record;
-    rec[1] = p.rank;
-    rec[2] = index;
-    rec[3] = static_cast<int>(p.epoch);
-    rec[4] = static_cast<int>(observed);
-    __threadfence_system();
-    rec[0] = code;
-    __threadfence_system();
-    release_own_flags(p);
-  }
+  publish_error(p, code, {p.rank, index, static_cast<int>(p.epoch), static_cast<int>(observed)});
 }
 
 // After a flag of rank `src` for this call: the signature src wrote here before that flag must equal ours
@@ -80,22 +86,9 @@ __device__ __forceinline__ void check_signature(const GemmProblem& p, int src) {
   volatile const uint32_t* theirs = p.peer_signatures + src * kSignatureWords;
   uint32_t const w0 = theirs[0], w1 = theirs[1], w2 = theirs[2];
   if (w0 == p.signature[0] && w1 == p.signature[1] && w2 == p.signature[2]) return;
-  if (p.error_record == nullptr || p.error_claim == nullptr) return;
-  if (atomicCAS(p.error_claim, 0, kSignatureMismatch) == 0) {
-    volatile int* rec = p.error_record;
-    rec[1] = p.rank;
-    rec[2] = src;
-    rec[3] = static_cast<int>(p.epoch);
-    rec[4] = static_cast<int>(w0);
-    rec[5] = static_cast<int>(w1);
-    rec[6] = static_cast<int>(w2);
-    rec[7] = static_cast<int>(p.signature[1]);
-    rec[8] = static_cast<int>(p.signature[2]);
-    __threadfence_system();
-    rec[0] = kSignatureMismatch;
-    __threadfence_system();
-    release_own_flags(p);
-  }
+  publish_error(p, kSignatureMismatch,
+                {p.rank, src, static_cast<int>(p.epoch), static_cast<int>(w0), static_cast<int>(w1),
+                 static_cast<int>(w2), static_cast<int>(p.signature[1]), static_cast<int>(p.signature[2])});
 }
 
 // This rank's signature into a peer's slot for it (ReduceScatter direct stores). The same thread's later

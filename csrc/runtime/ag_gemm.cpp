@@ -13,14 +13,14 @@
 //                   comm streams and writes done[r] = e at every peer.
 // CUDA-graph protocol: done[p] is waited for >= 1 and cleared at once; chunk and avail are cleared after the
 // join, before done is written (a peer sets them again only after it saw that write).
+//   external      : the caller moves the chunks and sets chunk[g][c] = e in our flags (the NCCL transport); the
+//                   op launches the GEMM alone (local buffer, local flags; CUDA-graph protocol: the chunk flags
+//                   are cleared after it on the compute stream).
 // Call signatures (gemm_params.h): the first flag a rank writes at a peer in a call (a chunk flag when pushing, an
 // avail flag when pulled from) goes in one batch after its signature writes into the peer's sig slot for it, so the
 // peer's GEMM, which waits for that flag or one written after it, compares signatures after a wait that passed.
 // Mesh: every rank compares every peer's; ring: its left neighbour's (the ranks compare pairwise around the ring).
 // A rank writes the slot again only after the peer's done of the previous call, as it does the data.
-//   external      : the caller moves the chunks and sets chunk[g][c] = e in our flags (the NCCL transport); the
-//                   op launches the GEMM alone (local buffer, local flags; CUDA-graph protocol: the chunk flags
-//                   are cleared after it on the compute stream).
 #include <algorithm>
 
 #include "flux/check.h"
@@ -48,16 +48,10 @@ struct AgPlan {
   uint32_t* flag(int q, int64_t index) const { return a.flags[q] + index; }
   uint32_t* my(int64_t index) const { return a.flags[a.rank] + index; }
 
-  // Flag `index` = epoch at rank q, after our signature in q's slot for us: one batch.
-  void signed_flag(cudaStream_t s, int q, int64_t index) const {
-    FlagOp ops[kMaxFlagOps];
-    int n = add_signature_writes(ops, 0, flag(q, flags.signature(a.rank)), signature);
-    ops[n++] = {flag(q, index), a.epoch};
-    stream_write_u32_all(s, ops, n);
-  }
+  // Flag `index` = epoch at rank q; the first one of a stream at q after our signature in q's slot for us.
   void flag_at(cudaStream_t s, int q, int64_t index, bool first) const {
     if (first) {
-      signed_flag(s, q, index);
+      stream_write_signed_flag(s, flag(q, flags.signature(a.rank)), signature, flag(q, index), a.epoch);
     } else {
       stream_write_u32(s, flag(q, index), a.epoch);
     }

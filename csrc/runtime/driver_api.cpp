@@ -90,10 +90,13 @@ void stream_write_u32_all(cudaStream_t stream, const FlagOp* writes, int count) 
   if (count > 1) batch(stream, writes, count, false);
 }
 
-int add_signature_writes(FlagOp* ops, int count, uint32_t* slot, const uint32_t* words) {
-  FLUX_CHECK(count + kSignatureWords <= kMaxFlagOps, "no room for a signature in a batch of ", count, " writes");
-  for (int i = 0; i < kSignatureWords; ++i) ops[count++] = {slot + i, words[i]};
-  return count;
+void stream_write_signed_flag(cudaStream_t stream, uint32_t* slot, const uint32_t* signature, uint32_t* flag,
+                              uint32_t value) {
+  static_assert(kSignatureWords + 1 <= kMaxFlagOps, "a signature and its flag fit one batch");
+  FlagOp ops[kSignatureWords + 1];
+  for (int i = 0; i < kSignatureWords; ++i) ops[i] = {slot + i, signature[i]};
+  ops[kSignatureWords] = {flag, value};
+  stream_write_u32_all(stream, ops, kSignatureWords + 1);
 }
 
 void stream_wait_u32_geq_all(cudaStream_t stream, const FlagOp* waits, int count) {

@@ -189,10 +189,7 @@ void gemm_rs(const GemmRsArgs& a) {
                                             cudaMemcpyDefault, s));
           uint32_t* const flag = a.flags[d] + int64_t(r) * fps + c;
           if (cm == 0 && cn == 0) {  // the first flag at d: after our signature there, in one batch
-            FlagOp ops[kMaxFlagOps];
-            int n = add_signature_writes(ops, 0, signature_slot(d), signature);
-            ops[n++] = {flag, a.epoch};
-            stream_write_u32_all(s, ops, n);
+            stream_write_signed_flag(s, signature_slot(d), signature, flag, a.epoch);
           } else {
             stream_write_u32(s, flag, a.epoch);
           }

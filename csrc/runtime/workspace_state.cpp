@@ -238,7 +238,8 @@ void WorkspaceState::keep_twin_released() {
   // workspace of the process.
   if (release_pending_ && cudaEventQuery(release_done_) == cudaErrorNotReady) return;
   if (cudaSetDevice(cfg_.device) != cudaSuccess) return;
-  mark_failed(cfg_.what + ": released after a failed replay");  // keeps the recorded failure if there is one
+  if (!released_) mark_failed(cfg_.what + ": released after a failed replay");  // keeps a recorded failure
+  released_ = true;
   release_flags_async();
 }
 

@@ -88,14 +88,12 @@ class NcclCall:
     executor: nccl_transport.AgExecutor
 
 
-gemm_sms_beside_nccl = nccl_transport.gemm_sms_beside_nccl  # shared with the reduce-scatter's NCCL transport
-
-
 def plan_nccl_call(ws: workspace.AgWorkspace, *, m: int, k: int, n: int, tile: int | None = None,
                    swizzle: int | None = None, stream_k: bool | int | None = None, sm_count: int = 0,
                    order: str | None = None, chunk_rows: int | None = None) -> NcclCall:
     """:func:`plan_call` for a workspace of the NCCL transport. ``order``: the transfer plan's (None:
-    FLUX_LAYERS_AG_ORDER, 'auto' choosing from the layout); ``sm_count`` 0: :func:`gemm_sms_beside_nccl`."""
+    FLUX_LAYERS_AG_ORDER, 'auto' choosing from the layout); ``sm_count`` 0:
+    :func:`nccl_transport.gemm_sms_beside_nccl`."""
     if ws.transport != "nccl":
         raise ValueError(f"plan_nccl_call: the workspace's transport is {ws.transport!r}")
     order = _env.get("AG_ORDER") if order is None else order
@@ -105,7 +103,7 @@ def plan_nccl_call(ws: workspace.AgWorkspace, *, m: int, k: int, n: int, tile: i
     plan = nccl_transport.nccl_plan(ws.layout, max(1, schedules.chunk_count(rows, rows_per_chunk)), order)
     executor = nccl_transport.AgExecutor(plan, ws.rank, ws.group)
     kc = tuning.resolve_kernel("ag_gemm", dtype=ws.dtype, tp=ws.tp, mkn=(m, k, n), tile=tile, swizzle=swizzle,
-                               stream_k=stream_k, sm_count=sm_count or gemm_sms_beside_nccl(ws.device))
+                               stream_k=stream_k, sm_count=sm_count or nccl_transport.gemm_sms_beside_nccl(ws.device))
     index = ws.plan_index((kc.tile, kc.swizzle, kc.stream_k_fill, kc.sm_count, _EXTERNAL, 0, rows_per_chunk, False,
                            0, executor.gemm_order))
     return NcclCall(index, rows_per_chunk, executor)

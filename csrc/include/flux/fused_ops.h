@@ -48,7 +48,6 @@ struct AgFlagLayout {
   int64_t done(int p) const { return 2 * int64_t(tp) * chunk_capacity + p; }
   int64_t signature(int p) const { return 2 * int64_t(tp) * chunk_capacity + tp + int64_t(p) * kSignatureWords; }
   int64_t data_words() const { return 2 * int64_t(tp) * chunk_capacity; }  // chunk and avail: cleared per call
-  int64_t words() const { return signature(tp); }
 };
 
 // The reduce-scatter workspace's signature slots follow its flag[tp][fps], consumed[tp] and count[tp][fps] words
@@ -173,9 +172,10 @@ struct FlagOp {
 constexpr int kMaxFlagOps = kMaxGroups + 1;
 void stream_write_u32_all(cudaStream_t stream, const FlagOp* writes, int count);
 
-// Appends the writes of signature `words` into the slot at `slot` (kSignatureWords flag words) to `ops`; returns
-// the new count. Put in the same batch before a flag write, they reach the peer before that flag.
-int add_signature_writes(FlagOp* ops, int count, uint32_t* slot, const uint32_t* words);
+// *flag = value after the call signature `signature` (kSignatureWords words, gemm_params.h) is written into the
+// slot at `slot`, in one batch: the signature reaches the peer before the flag.
+void stream_write_signed_flag(cudaStream_t stream, uint32_t* slot, const uint32_t* signature, uint32_t* flag,
+                              uint32_t value);
 void stream_wait_u32_geq_all(cudaStream_t stream, const FlagOp* waits, int count);
 
 // Where the end of each call of a workspace writes its epoch (host-mapped memory, read by the watchdog without a
