@@ -298,15 +298,19 @@ void ag_gemm(const AgGemmArgs& a) {
     FLUX_CUDA_CHECK(cudaEventRecord(ready, a.compute));
     for (int i = 0; i < used; ++i) FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.comm[i], ready, 0));
   } else {
-    // Push: peer-to-peer copies only (copy engines); the GEMM does not wait for the previous call's peers.
+    // Push: peer-to-peer copies only (copy engines); the GEMM does not wait for the previous call's peers. It is
+    // enqueued before the comm stream's handshake wait: with a single hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1)
+    // a wait queued ahead of it would hold its own-shard tiles until the peer's previous call ended, and a peer that
+    // died inside that call would hold the queue for good, where the GEMM's bounded waits give up and release it.
     FLUX_CUDA_CHECK(cudaEventRecord(ev[0], a.compute));
+    if (a.run_gemm) launch_gemm(gemm_problem(p), a.dtype, a.layout, a.tile, a.compute);
     FLUX_CUDA_CHECK(cudaStreamWaitEvent(s0, ev[0], 0));
     p.wait_peers_done(s0);
     if (used > 1) FLUX_CUDA_CHECK(cudaEventRecord(ready, s0));
     for (int i = 1; i < used; ++i) FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.comm[i], ready, 0));
   }
 
-  if (a.run_gemm) launch_gemm(gemm_problem(p), a.dtype, a.layout, a.tile, a.compute);
+  if (a.run_gemm && a.mode == AgMode::kPull) launch_gemm(gemm_problem(p), a.dtype, a.layout, a.tile, a.compute);
 
   if (a.mode == AgMode::kPull) {
     pull(p);
