@@ -85,6 +85,45 @@ def test_dead_peer_raises_instead_of_hanging(connections, monkeypatch):
     run_distributed(_peer_death, TP, _seed(), backend="nccl", timeout_s=180)
 
 
+def _peer_death_inside_a_call(rank, tp, seed):
+    """The last rank dies inside a push all-gather call: its chunks went out, its GEMM still waits for rank 0's
+    (held back on rank 0's GPU), so its end-of-call ``done`` never comes. The survivors' call after that one waits
+    for that ``done`` at its handshake; under one hardware queue nothing queued behind that wait runs, the host's
+    release included, so only a GEMM enqueued ahead of it can give up and release it."""
+    from flux_layers.runtime.workspace import AgWorkspace, WorkspaceError
+    ws = AgWorkspace(dist.group.WORLD, torch.bfloat16, 256 * tp, 256)
+    ws.timeout_s = TIMEOUT_S
+    assert_close_rel(*_ag_call(rank, tp, seed, ws), f"rank {rank}: the call before the peer died")
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == tp - 1:
+        _ag_call(rank, tp, seed + 1, ws)
+        time.sleep(0.3)  # its pushes land; its GEMM waits for rank 0's chunks, held behind rank 0's GPU sleep
+        os._exit(0)
+    if rank == 0:
+        torch.cuda._sleep(int(3e9))  # over a second: the last rank dies before rank 0's chunks leave
+    began = time.monotonic()
+    out, ref, _ = _ag_call(rank, tp, seed + 1, ws)  # the last rank's chunks arrived: this call completes
+    for i in range(2):  # the first waits at its handshake for a done that never comes
+        try:
+            _ag_call(rank, tp, seed + 10 + i, ws)
+        except WorkspaceError:
+            break
+    torch.cuda.synchronize()
+    elapsed = time.monotonic() - began
+    assert elapsed < TIMEOUT_S + 10, f"rank {rank}: the device drained only after {elapsed:.1f} s"
+    with pytest.raises(WorkspaceError, match=rf"rank {rank} timed out after .* waiting for .*rank {tp - 1}"):
+        _ag_call(rank, tp, seed + 20, ws)
+    os._exit(0)
+
+
+@pytest.mark.parametrize("connections", CONNECTIONS)
+def test_peer_dead_inside_a_call_raises_instead_of_hanging(connections, monkeypatch):
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", connections)
+    monkeypatch.setenv("FLUX_LAYERS_AG_MODE", "push")
+    run_distributed(_peer_death_inside_a_call, TP, _seed(), backend="nccl", timeout_s=90)
+
+
 def _rejected_then_valid(rank, tp, seed):
     from flux_layers.ops import fused_ag_gemm, fused_gemm_rs
     from flux_layers.runtime.workspace import AgWorkspace, RsWorkspace
