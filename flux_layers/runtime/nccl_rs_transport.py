@@ -38,9 +38,15 @@ kernel, which overwrites the staging slots, follows this call's sends (the join)
 NCCL's kernels: the call plan's ``sm_count`` holds back ``FLUX_LAYERS_NCCL_SMS``
 (:func:`flux_layers.runtime.nccl_transport.gemm_sms_beside_nccl`, shared with the all-gather).
 
-This is a flat transport: every partial goes straight to its owner, intra-node pairs included. The two-level plan
-of transfer_plan.build_rs_plan (node partials summed inside a node by the copy engine, then one NCCL send per
-node partial) is not executed.
+This is a flat transport: every partial goes straight to its owner, intra-node pairs included. Across nodes the
+two-level plan of transfer_plan.build_rs_plan moves fewer bytes over the network: inside a node each block's
+partials are summed at its collector (the rank of the block's local index), then one NCCL send per node partial
+and chunk reaches the owner, which adds the nodes' partials in the plan's ``sum_order``. The executor runs that
+inter-node part too (:func:`node_partial_batches`: the same batches and keys, with the collectors as partners;
+CPU-tested with gloo), but the node partials themselves are not built on GPUs: that is a kernel change (a
+collector's tiles of another node's block waiting for and adding its node's partials before they count into the
+chunk, as own-row tiles do for the owner) and a workspace peer-mapped inside the node and local across. The fused
+op therefore runs the flat transport for groups that span nodes.
 
 The executor is generic over how a chunk's count is awaited, its flag set and which tensors hold the partials
 (:meth:`RsExecutor.run` takes callables), so the CPU tests run this very code with gloo and CPU tensors
@@ -57,6 +63,7 @@ import torch
 import torch.distributed as dist
 
 from flux_layers.runtime import schedules
+from flux_layers.runtime.transfer_plan import PlanError, RsPlan
 
 CAPTURE_REFUSAL = ("the NCCL transport of the fused GEMM+ReduceScatter cannot run under CUDA-graph capture (its "
                    "transfers are driven from the host per call); capture with the direct or copy-engine transport "
@@ -83,6 +90,27 @@ def rs_batches(rank: int, tp: int, chunks: int) -> tuple[RsBatch, ...]:
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
     return tuple(RsBatch((j, c), (rank + j) % tp, (rank - j) % tp) for j in range(1, tp) for c in range(chunks))
+
+
+def node_partial_batches(plan: RsPlan, rank: int) -> tuple[RsBatch, ...]:
+    """What ``rank`` issues in the inter-node part of a two-level reduce-scatter (transfer_plan.build_rs_plan), in
+    key order: per plan step t and chunk c (key (t + 1, c)), its node's partial of chunk c of the block it collects
+    for the node t + 1 ahead out to that block's owner, and the partial of chunk c of its own rows that the node
+    t + 1 behind summed in from that node's collector. The plan lists a step's sends in completion order, so the
+    count waits come in the order the collector's GEMM finishes the partials; a send and its receive carry the same
+    key, so batches cannot deadlock, as with :func:`rs_batches`."""
+    if not 0 <= rank < plan.layout.tp:
+        raise ValueError(f"rank {rank} outside [0, {plan.layout.tp})")
+    sends: dict[tuple[int, int], list] = {}
+    recvs: dict[tuple[int, int], list] = {}
+    for step, kind, send in plan.rank_ops(rank):
+        (sends if kind == "send" else recvs).setdefault((step + 1, send.chunk[1]), []).append(send)
+    lone = sorted(k for k in sends.keys() ^ recvs.keys())
+    doubled = sorted(k for k, v in (*sends.items(), *recvs.items()) if len(v) != 1)
+    if lone or doubled:
+        raise PlanError(f"rank {rank}: reduce-scatter plan batches {lone or doubled} do not pair one send with one "
+                        "receive")
+    return tuple(RsBatch(key, sends[key][0].dst, recvs[key][0].src) for key in sorted(sends))
 
 
 @dataclass(frozen=True)
@@ -120,14 +148,15 @@ def full_width_chunks(rows_per_group: int, n: int, tile: int, swizzle: int) -> t
 
 class RsExecutor:
     """This rank's batches for a call of ``chunks`` chunks per destination and the group they run on; :meth:`run`
-    issues them."""
+    issues them. ``batches``: None for the flat transport's (:func:`rs_batches`), else those of a two-level plan
+    (:func:`node_partial_batches`)."""
 
-    def __init__(self, rank: int, tp: int, chunks: int, group):
+    def __init__(self, rank: int, tp: int, chunks: int, group, batches: tuple[RsBatch, ...] | None = None):
         self.rank = rank
         self.tp = tp
         self.chunks = chunks
         self.group = group
-        self.batches = rs_batches(rank, tp, chunks)
+        self.batches = rs_batches(rank, tp, chunks) if batches is None else batches
 
     def run(self, ready: Callable[[int, int], None], staged: Callable[[int, int], torch.Tensor],
             slot: Callable[[int, int], torch.Tensor], announce: Callable[[int, int], None]) -> None:
@@ -146,4 +175,5 @@ class RsExecutor:
             announce(b.src, b.chunk)
 
 
-__all__ = ["CAPTURE_REFUSAL", "RsBatch", "rs_batches", "RsChunk", "chunk_rows", "full_width_chunks", "RsExecutor"]
+__all__ = ["CAPTURE_REFUSAL", "RsBatch", "rs_batches", "node_partial_batches", "RsChunk", "chunk_rows",
+           "full_width_chunks", "RsExecutor"]

@@ -2,9 +2,12 @@
 group size, the full-width chunks against the kernel's tile schedule, and the very executor that drives NCCL run
 with gloo on CPU tensors across 2, 4 and 8 processes, with CPU stand-ins for the kernel (a chunk's partial appears
 in the staging slot only when its count wait is reached), the flags (each checks that its data is in place and is
-set once) and the owner's reduction (the partials summed in rank order, compared bitwise with the reference)."""
+set once) and the owner's reduction (the partials summed in rank order, compared bitwise with the reference).
+The same for the inter-node part of a two-level plan across nodes: collectors' node partials (their intra-node sum
+stood in), summed by the owner in the plan's node order."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -14,6 +17,7 @@ import torch.distributed as dist
 from flux_layers.devtools.launch import run_distributed
 from flux_layers.runtime import nccl_rs_transport as rs
 from flux_layers.runtime import schedules
+from flux_layers.runtime.transfer_plan import GroupLayout, PlanError, build_rs_plan
 
 
 @pytest.mark.parametrize("tp", range(2, schedules.MAX_TP + 1))
@@ -131,6 +135,101 @@ def _run_calls(rank, tp, late_rank):
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_executor_moves_every_partial_once_with_gloo(tp):
     run_distributed(_run_calls, tp, 1)  # rank 1 starts late
+
+
+TWO_LEVEL = [(2, 1), (2, 2), (2, 4), (4, 2), (2, 8), (8, 1), (3, 2)]  # nodes x ranks per node
+
+
+@pytest.mark.parametrize("nnodes,size", TWO_LEVEL, ids=[f"{a}x{b}" for a, b in TWO_LEVEL])
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_node_partial_batches_cross_the_network_once_per_node_partial(nnodes, size, chunks):
+    layout = GroupLayout.uniform(nnodes, size)
+    plan = build_rs_plan(layout, chunks=chunks)
+    sent: dict[tuple[int, int], list] = {}
+    received: dict[tuple[int, int], list] = {}
+    arrivals: dict[tuple[int, int], list] = {}
+    for rank in range(layout.tp):
+        batches = rs.node_partial_batches(plan, rank)
+        assert [b.key for b in batches] == sorted(b.key for b in batches)
+        assert len(batches) == (nnodes - 1) * chunks
+        # A collector sends the partials of the blocks of its own local index, on the other nodes, as its node's
+        # GEMMs complete them (the order of plan.steps' ready_after).
+        ready = []
+        for b in batches:
+            assert not layout.same_node(rank, b.dst) and layout.local_index(b.dst) == layout.local_index(rank)
+            assert layout.local_index(b.src) == layout.local_index(rank) and not layout.same_node(rank, b.src)
+            ready.append(next(t.ready_after for _, t in plan.sends() if t.src == rank and t.chunk == (b.dst, b.chunk)))
+            sent.setdefault((rank, b.dst), []).append(b.key)
+            received.setdefault((b.src, rank), []).append(b.key)
+            arrivals.setdefault((rank, b.chunk), []).append(layout.node_of[b.src])
+        assert ready == sorted(ready), f"rank {rank}: count waits out of the GEMM's order {ready}"
+    assert sent == received  # both sides of a pair, same keys, same order
+    for rank in range(layout.tp):  # each chunk of a block hears from every other node once
+        for c in range(chunks):
+            assert sorted(arrivals.get((rank, c), [])) == [n for n in range(nnodes) if n != layout.node_of[rank]]
+
+
+def test_node_partial_batches_refuse_a_plan_whose_send_has_no_receive():
+    plan = build_rs_plan(GroupLayout.uniform(2, 2), chunks=2, validate=False)
+    dropped = dataclasses.replace(plan, steps=(plan.steps[0][1:],) + plan.steps[1:])
+    with pytest.raises(PlanError, match=r"rank 2: .* do not pair one send with one receive"):
+        rs.node_partial_batches(dropped, 2)
+    with pytest.raises(ValueError, match="rank 4 outside"):
+        rs.node_partial_batches(plan, 4)
+
+
+def _node_partial(layout, node: int, d: int, rows: int, n: int) -> torch.Tensor:
+    """What the intra-node level leaves at node ``node``'s collector of block d (the kernel's part on GPUs): its
+    ranks' partials of d summed in their order."""
+    return _reduce([_partial(q, d, rows, n) for q in layout.members(node)])
+
+
+def _run_two_level(rank, tp, nnodes, size, late_rank):
+    layout = GroupLayout.uniform(nnodes, size)
+    node = layout.node_of[rank]
+    for rows, n, tile, swizzle in ((300, 24, 1, 2), (5, 8, 1, 0)):
+        chunks = rs.full_width_chunks(rows, n, tile, swizzle)
+        plan = build_rs_plan(layout, chunks=len(chunks))
+        executor = rs.RsExecutor(rank, tp, len(chunks), dist.group.WORLD, rs.node_partial_batches(plan, rank))
+        results = []
+        for call in range(2):
+            collected = {b.dst for b in executor.batches}
+            stage = {d: torch.full((rows, n), float("nan"), dtype=torch.float64) for d in collected}
+            recv = {b.src: torch.full((rows, n), float("nan"), dtype=torch.float64) for b in executor.batches}
+            flags: dict[tuple[int, int], int] = {}
+
+            def ready(d, c):  # the collector's count: its node partial's chunk appears only now
+                rs.chunk_rows(stage[d], chunks[c]).copy_(rs.chunk_rows(_node_partial(layout, node, d, rows, n),
+                                                                       chunks[c]))
+
+            def announce(s, c):
+                assert (s, c) not in flags, f"rank {rank}: flag of {(s, c)} set twice"
+                want = rs.chunk_rows(_node_partial(layout, layout.node_of[s], rank, rows, n), chunks[c])
+                assert torch.equal(rs.chunk_rows(recv[s], chunks[c]), want), \
+                    f"rank {rank}: flag of {(s, c)} set before its data"
+                flags[(s, c)] = len(flags)
+
+            if rank == late_rank:
+                time.sleep(0.2)
+            executor.run(ready, lambda d, c: rs.chunk_rows(stage[d], chunks[c]),
+                         lambda s, c: rs.chunk_rows(recv[s], chunks[c]), announce)
+            what = f"rank {rank} of {nnodes}x{size}, {rows}x{n}, {len(chunks)} chunks, call {call}"
+            assert len(flags) == (nnodes - 1) * len(chunks), what
+            by_node = {layout.node_of[s]: part for s, part in recv.items()}
+            by_node[node] = _node_partial(layout, node, rank, rows, n)  # the intra-node reduce-scatter's result
+            # The owner adds the node partials in the plan's sum order; the reference adds every rank's partial in
+            # that same nesting, so any partial routed to the wrong rank, chunk or slot shows in the bits.
+            out = _reduce([by_node[layout.node_of[ranks[0]]] for ranks in plan.sum_order[rank]])
+            ref = _reduce([_reduce([_partial(q, rank, rows, n) for q in ranks]) for ranks in plan.sum_order[rank]])
+            assert torch.equal(out, ref), f"{what}: reduced rows differ from the reference"
+            results.append(out)
+        assert torch.equal(results[0], results[1]), f"rank {rank}: two calls differ bitwise"
+        dist.barrier()
+
+
+@pytest.mark.parametrize("nnodes,size", [(2, 1), (2, 2), (2, 4), (4, 2)], ids=["2x1", "2x2", "2x4", "4x2"])
+def test_executor_sends_each_node_partial_once_with_gloo(nnodes, size):
+    run_distributed(_run_two_level, nnodes * size, nnodes, size, 1)  # rank 1 starts late
 
 
 def _selection(rank, tp):
