@@ -3,6 +3,7 @@
 | scenario | what happens | recorded |
 |---|---|---|
 | ``peer_death`` | after two good calls the last rank exits; the others enqueue three calls and synchronize, then go on calling (a call, then a device sync, as a training step) | ``raised`` (WorkspaceError on every survivor), ``seconds`` from the first call after the death to the raise (max over survivors), ``timeout_s``, ``message``, ``names_peer``, ``pipelined_drain_s`` (until the three enqueued calls drained) |
+| ``peer_death_inside_call`` | the last rank's chunks of a call go out, then it exits while its GEMM waits for rank 0's (held back by a GPU sleep), so its end-of-call handshake never comes; the others finish that call, then go on as in ``peer_death`` | as ``peer_death`` |
 | ``rejected_call_then_valid`` | rank 0 alone makes rejected calls (Python checks and the op library's), then M = 0 calls, then valid calls on every rank | ``ok`` (rejections raised, epochs equal across ranks, M = 0 a no-op, valid calls right) |
 | ``graph_replay_timeout`` | a captured call replays on rank 0 only | ``raised`` (``workspace.check_graph_replays()`` raised within timeout + 10 s), ``seconds``, ``eager_call_raised`` (the next eager call on the workspace raises), ``later_replays_nan`` (three more replays, still alone, finish and yield NaN), ``later_replay_max_s``, ``drained`` (after ``release()``) |
 | ``rank_mismatch`` | ranks make different fused calls (M, layout, op: checked on the host when a call is new), or calls of known shapes out of step (``out_of_step_*``: checked on the device) | ``raised_on_both`` (ValueError, or WorkspaceError for the device variants, on every rank, for every variant), ``names_every_rank`` (every rank's call in the message; device variants: the two calls that met), ``later_ok``, ``device_seconds`` (longest time to the device variants' error) |
@@ -30,8 +31,8 @@ import sys
 import tempfile
 import time
 
-SCENARIOS = ("peer_death", "rejected_call_then_valid", "graph_replay_timeout", "rank_mismatch", "bad_inputs",
-             "workspace_growth", "reset_after_timeout", "stress")
+SCENARIOS = ("peer_death", "peer_death_inside_call", "rejected_call_then_valid", "graph_replay_timeout",
+             "rank_mismatch", "bad_inputs", "workspace_growth", "reset_after_timeout", "stress")
 DEFAULT_OUT = "benchmarks/results/reliability_h200x2.json"
 K, N = 512, 512  # the small calls of the scenarios other than stress and growth (N over the group)
 
@@ -105,7 +106,7 @@ def peer_death(rank, tp, opts, out_dir):
     import torch
     import torch.distributed as dist
 
-    from flux_layers.runtime.workspace import AgWorkspace, WorkspaceError
+    from flux_layers.runtime.workspace import AgWorkspace
     ws = AgWorkspace(dist.group.WORLD, torch.bfloat16, 256 * tp, K)
     ws.timeout_s = opts["timeout_s"]
     before = [_valid(rank, tp, "ag_gemm", opts["seed"] + i, ws=ws) for i in range(2)]
@@ -115,12 +116,49 @@ def peer_death(rank, tp, opts, out_dir):
         _write(out_dir, rank, {"role": "died"})
         os._exit(0)  # between calls: no error, no goodbye
     _say(rank, f"rank {tp - 1} exited; calling on with FLUX_LAYERS timeout {opts['timeout_s']} s")
+    _call_on_without_the_dead(rank, tp, opts, out_dir, ws, all(ok for ok, _ in before))
+
+
+def peer_death_inside_call(rank, tp, opts, out_dir):
+    import torch
+    import torch.distributed as dist
+
+    from flux_layers.runtime.workspace import AgWorkspace
+    ws = AgWorkspace(dist.group.WORLD, torch.bfloat16, 256 * tp, K)
+    ws.timeout_s = opts["timeout_s"]
+    ok, _ = _valid(rank, tp, "ag_gemm", opts["seed"], ws=ws)
+    torch.cuda.synchronize()
+    dist.barrier()
+    x = torch.randn(256, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N // tp, K, device="cuda", dtype=torch.bfloat16)
+    if rank == tp - 1:
+        _fused_ag(x, w, group=dist.group.WORLD, ws=ws)
+        time.sleep(0.3)  # its chunks landed; its GEMM waits for rank 0's, held behind rank 0's GPU sleep
+        _write(out_dir, rank, {"role": "died"})
+        os._exit(0)  # inside the call: its end-of-call done never reaches the others
+    if rank == 0:
+        torch.cuda._sleep(int(3e9))  # over a second: rank 0's chunks leave after the death
+    _say(rank, f"rank {tp - 1} exits inside a call; calling on with FLUX_LAYERS timeout {opts['timeout_s']} s")
+    _call_on_without_the_dead(rank, tp, opts, out_dir, ws, ok, lead=lambda: _fused_ag(x, w, group=dist.group.WORLD,
+                                                                                        ws=ws))
+
+
+def _call_on_without_the_dead(rank, tp, opts, out_dir, ws, good_before, lead=None):
+    """The survivors' part of the peer-death scenarios: ``lead`` (the call the dead rank was inside), then, as a
+    training step does, three calls enqueued back to back and a sync, then a call and a sync at a time, until the
+    WorkspaceError; this rank's record."""
+    import torch
+    import torch.distributed as dist
+
+    from flux_layers.runtime.workspace import WorkspaceError
     began = time.monotonic()
     raised, message, calls, drained_s = False, None, 0, None
     try:
-        # As a training step does: calls enqueued back to back, then a sync. Behind the first, which waits for the
-        # dead rank's chunks, the next ones' stream waits for its handshake would hold the only hardware queue under
-        # CUDA_DEVICE_MAX_CONNECTIONS=1 but for the kernel's own release.
+        if lead is not None:
+            lead()
+            calls += 1
+        # Behind the first call that waits for the dead rank, the next ones' stream waits for its handshake would
+        # hold the only hardware queue under CUDA_DEVICE_MAX_CONNECTIONS=1 but for the kernels' own release.
         x = torch.randn(256, K, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(N // tp, K, device="cuda", dtype=torch.bfloat16)
         for _ in range(3):
@@ -136,7 +174,7 @@ def peer_death(rank, tp, opts, out_dir):
         raised, message = True, str(exc)
     seconds = time.monotonic() - began
     _write(out_dir, rank, {"role": "survivor", "raised": raised, "seconds": round(seconds, 2), "message": message,
-                           "calls_before_raise": calls, "good_before": all(ok for ok, _ in before),
+                           "calls_before_raise": calls, "good_before": good_before,
                            "pipelined_drain_s": None if drained_s is None else round(drained_s, 2)})
     os._exit(0)  # the peer is gone: no collective shutdown
 
@@ -576,6 +614,7 @@ def _merge_stress(records, opts):
 
 RUNNERS = {
     "peer_death": (peer_death, _merge_peer_death),
+    "peer_death_inside_call": (peer_death_inside_call, _merge_peer_death),
     "rejected_call_then_valid": (rejected_call_then_valid, _merge_rejected),
     "graph_replay_timeout": (graph_replay_timeout, _merge_graph_timeout),
     "rank_mismatch": (rank_mismatch, _merge_mismatch),
@@ -592,7 +631,7 @@ def limit_s(name: str, opts: dict) -> float:
     """The time limit of a scenario (its processes are killed after it)."""
     t = opts["timeout_s"]
     g = opts["graph_timeout_s"]
-    return {"peer_death": 3 * t + 90, "graph_replay_timeout": 3 * g + 90, "reset_after_timeout": 3 * g + 90,
+    return {"peer_death": 3 * t + 90, "peer_death_inside_call": 3 * t + 90, "graph_replay_timeout": 3 * g + 90, "reset_after_timeout": 3 * g + 90,
             "stress": opts["stress_limit_s"]}.get(name, 240)
 
 
