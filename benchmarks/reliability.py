@@ -631,8 +631,8 @@ def limit_s(name: str, opts: dict) -> float:
     """The time limit of a scenario (its processes are killed after it)."""
     t = opts["timeout_s"]
     g = opts["graph_timeout_s"]
-    return {"peer_death": 3 * t + 90, "peer_death_inside_call": 3 * t + 90, "graph_replay_timeout": 3 * g + 90, "reset_after_timeout": 3 * g + 90,
-            "stress": opts["stress_limit_s"]}.get(name, 240)
+    return {"peer_death": 3 * t + 90, "peer_death_inside_call": 3 * t + 90, "graph_replay_timeout": 3 * g + 90,
+            "reset_after_timeout": 3 * g + 90, "stress": opts["stress_limit_s"]}.get(name, 240)
 
 
 def run_scenario(name: str, world: int, opts: dict, launch=None) -> dict:

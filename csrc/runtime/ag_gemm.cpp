@@ -297,6 +297,8 @@ void ag_gemm(const AgGemmArgs& a) {
     stage_own(p, x_in_buffer, a.compute);
     FLUX_CUDA_CHECK(cudaEventRecord(ready, a.compute));
     for (int i = 0; i < used; ++i) FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.comm[i], ready, 0));
+    if (a.run_gemm) launch_gemm(gemm_problem(p), a.dtype, a.layout, a.tile, a.compute);
+    pull(p);
   } else {
     // Push: peer-to-peer copies only (copy engines); the GEMM does not wait for the previous call's peers. It is
     // enqueued before the comm stream's handshake wait: with a single hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1)
@@ -308,13 +310,6 @@ void ag_gemm(const AgGemmArgs& a) {
     p.wait_peers_done(s0);
     if (used > 1) FLUX_CUDA_CHECK(cudaEventRecord(ready, s0));
     for (int i = 1; i < used; ++i) FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.comm[i], ready, 0));
-  }
-
-  if (a.run_gemm && a.mode == AgMode::kPull) launch_gemm(gemm_problem(p), a.dtype, a.layout, a.tile, a.compute);
-
-  if (a.mode == AgMode::kPull) {
-    pull(p);
-  } else {
     push(p);
   }
 

@@ -105,7 +105,7 @@ def node_partial_batches(plan: RsPlan, rank: int) -> tuple[RsBatch, ...]:
     recvs: dict[tuple[int, int], list] = {}
     for step, kind, send in plan.rank_ops(rank):
         (sends if kind == "send" else recvs).setdefault((step + 1, send.chunk[1]), []).append(send)
-    lone = sorted(k for k in sends.keys() ^ recvs.keys())
+    lone = sorted(sends.keys() ^ recvs.keys())
     doubled = sorted(k for k, v in (*sends.items(), *recvs.items()) if len(v) != 1)
     if lone or doubled:
         raise PlanError(f"rank {rank}: reduce-scatter plan batches {lone or doubled} do not pair one send with one "

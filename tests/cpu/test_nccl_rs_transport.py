@@ -88,6 +88,32 @@ def _reduce(parts) -> torch.Tensor:
     return out
 
 
+def _run_with_stand_ins(executor, rank, chunks, stage, recv, mine, theirs, late):
+    """Run ``executor`` once on CPU stand-ins. The kernel: our partial of d's rows, ``mine(d)``, appears in the
+    staging slot ``stage[d]`` chunk by chunk, only when that chunk's count wait is reached, and each count is awaited
+    once. The flags: each is set once, and only once the chunk of ``theirs(s)`` is in place in ``recv[s]``. Returns
+    the count waits in order and the flags in the order they were set."""
+    ready_seen: list = []
+    flags: dict[tuple[int, int], int] = {}
+
+    def ready(d, c):
+        assert (d, c) not in ready_seen, f"rank {rank}: count of {(d, c)} awaited twice"
+        ready_seen.append((d, c))
+        rs.chunk_rows(stage[d], chunks[c]).copy_(rs.chunk_rows(mine(d), chunks[c]))
+
+    def announce(s, c):
+        assert (s, c) not in flags, f"rank {rank}: flag of {(s, c)} set twice"
+        assert torch.equal(rs.chunk_rows(recv[s], chunks[c]), rs.chunk_rows(theirs(s), chunks[c])), \
+            f"rank {rank}: flag of {(s, c)} set before its data"
+        flags[(s, c)] = len(flags)
+
+    if late:
+        time.sleep(0.2)
+    executor.run(ready, lambda d, c: rs.chunk_rows(stage[d], chunks[c]),
+                 lambda s, c: rs.chunk_rows(recv[s], chunks[c]), announce)
+    return ready_seen, flags
+
+
 def _run_calls(rank, tp, late_rank):
     group = dist.group.WORLD
     for rows, n, tile, swizzle in ((300, 24, 1, 2), (5, 8, 1, 0)):
@@ -98,26 +124,9 @@ def _run_calls(rank, tp, late_rank):
             # Staging slots start empty: a chunk's rows appear only when its count is complete (the kernel stand-in).
             stage = {d: torch.full((rows, n), float("nan"), dtype=torch.float64) for d in range(tp) if d != rank}
             recv = {s: torch.full((rows, n), float("nan"), dtype=torch.float64) for s in range(tp) if s != rank}
-            ready_seen: list = []
-            flags: dict[tuple[int, int], int] = {}
-
-            def ready(d, c):
-                assert (d, c) not in ready_seen, f"rank {rank}: count of {(d, c)} awaited twice"
-                ready_seen.append((d, c))
-                rs.chunk_rows(stage[d], chunks[c]).copy_(rs.chunk_rows(_partial(rank, d, rows, n), chunks[c]))
-
-            def announce(s, c):
-                # The flag stand-in: the chunk's rows are in place when its flag is set, and it is set once.
-                assert (s, c) not in flags, f"rank {rank}: flag of {(s, c)} set twice"
-                want = rs.chunk_rows(_partial(s, rank, rows, n), chunks[c])
-                assert torch.equal(rs.chunk_rows(recv[s], chunks[c]), want), \
-                    f"rank {rank}: flag of {(s, c)} set before its data"
-                flags[(s, c)] = len(flags)
-
-            if rank == late_rank:
-                time.sleep(0.2)
-            executor.run(ready, lambda d, c: rs.chunk_rows(stage[d], chunks[c]),
-                         lambda s, c: rs.chunk_rows(recv[s], chunks[c]), announce)
+            ready_seen, flags = _run_with_stand_ins(executor, rank, chunks, stage, recv,
+                                                    lambda d: _partial(rank, d, rows, n),
+                                                    lambda s: _partial(s, rank, rows, n), rank == late_rank)
             what = f"rank {rank} of {tp}, {rows}x{n}, {len(chunks)} chunks, call {call}"
             assert ready_seen == [(d, c) for d in schedules.rs_group_order(rank, tp)[:-1]
                                   for c in range(len(chunks))], what
@@ -196,23 +205,12 @@ def _run_two_level(rank, tp, nnodes, size, late_rank):
             collected = {b.dst for b in executor.batches}
             stage = {d: torch.full((rows, n), float("nan"), dtype=torch.float64) for d in collected}
             recv = {b.src: torch.full((rows, n), float("nan"), dtype=torch.float64) for b in executor.batches}
-            flags: dict[tuple[int, int], int] = {}
-
-            def ready(d, c):  # the collector's count: its node partial's chunk appears only now
-                rs.chunk_rows(stage[d], chunks[c]).copy_(rs.chunk_rows(_node_partial(layout, node, d, rows, n),
-                                                                       chunks[c]))
-
-            def announce(s, c):
-                assert (s, c) not in flags, f"rank {rank}: flag of {(s, c)} set twice"
-                want = rs.chunk_rows(_node_partial(layout, layout.node_of[s], rank, rows, n), chunks[c])
-                assert torch.equal(rs.chunk_rows(recv[s], chunks[c]), want), \
-                    f"rank {rank}: flag of {(s, c)} set before its data"
-                flags[(s, c)] = len(flags)
-
-            if rank == late_rank:
-                time.sleep(0.2)
-            executor.run(ready, lambda d, c: rs.chunk_rows(stage[d], chunks[c]),
-                         lambda s, c: rs.chunk_rows(recv[s], chunks[c]), announce)
+            # The collector's node partial of d appears chunk by chunk at its count; the owner receives the
+            # other nodes' collectors' node partials of its rows.
+            _, flags = _run_with_stand_ins(executor, rank, chunks, stage, recv,
+                                           lambda d: _node_partial(layout, node, d, rows, n),
+                                           lambda s: _node_partial(layout, layout.node_of[s], rank, rows, n),
+                                           rank == late_rank)
             what = f"rank {rank} of {nnodes}x{size}, {rows}x{n}, {len(chunks)} chunks, call {call}"
             assert len(flags) == (nnodes - 1) * len(chunks), what
             by_node = {layout.node_of[s]: part for s, part in recv.items()}
