@@ -23,6 +23,7 @@
 #include "flux/gemm_dispatch.h"
 #include "flux/workspace_state.h"
 #include "fused_calls.h"
+#include "operands.h"
 
 namespace {
 
@@ -30,55 +31,9 @@ using at::Tensor;
 
 constexpr const char* kWorkspaceErrorTag = "[flux_layers.WorkspaceError] ";
 
-flux::DType to_dtype(const Tensor& t, const char* name) {
-  if (t.scalar_type() == at::kBFloat16) return flux::DType::kBF16;
-  if (t.scalar_type() == at::kHalf) return flux::DType::kFP16;
-  TORCH_CHECK_VALUE(false, name, " must be bfloat16 or float16, got ", t.scalar_type());
-}
-
-// 2-D, unit stride along columns, 16-byte aligned rows: what TMA and the vector epilogue need.
-void check_matrix(const Tensor& t, const char* name, const Tensor& like) {
-  TORCH_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device());
-  TORCH_CHECK_VALUE(t.device() == like.device(), name, " is on ", t.device(), " but x is on ", like.device(),
-                    "; x and ", name, " must be on the same device");
-  TORCH_CHECK_VALUE(t.scalar_type() == like.scalar_type(), name, " dtype ", t.scalar_type(), " differs from x dtype ",
-                    like.scalar_type(), "; x and ", name, " must have the same dtype");
-  TORCH_CHECK_VALUE(t.dim() == 2, name, " must be 2-D, got ", t.dim(), "-D with shape ", t.sizes());
-  TORCH_CHECK_VALUE(t.stride(1) == 1 || t.size(1) <= 1, name, " must have unit stride along dim 1, got strides ",
-                    t.strides());
-  TORCH_CHECK_VALUE(t.size(0) <= 1 || (t.stride(0) * t.element_size()) % 16 == 0, name, " row stride ", t.stride(0),
-                    " is not a multiple of 16 bytes");
-  TORCH_CHECK_VALUE(
-      reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
-      " data pointer is not 16-byte aligned (address % 16 = ", reinterpret_cast<uintptr_t>(t.data_ptr()) % 16, ")");
-}
-
-struct MatmulShape {
-  int64_t m, k, n;
-};
-
-MatmulShape check_operands(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, bool weight_nn) {
-  to_dtype(x, "x");
-  check_matrix(x, "x", x);
-  check_matrix(w, "weight", x);
-  int64_t k_w = weight_nn ? w.size(0) : w.size(1);
-  int64_t n = weight_nn ? w.size(1) : w.size(0);
-  TORCH_CHECK_VALUE(x.size(1) == k_w, "x ", x.sizes(), " and weight ", w.sizes(), " (", weight_nn ? "nn" : "nt",
-                    " layout) disagree on K");
-  TORCH_CHECK_VALUE(k_w % 8 == 0 && k_w > 0, "K = ", k_w, " (x's columns) must be a positive multiple of 8");
-  TORCH_CHECK_VALUE(n % 8 == 0, "N = ", n, " (the weight's output features) must be a multiple of 8");
-  if (bias.has_value()) {
-    const Tensor& b = *bias;
-    TORCH_CHECK_VALUE(b.is_cuda() && b.device() == x.device(), "bias must be a CUDA tensor on ", x.device(),
-                      " (the device of x), got ", b.device());
-    TORCH_CHECK_VALUE(b.scalar_type() == x.scalar_type(), "bias dtype ", b.scalar_type(), " must match x dtype ",
-                      x.scalar_type());
-    TORCH_CHECK_VALUE(b.dim() == 1 && b.size(0) == n, "bias must have shape [", n,
-                      "] (N, the weight's output features), got ", b.sizes());
-    TORCH_CHECK_VALUE(b.stride(0) == 1, "bias must be contiguous, got stride ", b.stride(0));
-  }
-  return {x.size(0), k_w, n};
-}
+using flux::bindings::check_operands;
+using flux::bindings::check_out;
+using flux::bindings::to_dtype;
 
 flux::TileConfig to_tile(int64_t tile) {
   TORCH_CHECK_VALUE(tile >= 0 && tile < flux::kNumTileConfigs, "tile config ", tile, " outside [0, ",
@@ -105,13 +60,6 @@ void translate_value_errors(Fn&& fn) {
   }
 }
 
-void check_out(const Tensor& out, const Tensor& x, int64_t rows, int64_t cols, const char* name) {
-  TORCH_CHECK_VALUE(out.is_cuda() && out.device() == x.device() && out.scalar_type() == x.scalar_type(), name,
-                    " must be a ", x.scalar_type(), " tensor on ", x.device());
-  TORCH_CHECK_VALUE(out.is_contiguous() && out.dim() == 2 && out.size(0) == rows && out.size(1) == cols, name,
-                    " must be contiguous [", rows, ", ", cols, "], got ", out.sizes());
-}
-
 // The persistent grid's options of one launch. stream_k_fill > 0: split a last wave that keeps at most that
 // percentage of the clusters busy (the stream-K tail), using `scratch` for the tail's partials: allocated here if
 // undefined, from the caching allocator on the current stream, and kept by the caller for as long as it wants it
@@ -130,10 +78,23 @@ flux::LaunchOptions launch_options(const Tensor& like, int sms, int sm_count, in
   return o;
 }
 
-void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, Tensor out, bool weight_nn, int64_t tile,
-          int64_t sm_count, int64_t swizzle, int64_t stream_k_fill) {
-  auto s = check_operands(x, w, bias, weight_nn);
-  check_out(out, x, s.m, s.n, "out");
+// out = (x @ op(w)) * scales + bias on the persistent GEMM, no communication. FP8 operands take x_scale and w_scale
+// (operands.h check_scales) and write bfloat16; fast_accum selects FP8 fast accumulation.
+void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, const std::optional<Tensor>& x_scale,
+          const std::optional<Tensor>& w_scale, Tensor out, bool weight_nn, int64_t tile, int64_t sm_count,
+          int64_t swizzle, int64_t stream_k_fill, bool fast_accum) {
+  auto ops = check_operands(x, w, bias, weight_nn, fast_accum);
+  auto const& s = ops.shape;
+  auto scales = flux::bindings::check_scales(ops, x, x_scale, w_scale, s.m, "gemm");
+  check_out(out, x, ops.out_dtype, s.m, s.n, "out");
+  flux::WeightLayout const layout = weight_nn ? flux::WeightLayout::kNN : flux::WeightLayout::kNT;
+  TORCH_CHECK_VALUE(flux::gemm_instance_exists(ops.types, layout, to_tile(tile)), "gemm: tile configuration ", tile,
+                    " has no instance for ", flux::bindings::dtype_name(ops.types.a), " x ",
+                    flux::bindings::dtype_name(ops.types.b),
+                    flux::is_fp8(ops.types.a) ? (ops.types.accumulation == flux::Accumulation::kFast
+                                                     ? " with fast accumulation (e4m3 x e4m3: 0, 1, 2; with e5m2: 1)"
+                                                     : " with split accumulation (2: 128 x 128 tiles)")
+                                              : " (0: 256 x 128, 1: 128 x 256)");
   c10::cuda::CUDAGuard guard(x.device());
   if (s.m == 0 || s.n == 0) return;
   flux::GemmProblem p;
@@ -149,6 +110,10 @@ void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, T
   p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
   p.d[0] = out.data_ptr();
   p.ldd = s.n;
+  p.a_scale_mode = scales.x_mode;
+  p.a_scale = scales.x;
+  p.b_scale_mode = scales.w_mode;
+  p.b_scale = scales.w;
   TORCH_CHECK_VALUE(sm_count >= 0, "sm_count ", sm_count, " must be >= 0 (0: all SMs)");
   TORCH_CHECK_VALUE(swizzle >= 0 && swizzle <= 64, "swizzle ", swizzle, " outside [0, 64]");
   TORCH_CHECK_VALUE(stream_k_fill >= 0 && stream_k_fill <= 100, "stream_k_fill ", stream_k_fill,
@@ -157,10 +122,7 @@ void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, T
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.device().index()));
   Tensor scratch;
   p.launch = launch_options(x, sms, int(sm_count), int(swizzle), int(stream_k_fill), scratch);
-  translate_errors([&] {
-    flux::launch_gemm(p, to_dtype(x, "x"), weight_nn ? flux::WeightLayout::kNN : flux::WeightLayout::kNT, to_tile(tile),
-                      c10::cuda::getCurrentCUDAStream());
-  });
+  translate_errors([&] { flux::launch_gemm(p, ops.types, layout, to_tile(tile), c10::cuda::getCurrentCUDAStream()); });
 }
 
 // ---------------------------------------------------------------- the workspace object
@@ -320,6 +282,7 @@ void check_usable(const Workspace& runs, flux::WorkspaceKind kind, const Tensor&
   auto const& c = st.config();
   TORCH_CHECK_VALUE(c.kind == kind, op, ": the workspace belongs to ", c.what);
   TORCH_CHECK_VALUE(x.device().index() == c.device, op, ": x is on ", x.device(), ", the workspace on cuda:", c.device);
+  TORCH_CHECK_VALUE(!flux::is_fp8(to_dtype(x, "x")), op, ": FP8 operands are not supported by this op");
   TORCH_CHECK_VALUE(to_dtype(x, "x") == c.dtype, op, ": x dtype ", x.scalar_type(), " differs from the workspace's ",
                     c.dtype == flux::DType::kBF16 ? "bfloat16" : "float16");
 }
@@ -366,7 +329,7 @@ namespace flux::bindings {
 std::tuple<Tensor, Tensor> ag_gemm(const Tensor& x_shard_m, const Tensor& w, const std::optional<Tensor>& bias,
                                    int64_t workspace_handle, int64_t plan_index, bool weight_nn, bool return_gathered,
                                    bool run_gemm) {
-  auto s = check_operands(x_shard_m, w, bias, weight_nn);
+  auto s = check_operands(x_shard_m, w, bias, weight_nn, false).shape;
   c10::cuda::CUDAGuard guard(x_shard_m.device());
   CallStart call = start_call(workspace_handle, plan_index, flux::WorkspaceKind::kAllGather, x_shard_m, "ag_gemm");
   Workspace& runs = call.runs;
@@ -432,7 +395,7 @@ std::tuple<Tensor, Tensor> ag_gemm(const Tensor& x_shard_m, const Tensor& w, con
 
 Tensor gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, int64_t workspace_handle,
                int64_t plan_index, bool weight_nn) {
-  auto s = check_operands(x, w, bias, weight_nn);
+  auto s = check_operands(x, w, bias, weight_nn, false).shape;
   c10::cuda::CUDAGuard guard(x.device());
   CallStart call = start_call(workspace_handle, plan_index, flux::WorkspaceKind::kReduceScatter, x, "gemm_rs");
   Workspace& runs = call.runs;
@@ -541,9 +504,8 @@ TORCH_LIBRARY(flux_layers, m) {
       .def("epoch", &Workspace::epoch)
       .def("handle", &Workspace::handle);
   m.def(
-      "gemm(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool weight_nn, int tile, int sm_count, int "
-      "swizzle, "
-      "int stream_k_fill) -> ()");
+      "gemm(Tensor x, Tensor weight, Tensor? bias, Tensor? x_scale, Tensor? w_scale, Tensor(a!) out, bool weight_nn, "
+      "int tile, int sm_count, int swizzle, int stream_k_fill, bool fast_accum) -> ()");
   m.def(
       "ag_gemm(Tensor x_shard_m, Tensor weight, Tensor? bias, int workspace, int plan, bool weight_nn, "
       "bool return_gathered, bool run_gemm) -> (Tensor, Tensor)");

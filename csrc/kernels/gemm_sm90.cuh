@@ -1,6 +1,7 @@
 // Persistent warp-specialized sm90 GEMM that the fused operators are built on.
 //
-//   config   : GemmConfig<Element, WeightLayout, TileM, TileN, ClusterM>  (one TU per instantiation)
+//   config   : GemmConfig<ElementA, ElementB, ElementD, WeightLayout, TileM, TileN, ClusterM, Accumulation>
+//              (one TU per operand types and layout)
 //   params   : KernelParams = two TMA mainloop descriptors (group-batched A, own A; B) + GemmProblem + schedule
 //   roles    : warp group 0 = producer (one elected thread issues TMA loads; in AllGather mode it first waits
 //              on the readiness flag of the chunk the A tile reads), warp groups 1-2 = consumers (wgmma via
@@ -20,7 +21,7 @@
 //              split along K over every cluster; a segment without k = 0 stores its fp32 accumulators to the
 //              split workspace and flags them, the segment with k = 0 adds them in cluster order (same bits
 //              every run) and runs the epilogue. Producer and consumers walk the same segment list.
-//   launcher : launch<Config>(GemmProblem, stream), C-style, no torch.
+//   launcher : gemm_sm90_launch.cuh, Launcher<Config>::launch(GemmProblem, stream), C-style, no torch.
 //
 // Invariants
 //   * all CTAs of the persistent grid are co-resident (grid = max active clusters), so a CTA waiting on a
@@ -40,9 +41,6 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
-#include <mutex>
-
-#include "descriptor_cache.cuh"
 #include "flux/check.h"
 #include "flux/gemm_params.h"
 #include "sync_primitives.cuh"
@@ -53,15 +51,23 @@ namespace flux::sm90 {
 using namespace cute;
 
 // ------------------------------------------------------------------------------------------------ config
-template <class Element_, WeightLayout kLayout_, int kTileM_, int kTileN_, int kClusterM_>
+template <class ElementA_, class ElementB_, class ElementD_, WeightLayout kLayout_, int kTileM_, int kTileN_,
+          int kClusterM_, Accumulation kAccumulation_ = Accumulation::kSplit>
 struct GemmConfig {
-  using Element = Element_;  // bf16 or fp16 in and out, fp32 accumulation
+  using ElementA = ElementA_;  // x: bf16, fp16, e4m3 or e5m2
+  using ElementB = ElementB_;  // W: the same as x, or the other FP8 format
+  using ElementD = ElementD_;  // out and the reduce-scatter's partials: bf16 or fp16; fp32 accumulation
+  static constexpr bool kFp8 = sizeof(ElementA) == 1;
+  static_assert(sizeof(ElementA) == sizeof(ElementB), "both operands 16-bit, or both FP8");
+  static_assert(sizeof(ElementD) == 2, "the epilogue stages 16-bit outputs");
   static constexpr WeightLayout kLayout = kLayout_;
+  static_assert(!kFp8 || kLayout == WeightLayout::kNT, "FP8 wgmma reads both operands K-major (the 'nt' layout)");
+  static constexpr Accumulation kAccumulation = kAccumulation_;
   static constexpr int kTileM = kTileM_;
   static constexpr int kTileN = kTileN_;
-  static constexpr int kTileK = 64;             // 128-byte rows: the SW128 smem atom
-  static constexpr int kClusterM = kClusterM_;  // CTAs along M sharing (multicasting) the B tile
-  static constexpr int kEpiCols = 64;           // epilogue sub-tile width (one 128-byte smem row)
+  static constexpr int kTileK = 128 / int(sizeof(ElementA));  // 128-byte rows: the SW128 smem atom
+  static constexpr int kClusterM = kClusterM_;                // CTAs along M sharing (multicasting) the B tile
+  static constexpr int kEpiCols = 64;                         // epilogue sub-tile width (one 128-byte smem row)
   // 128 x 256 tiles: one sub-tile buffer per sub-tile (64 KB, the whole tile), so the epilogue's TMA stores
   // drain under the next tile's mainloop and no consumer waits for them; this costs a mainloop stage (3 instead
   // of 4), and measured 1.7-6.2% faster GEMMs than two buffers with SIMT stores (docs/experiments.md, epilogue).
@@ -75,28 +81,34 @@ struct GemmConfig {
   using TileShape = Shape<Int<kTileM>, Int<kTileN>, Int<kTileK>>;
   using ClusterShape = Shape<Int<kClusterM>, _1, _1>;
 
-  static constexpr int kEpiSmemBytes = kEpiBuffers * kTileM * kEpiCols * int(sizeof(Element));
+  static constexpr int kEpiSmemBytes = kEpiBuffers * kTileM * kEpiCols * int(sizeof(ElementD));
   static constexpr int kCarveoutBytes = kEpiSmemBytes + 1024;  // epilogue sub-tiles + alignment slack
   // A sub-tile in shared memory as TMA's 128-byte swizzle lays it out (epi_offset computes the same on a
   // 1024-byte aligned buffer).
   using EpiSmemLayout =
-      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kTileM>, Int<kEpiCols>>{}));
+      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<ElementD>{}, Shape<Int<kTileM>, Int<kEpiCols>>{}));
   using StoreD = decltype(make_tma_copy(
       SM90_TMA_STORE{},
-      make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), make_shape(int(0), int(0)), Stride<int64_t, _1>{}),
+      make_tensor(make_gmem_ptr(static_cast<ElementD*>(nullptr)), make_shape(int(0), int(0)), Stride<int64_t, _1>{}),
       EpiSmemLayout{}));
   // A peer's partial of a ReduceScatter's own rows, loaded a sub-tile at a time into an epilogue buffer.
   using LoadPartial = decltype(make_tma_copy(SM90_TMA_LOAD{},
-                                             make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                             make_tensor(make_gmem_ptr(static_cast<ElementD const*>(nullptr)),
                                                          make_shape(int(0), int(0)), Stride<int64_t, _1>{}),
                                              EpiSmemLayout{}));
 
+  // FP8: CUTLASS's FP8 mainloop promotes the tensor cores' partial sums into the fp32 accumulators once per k tile
+  // (split accumulation; it holds a second accumulator fragment, which only 128 x 128 tiles leave registers for),
+  // or, with fast accumulation, lets the tensor cores accumulate the whole K.
+  using Schedule = cute::conditional_t<kFp8 && kAccumulation == Accumulation::kFast,
+                                       cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum,
+                                       cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
+  static constexpr int kAlignment = 16 / int(sizeof(ElementA));  // 16-byte aligned rows for TMA
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8,  // A: 16-byte aligned
-      Element, LayoutB, 8,                                                       // B: 16-byte aligned
-      float,                                                                     // accumulator
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA, kAlignment, ElementB, LayoutB, kAlignment,
+      float,  // accumulator
       TileShape, ClusterShape, cutlass::gemm::collective::StageCountAutoCarveout<kCarveoutBytes>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+      Schedule>::CollectiveOp;
 };
 
 // ------------------------------------------------------------------------------------------------ params
@@ -116,7 +128,7 @@ struct KernelParams {
 // ------------------------------------------------------------------------------------------------ kernel
 template <class Cfg>
 struct GemmKernel {
-  using Element = typename Cfg::Element;
+  using ElementD = typename Cfg::ElementD;
   using Mainloop = typename Cfg::Mainloop;
   using TileShape = typename Cfg::TileShape;
   using ClusterShape = typename Cfg::ClusterShape;
@@ -152,8 +164,8 @@ struct GemmKernel {
   static_assert(Mainloop::DispatchPolicy::Stages >= 3, "the epilogue buffers may cost one mainloop stage, not two");
 
   struct SharedStorage {
-    typename Mainloop::TensorStorage mainloop;               // aligned to 128 bytes by its type
-    alignas(1024) Element epi[kEpiBuffers * kEpiTileElems];  // epilogue sub-tile buffers (TMA swizzle period)
+    typename Mainloop::TensorStorage mainloop;                // aligned to 128 bytes by its type
+    alignas(1024) ElementD epi[kEpiBuffers * kEpiTileElems];  // epilogue sub-tile buffers (TMA swizzle period)
     alignas(16) typename Mainloop::PipelineStorage pipeline;
     // ReduceScatter own rows: buffer b holds a peer's partial sub-tile once partial_full[b] completes a phase
     // (one arrival with the TMA load's byte count).
@@ -172,7 +184,7 @@ struct GemmKernel {
   }
 
   CUTLASS_DEVICE static uint32_t pack2(float lo, float hi) {
-    Element e[2] = {Element(lo), Element(hi)};
+    ElementD e[2] = {ElementD(lo), ElementD(hi)};
     uint32_t packed;
     memcpy(&packed, e, sizeof(packed));
     return packed;
@@ -196,7 +208,7 @@ struct GemmKernel {
   }
 
   CUTLASS_DEVICE static float2 unpack2(uint32_t packed) {
-    Element e[2];
+    ElementD e[2];
     memcpy(e, &packed, sizeof(packed));
     return make_float2(float(e[0]), float(e[1]));
   }
@@ -414,7 +426,7 @@ struct GemmKernel {
       int const buf = sub % kEpiBuffers;
       uint64_t* full = &ss.partial_full[buf];
       // Rows and columns past the group's edge arrive as zeros and still count towards the bytes.
-      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, kEpiTileElems * int(sizeof(Element)));
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, kEpiTileElems * int(sizeof(ElementD)));
       Tensor gP = local_tile(mP, Shape<Int<kTileM>, Int<kEpiCols>>{}, make_coord(t.m, t.n * (kTileN / kEpiCols) + sub));
       Tensor sP = make_tensor(make_smem_ptr(ss.epi + buf * kEpiTileElems), typename Cfg::EpiSmemLayout{});
       copy(load.with(*full), cta_load.partition_S(gP), cta_load.partition_D(sP));
@@ -431,6 +443,53 @@ struct GemmKernel {
       constexpr int r_off = decltype(get<0>(o))::value;
       constexpr int c_off = decltype(get<1>(o))::value;
       if constexpr (c_off / kEpiCols == kSub) f(Int<i>{}, Int<r_off>{}, Int<c_off>{});
+    });
+  }
+
+  // FP8: the accumulators times the tile's A and B scales (gemm_params.h ScaleMode), before the bias and before a
+  // ReduceScatter's own rows add the peers' partials (scaled by their ranks). Rows and columns past the edges are
+  // padding (clipped by the stores): their scales are never read past the arrays. A scales may have been written by
+  // a copy engine during this kernel (an all-gather's peers' scales, ahead of their rows' chunk flags): plain loads,
+  // not the read-only path. Row and column scales are loaded a 16 x 16 block at a time (the fragment layout the
+  // epilogue checks: rows r, r + 8, columns c, c + 1, c + 8, c + 9), each block's loads kept behind the previous
+  // block's multiplies so that they do not all stay live at once.
+  template <class Accum, class Coords>
+  CUTLASS_DEVICE static void apply_scales(GemmProblem const& p, TileCoord t, Accum& accum, Coords const& tCcD) {
+    float const* a_scale = t.group == p.own_group && p.a_scale_own != nullptr
+                               ? p.a_scale_own
+                               : p.a_scale + int64_t(t.group) * p.a_scale_group_stride;
+    float alpha = 1.f;
+    if (p.a_scale_mode == ScaleMode::kPerGroup) alpha *= a_scale[0];
+    if (p.b_scale_mode == ScaleMode::kPerGroup) alpha *= __ldg(p.b_scale);
+    bool const per_row = p.a_scale_mode == ScaleMode::kPerRow;
+    bool const per_col = p.b_scale_mode == ScaleMode::kPerRow;
+    if (!per_row && !per_col) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(accum); ++i) accum(i) *= alpha;
+      return;
+    }
+    int const row0 = t.m * kTileM + get<0>(tCcD(0));
+    int const col0 = t.n * kTileN + get<1>(tCcD(0));
+    int const last_row = p.rows_per_group - 1;
+    int const last_col = p.n - 1;
+    cute::for_each(make_int_sequence<decltype(size(accum))::value / 8>{}, [&](auto b) {
+      constexpr int i = decltype(b)::value * 8;
+      auto o = tCcD.layout()(Int<i>{});
+      constexpr int r_off = decltype(get<0>(o))::value;
+      constexpr int c_off = decltype(get<1>(o))::value;
+      float sr[2] = {alpha, alpha};
+      float sc[4] = {1.f, 1.f, 1.f, 1.f};
+      if (per_row) {
+        sr[0] *= a_scale[min(row0 + r_off, last_row)];
+        sr[1] *= a_scale[min(row0 + r_off + 8, last_row)];
+      }
+      if (per_col) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int u = 0; u < 4; ++u) sc[u] = __ldg(p.b_scale + min(col0 + c_off + u % 2 + 8 * (u / 2), last_col));
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int u = 0; u < 8; ++u) accum(i + u) *= sr[(u / 2) % 2] * sc[u % 2 + 2 * (u / 4)];
+      asm volatile("" ::: "memory");
     });
   }
 
@@ -470,7 +529,8 @@ struct GemmKernel {
     // offsets are multiples of 8 plus 0/1, so which sub-tile an accumulator belongs to is static.
     int const r_base = get<0>(tCcD(0));
     int const c_base = get<1>(tCcD(0));
-    Element const* bias = static_cast<Element const*>(p.bias);
+    if constexpr (Cfg::kFp8) apply_scales(p, t, accum, tCcD);
+    ElementD const* bias = static_cast<ElementD const*>(p.bias);
 
     // The wgmma accumulator fragment comes in runs of 8 that make one warp-wide 16 x 16 block: values
     // (i, i+1) are columns (c, c+1) of row r, (i+2, i+3) the same columns of row r+8, (i+4 .. i+7) the same
@@ -485,13 +545,13 @@ struct GemmKernel {
     cute::for_each(make_int_sequence<kSubTiles>{}, [&](auto j) {
       constexpr int kSub = decltype(j)::value;
       constexpr int kBuf = kSub % kEpiBuffers;
-      Element* epi = ss.epi + kBuf * kEpiTileElems;
+      ElementD* epi = ss.epi + kBuf * kEpiTileElems;
       uint32_t const epi_smem = uint32_t(__cvta_generic_to_shared(epi));
       // Shared-memory address of this lane's row of the warp's block at compile-time offset (r_off, c_off).
       auto block_addr = [&](int r_off, int c_off) {
         int const row = warp_row0 + r_off + lane_row;
         int const col = warp_col0 + c_off - kSub * kEpiCols + lane_col;
-        return epi_smem + uint32_t(epi_offset(row, col) * int(sizeof(Element)));
+        return epi_smem + uint32_t(epi_offset(row, col) * int(sizeof(ElementD)));
       };
       // Before a buffer is written again: its TMA store must have read it (thread 0 issued them all; with a
       // buffer per sub-tile the last one went out a whole mainloop ago). Own rows then load the first peer's
@@ -675,6 +735,8 @@ struct GemmKernel {
         int const k_count = seg.k_end - seg.k_begin;
         bool const refused = call_failed(p);  // read before the mainloop, which hides the load
         Tensor accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
+        // CUTLASS's FP8 mainloop with split accumulation adds its partial sums into accum: it must start at zero.
+        if constexpr (Cfg::kFp8 && Cfg::kAccumulation == Accumulation::kSplit) clear(accum);
         collective.mma(pipeline, read_state, accum, k_count, mma_thread_idx, ss.mainloop, params.mainloop_own);
         collective.mma_tail(pipeline, read_state, k_count);
         read_state.advance(k_count);
@@ -712,167 +774,5 @@ __global__ void __launch_bounds__(GemmKernel<Cfg>::kThreads, 1)
   extern __shared__ char smem[];
   GemmKernel<Cfg>{}(params, smem);
 }
-
-// ------------------------------------------------------------------------------------------------ launcher
-template <class Cfg>
-struct Launcher {
-  using Kernel = GemmKernel<Cfg>;
-  using Mainloop = typename Cfg::Mainloop;
-  using StrideA = typename Mainloop::StrideA;
-  using StrideB = typename Mainloop::StrideB;
-  using Element = typename Cfg::Element;
-
-  static StrideB stride_b(int64_t ldb, int64_t batch) {
-    if constexpr (Cfg::kLayout == WeightLayout::kNT) {
-      return make_stride(ldb, Int<1>{}, batch);  // (n, k, l)
-    } else {
-      return make_stride(Int<1>{}, ldb, batch);
-    }
-  }
-
-  // Launch configuration of `clusters` clusters of kClusterM CTAs along x; `attr` must outlive the config.
-  static cudaLaunchConfig_t launch_config(int clusters, cudaStream_t stream, cudaLaunchAttribute* attr) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(clusters * Cfg::kClusterM, 1, 1);
-    cfg.blockDim = dim3(Kernel::kThreads, 1, 1);
-    cfg.dynamicSmemBytes = Kernel::kSmemBytes;
-    cfg.stream = stream;
-    attr->id = cudaLaunchAttributeClusterDimension;
-    attr->val.clusterDim.x = Cfg::kClusterM;
-    attr->val.clusterDim.y = 1;
-    attr->val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    return cfg;
-  }
-
-  // Largest number of clusters that can be resident at once (cached per device).
-  static int max_resident_clusters(int device) {
-    static std::mutex mu;
-    static int cached[64] = {0};
-    std::lock_guard<std::mutex> lock(mu);
-    if (cached[device] > 0) return cached[device];
-    cudaLaunchAttribute attr;
-    cudaLaunchConfig_t cfg = launch_config(64, nullptr, &attr);
-    int clusters = 0;
-    FLUX_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, gemm_kernel<Cfg>, &cfg));
-    FLUX_CHECK(clusters > 0, "the GEMM kernel cannot be resident (", Kernel::kSmemBytes,
-               " bytes of shared memory, cluster ", Cfg::kClusterM, ")");
-    cached[device] = clusters;
-    return clusters;
-  }
-
-  static void launch(GemmProblem const& prob, cudaStream_t stream) {
-    FLUX_CHECK(prob.num_groups >= 1 && prob.num_groups <= kMaxGroups, "num_groups ", prob.num_groups, " outside [1, ",
-               kMaxGroups, "]");
-    if (prob.rows_per_group == 0 || prob.n == 0) return;
-    FLUX_CHECK(prob.k > 0, "K must be positive, got ", prob.k);
-
-    int device = 0;
-    FLUX_CUDA_CHECK(cudaGetDevice(&device));
-    static std::once_flag attr_once;
-    std::call_once(attr_once, [] {
-      FLUX_CUDA_CHECK(
-          cudaFuncSetAttribute(gemm_kernel<Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes));
-    });
-
-    KernelParams<Cfg> params;
-    params.prob = prob;
-    params.sched = TileSchedule::make(prob, Cfg::kTileM, Cfg::kTileN, Cfg::kClusterM);
-    if (prob.rs_own_group >= 0) {
-      GemmProblem const& q = params.prob;
-      FLUX_CHECK(q.rs_chunk_tiles_m > 0 && q.rs_chunk_tiles_n > 0 && q.rs_chunks_n > 0,
-                 "reduce-scatter chunk grid not set (", q.rs_chunk_tiles_m, " x ", q.rs_chunk_tiles_n, " tiles, ",
-                 q.rs_chunks_n, " along N)");
-      int64_t const chunks =
-          int64_t((params.sched.tiles_m + q.rs_chunk_tiles_m - 1) / q.rs_chunk_tiles_m) * q.rs_chunks_n;
-      FLUX_CHECK(q.rs_chunks_n * q.rs_chunk_tiles_n >= params.sched.tiles_n, "reduce-scatter chunk grid (",
-                 q.rs_chunks_n, " x ", q.rs_chunk_tiles_n, " tiles) does not cover ", params.sched.tiles_n,
-                 " tiles along N");
-      FLUX_CHECK(chunks <= prob.rs_flags_per_source, "reduce-scatter workspace holds ", prob.rs_flags_per_source,
-                 " flags per rank, this call needs ", chunks);
-    }
-
-    auto const* b = static_cast<Element const*>(prob.b);
-    auto const* a_own = static_cast<Element const*>(prob.a_own != nullptr ? prob.a_own : prob.a);
-    auto const* a_batched = static_cast<Element const*>(prob.a != nullptr ? prob.a : prob.a_own);
-    int64_t lda_batched = prob.a != nullptr ? prob.lda : prob.lda_own;
-    int64_t lda_own = prob.a_own != nullptr ? prob.lda_own : prob.lda;
-    int groups = prob.a != nullptr ? prob.num_groups : 1;
-    int64_t group_stride = prob.a != nullptr ? prob.a_group_stride : int64_t(prob.rows_per_group) * lda_own;
-    // The B batch stride is never used (every tile reads batch 0); a non-zero value keeps the TMA
-    // descriptor ordinary.
-    int64_t b_batch = int64_t(prob.n) * prob.k;
-
-    // Every descriptor is encoded on the host; each is kept by what it encodes (descriptor_cache.cuh).
-    static DescriptorCache<typename Mainloop::Params> mainloops;
-    static DescriptorCache<typename Cfg::StoreD, 32> stores;
-    static DescriptorCache<typename Cfg::LoadPartial> partial_loads;
-    auto mainloop = [&](Element const* a, int64_t lda, int64_t a_group_stride, int a_groups) {
-      return mainloops.get(
-          {int64_t(a), lda, a_group_stride, a_groups, prob.rows_per_group, prob.n, prob.k, int64_t(b), prob.ldb}, [&] {
-            typename Mainloop::Arguments args{a, StrideA{lda, Int<1>{}, a_group_stride}, b,
-                                              stride_b(prob.ldb, b_batch)};
-            return Mainloop::to_underlying_arguments(make_shape(prob.rows_per_group, prob.n, prob.k, a_groups), args,
-                                                     nullptr);
-          });
-    };
-    params.mainloop = mainloop(a_batched, lda_batched, group_stride, groups);
-    // The own-rows parameters only where they differ (AllGather): a plain GEMM's batched A is its own A, and a
-    // ReduceScatter never reads own rows (own_group = -1); B is the same.
-    params.mainloop_own = prob.a != nullptr && prob.a_own != nullptr
-                              ? mainloop(a_own, lda_own, int64_t(prob.rows_per_group) * lda_own, 1)
-                              : params.mainloop;
-
-    for (int g = 0; g < prob.num_groups; ++g) {
-      FLUX_CHECK(prob.d[g] != nullptr, "group ", g, " has no destination");
-      params.store_d[g] = stores.get({int64_t(prob.d[g]), prob.rows_per_group, prob.n, prob.ldd}, [&] {
-        Tensor mD = make_tensor(make_gmem_ptr(static_cast<Element*>(prob.d[g])),
-                                make_shape(prob.rows_per_group, prob.n), make_stride(prob.ldd, Int<1>{}));
-        return make_tma_copy(SM90_TMA_STORE{}, mD, typename Cfg::EpiSmemLayout{});
-      });
-    }
-    if (prob.rs_own_group >= 0) {
-      FLUX_CHECK(prob.rs_num_partials >= 1 && prob.rs_num_partials < kMaxGroups, "reduce-scatter with ",
-                 prob.rs_num_partials, " partials");
-      for (int s = 0; s < prob.rs_num_partials; ++s) {  // laid out like the destinations: [Mg, N], ldd
-        params.load_partial[s] =
-            partial_loads.get({int64_t(prob.rs_partials[s]), prob.rows_per_group, prob.n, prob.ldd}, [&] {
-              Tensor mP = make_tensor(make_gmem_ptr(static_cast<Element const*>(prob.rs_partials[s])),
-                                      make_shape(prob.rows_per_group, prob.n), make_stride(prob.ldd, Int<1>{}));
-              return make_tma_copy(SM90_TMA_LOAD{}, mP, typename Cfg::EpiSmemLayout{});
-            });
-      }
-    }
-
-    int clusters = max_resident_clusters(device);
-    LaunchOptions const& opts = prob.launch;
-    if (opts.sm_count > 0) clusters = std::min(clusters, opts.sm_count / Cfg::kClusterM);
-    clusters = std::max(1, clusters);
-    int const ctas = clusters * Cfg::kClusterM;
-    int const k_tiles = (prob.k + Cfg::kTileK - 1) / Cfg::kTileK;
-    bool split_ok = Kernel::kSplitCapable && opts.split_workspace != nullptr &&
-                    opts.split_workspace_bytes >= split_workspace_bytes(ctas);
-    params.split = StreamK::make(params.sched.total_work, clusters, k_tiles, split_ok, opts.split_max_fill_pct);
-    // ReduceScatter: split items must all be own rows (the last group), which no peer waits on; a reducer
-    // of a peer's rows could otherwise hold back a flag that the peer's own reducers wait for.
-    if (prob.rs_own_group >= 0 && params.sched.total_work - params.split.dp_work > params.sched.work_per_group)
-      params.split = StreamK::make(params.sched.total_work, clusters, k_tiles, false, 0);
-    if (params.split.active()) {
-      params.split_flags = static_cast<uint32_t*>(opts.split_workspace);
-      params.split_partials =
-          reinterpret_cast<float4*>(static_cast<char*>(opts.split_workspace) + split_flags_bytes(ctas));
-      FLUX_CUDA_CHECK(cudaMemsetAsync(params.split_flags, 0, size_t(ctas) * 4, stream));
-    } else {
-      params.split_flags = nullptr;
-      params.split_partials = nullptr;
-      clusters = std::min(clusters, params.sched.total_work);
-    }
-
-    cudaLaunchAttribute attr;
-    cudaLaunchConfig_t cfg = launch_config(clusters, stream, &attr);
-    FLUX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, gemm_kernel<Cfg>, params));
-  }
-};
 
 }  // namespace flux::sm90

@@ -1,3 +1,4 @@
 #include "gemm_sm90_instances.cuh"
 
-FLUX_DEFINE_GEMM_INSTANCES(DType::kBF16, cutlass::bfloat16_t, WeightLayout::kNN)
+FLUX_GEMM_INSTANCE(kBF16, kBF16, kBF16, kNN, k256x128, kSplit)
+FLUX_GEMM_INSTANCE(kBF16, kBF16, kBF16, kNN, k128x256, kSplit)

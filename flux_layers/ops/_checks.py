@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from flux_layers.ops.fp8 import FP8_DTYPES
+
 WEIGHT_LAYOUTS = ("nt", "nn")
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -42,18 +44,20 @@ def check_matmul_args(name: str, x: torch.Tensor, weight: torch.Tensor, bias: to
     if k != k_w:
         raise ValueError(f"{name}: x {tuple(x.shape)} and weight {tuple(weight.shape)} (layout "
                          f"{weight_layout!r}) disagree on K: {k} vs {k_w}")
-    if x.dtype != weight.dtype:
+    fp8 = x.dtype in FP8_DTYPES and weight.dtype in FP8_DTYPES  # a pair of formats (flux_layers/ops/fp8.py)
+    if x.dtype != weight.dtype and not fp8:
         raise ValueError(f"{name}: x dtype {x.dtype} != weight dtype {weight.dtype}; x and weight must have the "
-                         "same dtype")
+                         "same dtype (or both be FP8)")
     if x.device != weight.device:
         raise ValueError(f"{name}: x is on {x.device} but weight on {weight.device}; x and weight must be on the "
                          "same device")
     if bias is not None:
         if bias.shape != (n,):
             raise ValueError(f"{name}: bias must have shape ({n},), got {tuple(bias.shape)}")
-        if bias.dtype != x.dtype or bias.device != x.device:
-            raise ValueError(f"{name}: bias is {bias.dtype} on {bias.device}; expected {x.dtype} on {x.device} "
-                             "(the dtype and device of x)")
+        out_dtype = torch.bfloat16 if fp8 else x.dtype
+        if bias.dtype != out_dtype or bias.device != x.device:
+            raise ValueError(f"{name}: bias is {bias.dtype} on {bias.device}; expected {out_dtype} on {x.device} "
+                             "(the dtype and device of x; bfloat16 for FP8 operands)")
     return m, k, n
 
 
@@ -67,12 +71,12 @@ def check_fused_dims(name: str, k: int, n: int) -> None:
 
 
 def check_fused_tensor(name: str, what: str, t: torch.Tensor) -> None:
-    """Constraints of the CUDA kernels: CUDA, bf16/fp16, rows contiguous, 16-byte aligned."""
+    """Constraints of the CUDA kernels: CUDA, bf16/fp16/FP8, rows contiguous, 16-byte aligned."""
     if t.device.type != "cuda":
         raise ValueError(f"{name}: {what} must be a CUDA tensor for the fused path, got device {t.device}")
-    if t.dtype not in FUSED_DTYPES:
+    if t.dtype not in FUSED_DTYPES + FP8_DTYPES:
         raise ValueError(f"{name}: {what} dtype {t.dtype} is not supported by the fused kernels "
-                         f"(bfloat16 or float16)")
+                         f"(bfloat16, float16, float8_e4m3fn or float8_e5m2)")
     if t.dim() == 2 and t.stride(1) != 1:
         raise ValueError(f"{name}: {what} must have unit stride along its last dimension, got strides {t.stride()}")
     if t.dim() == 2 and (t.stride(0) * t.element_size()) % 16 != 0 and t.shape[0] > 1:

@@ -73,21 +73,23 @@ def choice(op: str, device: torch.device, dtype: torch.dtype, mkn: tuple[int, in
 
 
 class _FusedGemm:
-    __slots__ = ("kernel", "weight_nn", "poison")
+    __slots__ = ("kernel", "weight_nn", "poison", "fast_accum")
 
-    def __init__(self, x, weight, weight_layout):
+    def __init__(self, x, weight, weight_layout, fast_accum=None):
         from flux_layers import _env
         from flux_layers.runtime import tuning
         m, k, n = check_matmul_args("gemm", x, weight, None, weight_layout)
         check_fused_tensor("gemm", "x", x)
         check_fused_tensor("gemm", "weight", weight)
-        self.kernel = tuning.resolve_kernel("gemm", dtype=x.dtype, tp=1, mkn=(m, k, n))
+        self.kernel = tuning.resolve_kernel("gemm", dtype=x.dtype, tp=1, mkn=(m, k, n), fast_accum=fast_accum)
         self.weight_nn = weight_layout == "nn"
         self.poison = _env.get("POISON_OUTPUTS") == "1"
+        self.fast_accum = bool(fast_accum)
 
-    def __call__(self, x, weight, bias):
+    def __call__(self, x, weight, bias, x_scale=None, w_scale=None):
         from flux_layers.ops import fused_gemm
-        return fused_gemm.run(x, weight, bias, self.weight_nn, self.kernel, self.poison)
+        return fused_gemm.run(x, weight, bias, self.weight_nn, self.kernel, self.poison, x_scale, w_scale,
+                              self.fast_accum)
 
 
 def _raise_workspace_error(exc: RuntimeError):
@@ -291,4 +293,78 @@ def gemm_rs_call(x: torch.Tensor, weight: torch.Tensor, group, weight_layout: st
             fused = _FusedGemmRsNccl if transport("gemm_rs", group) == "nccl" else _FusedGemmRs
             return fused(x, weight, group, weight_layout)
         return _reference_gemm_rs(group, weight_layout)
+    return _decide(key, make)
+
+
+# ---- FP8 operands (flux_layers/ops/fp8.py): calls keyed by both operand dtypes and the accumulation as well; the
+# scales are per-call tensors (their modes are checked per call, they do not change the decision).
+def _fp8_key(op, x, weight, group, weight_layout, fast_accum, backend):
+    return (op + "_fp8", group, x.shape, weight.shape, x.dtype, weight.dtype, x.get_device(), weight_layout,
+            bool(fast_accum), backend, _capturing(x, backend))
+
+
+def fp8_gemm_call(x, weight, weight_layout: str, fast_accum: bool, backend: str | None):
+    """The callable ``(x, weight, bias, x_scale, w_scale) -> out`` that ``ops.gemm`` runs for FP8 operands."""
+    key = _fp8_key("gemm", x, weight, None, weight_layout, fast_accum, backend)
+    call = _decisions.get(key)
+    if call is not None:
+        return call
+
+    def make():
+        m, k, n = check_matmul_args("gemm", x, weight, None, weight_layout)
+        if choose("gemm", device=x.device, dtype=x.dtype, mkn=(m, k, n), group=None, backend=backend).path == "fused":
+            fused = _FusedGemm(x, weight, weight_layout, fast_accum)
+            return lambda x, w, b, xs, ws: fused(x, w, b, *_checked_scales(x, w, b, xs, ws, weight_layout))
+        return lambda x, w, b, xs, ws: reference.gemm(x, w, b, weight_layout=weight_layout, x_scale=xs, w_scale=ws,
+                                                      fast_accum=fast_accum)
+    return _decide(key, make)
+
+
+def _checked_scales(x, weight, bias, x_scale, w_scale, weight_layout):
+    from flux_layers.ops.fp8 import check_fp8_args
+    check_fp8_args("gemm", x, weight, bias, x_scale, w_scale, weight_layout, weight.shape[0])
+    return x_scale, w_scale
+
+
+def fp8_ag_gemm_call(x_shard_m, weight, group, weight_layout: str, fast_accum: bool, backend: str | None):
+    """The callable ``(x_shard_m, weight, bias, x_scale, w_scale, return_gathered)`` of ``ops.ag_gemm`` with FP8
+    operands (the reference path: the fused FP8 all-gather is not built yet)."""
+    key = _fp8_key("ag_gemm", x_shard_m, weight, group, weight_layout, fast_accum, backend)
+    call = _decisions.get(key)
+    if call is not None:
+        return call
+
+    def make():
+        rows, k, n = check_matmul_args("ag_gemm", x_shard_m, weight, None, weight_layout)
+        if _tp(group) == 1:
+            from flux_layers.ops.fp8 import ScaledTensor
+            gemm = fp8_gemm_call(x_shard_m, weight, weight_layout, fast_accum, backend)
+
+            def local(x, w, b, xs, ws, return_gathered):
+                out = gemm(x, w, b, xs, ws)
+                return (out, ScaledTensor(x, xs.reshape(1) if xs.numel() == 1 else xs)) if return_gathered else out
+            return local
+        choose("ag_gemm", device=x_shard_m.device, dtype=x_shard_m.dtype, mkn=(rows * _tp(group), k, n),
+               group=group, backend=backend)  # raises where the fused path is requested and cannot run
+        return lambda x, w, b, xs, ws, return_gathered: reference.ag_gemm(
+            x, w, b, group=group, weight_layout=weight_layout, return_gathered=return_gathered, x_scale=xs,
+            w_scale=ws, fast_accum=fast_accum)
+    return _decide(key, make)
+
+
+def fp8_gemm_rs_call(x, weight, group, weight_layout: str, fast_accum: bool, backend: str | None):
+    """The callable ``(x, weight, bias, x_scale, w_scale) -> out`` of ``ops.gemm_rs`` with FP8 operands (the
+    reference path: the fused FP8 reduce-scatter is not built yet)."""
+    key = _fp8_key("gemm_rs", x, weight, group, weight_layout, fast_accum, backend)
+    call = _decisions.get(key)
+    if call is not None:
+        return call
+
+    def make():
+        m, k, n = check_matmul_args("gemm_rs", x, weight, None, weight_layout)
+        if _tp(group) == 1:
+            return fp8_gemm_call(x, weight, weight_layout, fast_accum, backend)
+        choose("gemm_rs", device=x.device, dtype=x.dtype, mkn=(m, k, n), group=group, backend=backend)
+        return lambda x, w, b, xs, ws: reference.gemm_rs(x, w, b, group=group, weight_layout=weight_layout,
+                                                         x_scale=xs, w_scale=ws, fast_accum=fast_accum)
     return _decide(key, make)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from flux_layers import _env, _library
 from flux_layers.ops._checks import FUSED_DTYPES
+from flux_layers.ops.fp8 import FP8_DTYPES
 
 BACKENDS = ("auto", "fused", "reference")
 
@@ -68,8 +69,10 @@ def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int,
         blockers.append(reason)
     if device.type != "cuda":
         blockers.append(f"x and weight are on {device}, the fused kernels need CUDA tensors")
-    if dtype not in FUSED_DTYPES:
-        blockers.append(f"x and weight have dtype {dtype}, the fused kernels need bfloat16 or float16")
+    if dtype in FP8_DTYPES and op != "gemm":
+        blockers.append(f"{op} with FP8 operands has no fused kernel yet")
+    elif dtype not in FUSED_DTYPES + FP8_DTYPES:
+        blockers.append(f"x and weight have dtype {dtype}, the fused kernels need bfloat16, float16 or FP8")
     # Any process-group backend serves the fused path: its group only exchanges the workspaces' addresses when
     # they are made (the transfers are the op library's own), so gloo works too, e.g. for ranks sharing one GPU.
     nccl = False

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 # Mirrors of csrc/include/flux/gemm_params.h and tile_schedule.cuh (the one source; a CPU test compares them).
 MAX_TP = 8  # kMaxGroups
-TILE_CONFIGS = {0: (256, 128), 1: (128, 256)}  # id -> (tile_m, tile_n), flux::TileConfig
-SPLIT_TILE_CONFIGS = (1,)  # configurations built with the stream-K tail (GemmKernel::kSplitCapable)
+TILE_CONFIGS = {0: (256, 128), 1: (128, 256), 2: (128, 128)}  # id -> (tile_m, tile_n), flux::TileConfig
+SPLIT_TILE_CONFIGS = (1, 2)  # configurations built with the stream-K tail (GemmKernel::kSplitCapable)
 CLUSTER_M = 2  # kClusterM
 DEFAULT_STREAM_K_FILL = 75  # percent, kDefaultSplitMaxFillPct; FLUX_LAYERS_STREAM_K_MAX_FILL's default
 DEFAULT_RS_CHUNK_COLS = 1024  # RsChunkGrid::kDefaultChunkCols

@@ -65,13 +65,21 @@ def dispatch_entry(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int,
 # measured shapes and of both fused operators on all 10 (the stream-K tail, FLUX_LAYERS_STREAM_K, is built for
 # this tile shape only).
 _DEFAULT_KERNEL = {"gemm": (1, 16), "ag_gemm": (1, 16), "gemm_rs": (1, 16)}
+# FP8 operands: split accumulation holds a second accumulator fragment, which only 128 x 128 tiles (id 2) leave
+# registers for; fast accumulation takes 128 x 256 tiles like the 16-bit GEMMs.
+_DEFAULT_KERNEL_FP8 = {"split": (2, 16), "fast": (1, 16)}
 
 
-def kernel_config(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int]) -> tuple[int, int]:
+def kernel_config(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int],
+                  fast_accum: bool | None = None) -> tuple[int, int]:
     """(tile configuration id of flux::TileConfig, swizzle) for a call: a tuned entry's ``tile``/``swizzle``
-    if one is close enough, else the measured default of the operator."""
-    tile, swizzle = _DEFAULT_KERNEL[op]
+    if one is close enough, else the measured default of the operator. ``fast_accum``: None for 16-bit operands,
+    else the FP8 accumulation (entries are keyed by x's dtype and, for FP8, 'accum')."""
+    accum = None if fast_accum is None else "fast" if fast_accum else "split"
+    tile, swizzle = _DEFAULT_KERNEL[op] if accum is None else _DEFAULT_KERNEL_FP8[accum]
     entry = dispatch_entry(op, dtype=dtype, tp=tp, mkn=mkn)
+    if entry is not None and accum is not None and entry.get("accum") != accum:
+        entry = None
     if entry is not None:
         tile, swizzle = int(entry.get("tile", tile)), int(entry.get("swizzle", swizzle))
     return tile, swizzle
@@ -126,13 +134,13 @@ def stream_k_fill(op: str, stream_k: bool | int | None) -> int:
 
 
 def resolve_kernel(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int], tile: int | None = None,
-                   swizzle: int | None = None, stream_k: bool | int | None = None, sm_count: int = 0
-                   ) -> KernelChoice:
+                   swizzle: int | None = None, stream_k: bool | int | None = None, sm_count: int = 0,
+                   fast_accum: bool | None = None) -> KernelChoice:
     """The kernel configuration of one call: what the caller asked for, else :func:`kernel_config` and
     ``FLUX_LAYERS_STREAM_K`` (see :func:`stream_k_fill`)."""
     if sm_count < 0:
         raise ValueError(f"{op}: sm_count must be >= 0 (0: all SMs), got {sm_count}")
-    default_tile, default_swizzle = kernel_config(op, dtype=dtype, tp=tp, mkn=mkn)
+    default_tile, default_swizzle = kernel_config(op, dtype=dtype, tp=tp, mkn=mkn, fast_accum=fast_accum)
     return KernelChoice(default_tile if tile is None else tile, default_swizzle if swizzle is None else swizzle,
                         stream_k_fill(op, stream_k), sm_count)
 

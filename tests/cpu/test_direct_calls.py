@@ -50,7 +50,7 @@ def test_plain_tensors_reach_the_ops_checks():
         _direct().gemm_rs(x, w, None, 0, 0, False)
     with pytest.raises(ValueError, match="x must be a CUDA tensor"):
         _direct().ag_gemm(x, torch.nn.Parameter(w, requires_grad=False), x[0], 0, 0, False, False, True)
-    with pytest.raises(ValueError, match="must be bfloat16 or float16"):
+    with pytest.raises(ValueError, match="must be bfloat16, float16, float8_e4m3fn or float8_e5m2"):
         _direct().gemm_rs(x.float(), w.float(), None, 0, 0, False)
 
 

@@ -64,17 +64,18 @@ def global_inputs(seed: int, m: int, k: int, n: int, dtype: torch.dtype, layout:
 
 
 def stream_k_active(rows_per_group: int, n: int, k: int, groups: int, tile: int, sm_count: int,
-                    reduce_scatter: bool = False, max_fill_pct: int | None = None) -> bool:
+                    reduce_scatter: bool = False, max_fill_pct: int | None = None, tile_k: int = 64) -> bool:
     """Whether the persistent GEMM splits its last wave along K for this problem with `sm_count` SMs (the
     Python mirror of the kernel's plan, checked against the C++ one by the CPU tests). ReduceScatter splits
-    only when the split items all lie in its last group (its own rows)."""
+    only when the split items all lie in its last group (its own rows). ``tile_k``: the K tile (128 bytes: 64
+    16-bit elements, 128 FP8 ones)."""
     from flux_layers.runtime import schedules
     if tile not in schedules.SPLIT_TILE_CONFIGS:
         return False
     tile_m, tile_n = schedules.TILE_CONFIGS[tile]
     s = schedules.TileSchedule(rows_per_group=rows_per_group, n=n, num_groups=groups,
                                group_order=tuple(range(groups)), tile_m=tile_m, tile_n=tile_n)
-    sk = schedules.StreamK(s.total_work, sm_count // schedules.CLUSTER_M, -(-k // 64),
+    sk = schedules.StreamK(s.total_work, sm_count // schedules.CLUSTER_M, -(-k // tile_k),
                            max_fill_pct=max_fill_pct or schedules.DEFAULT_STREAM_K_FILL)
     return sk.active and (not reduce_scatter or sk.split_work <= s.work_per_group)
 

@@ -19,20 +19,37 @@ namespace flux {
 // compiles this header and compares (tests/cpu/test_schedules.py, test_constants_match_the_cpp_headers).
 constexpr int kMaxGroups = 8;  // largest TP size supported
 
+// Tiles are 128 bytes deep along K (64 elements of bf16/fp16, 128 of FP8).
 enum class TileConfig : int {
-  k256x128 = 0,  // 256 x 128 x 64 tiles, cluster 2 x 1 (B multicast), cooperative
-  k128x256 = 1,  // 128 x 256 x 64 tiles, cluster 2 x 1
+  k256x128 = 0,  // 256 x 128 tiles, cluster 2 x 1 (B multicast), cooperative
+  k128x256 = 1,  // 128 x 256 tiles, cluster 2 x 1
+  k128x128 = 2,  // 128 x 128 tiles, cluster 2 x 1: FP8 with split accumulation (two accumulator fragments fit)
 };
-constexpr int kNumTileConfigs = 2;
+constexpr int kNumTileConfigs = 3;
 
 constexpr int tile_m(TileConfig c) { return c == TileConfig::k256x128 ? 256 : 128; }
-constexpr int tile_n(TileConfig c) { return c == TileConfig::k256x128 ? 128 : 256; }
+constexpr int tile_n(TileConfig c) { return c == TileConfig::k128x256 ? 256 : 128; }
 constexpr int kClusterM = 2;
 
 // A last, partial wave is split along K while it keeps at most this percentage of the clusters busy.
 constexpr int kDefaultSplitMaxFillPct = 75;
 
-enum class DType : int { kBF16 = 0, kFP16 = 1 };
+enum class DType : int { kBF16 = 0, kFP16 = 1, kE4M3 = 2, kE5M2 = 3 };
+constexpr bool is_fp8(DType d) { return d == DType::kE4M3 || d == DType::kE5M2; }
+constexpr int dtype_bytes(DType d) { return is_fp8(d) ? 1 : 2; }
+
+// FP8 accumulation: kSplit promotes the tensor cores' partial sums into fp32 accumulators every k tile (CUTLASS's
+// FP8 mainloop); kFast lets the tensor cores accumulate all of K (fewer registers, less precise). 16-bit operands
+// always accumulate in fp32 (kSplit names them).
+enum class Accumulation : int { kSplit = 0, kFast = 1 };
+
+// How the epilogue scales the fp32 accumulators of an FP8 GEMM (scales are fp32 in device memory, read by the
+// kernel: no host sync, capturable), before the bias and before a reduce-scatter adds the peers' partials.
+//   A (x): kNone; kPerGroup, one scale per group (a tensor-wise scale: every group reads the same element, stride
+//          0; an all-gather's per-shard scales: one per source rank); kPerRow, one per row of each group.
+//   B (W): kNone; kPerGroup, one scale for all of W (tensor-wise); kPerRow, one per output column (W's rows in the
+//          'nt' layout).
+enum class ScaleMode : int { kNone = 0, kPerGroup = 1, kPerRow = 2 };
 enum class WeightLayout : int { kNT = 0 /* W [N, K]: x @ W^T */, kNN = 1 /* W [K, N]: x @ W */ };
 
 // Error codes written into GemmProblem::error_record[0] when a bounded wait times out, or when a peer's call
@@ -101,9 +118,18 @@ struct GemmProblem {
   int64_t lda_own = 0;
   const void* b = nullptr;  // W: [N, K] (kNT) or [K, N] (kNN), leading dimension ldb
   int64_t ldb = 0;
-  const void* bias = nullptr;       // [N] or null; added once per output element
+  const void* bias = nullptr;       // [N] (the output dtype) or null; added once per output element
   void* d[kMaxGroups] = {nullptr};  // destination of group g: [Mg, N], leading dimension ldd
   int64_t ldd = 0;
+
+  // ---- FP8 scales (ScaleMode above): out = (x @ W^T) * a_scale(row) * b_scale(col) + bias. A group's A scales
+  // start at a_scale + group * a_scale_group_stride; the own group's (own_group) at a_scale_own where set.
+  ScaleMode a_scale_mode = ScaleMode::kNone;
+  const float* a_scale = nullptr;
+  int64_t a_scale_group_stride = 0;
+  const float* a_scale_own = nullptr;
+  ScaleMode b_scale_mode = ScaleMode::kNone;
+  const float* b_scale = nullptr;
 
   // ---- AllGather: per-chunk readiness flags, chunk_flags[g * chunks_per_group + c] >= epoch
   // (flags: csrc/include/flux/fused_ops.h FlagProtocol; the kernel only compares them with `epoch`)
@@ -158,7 +184,7 @@ struct GemmProblem {
 };
 
 // Bytes of split_workspace that any launch on a device with `sm_count` SMs can use: one flag and one fp32
-// tile of partials per CTA (every tile configuration has 32768 accumulators per CTA).
+// tile of partials per CTA (no tile configuration has more than 32768 accumulators per CTA).
 constexpr int64_t kSplitTileFloats = 128 * 256;
 inline int64_t split_flags_bytes(int ctas) { return (int64_t(ctas) * 4 + 255) / 256 * 256; }
 inline int64_t split_workspace_bytes(int ctas) {
