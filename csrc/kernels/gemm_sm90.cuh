@@ -270,6 +270,69 @@ struct GemmKernel {
     }
   }
 
+  // ---------------------------------------------------------------- consumer: FP8 split accumulation
+  // The tensor cores accumulate each k tile into one of two temporary fragments, which is added to the fp32
+  // accumulators once its wgmmas have completed, while the next k tile's wgmmas run into the other fragment; the
+  // tensor pipe drains once per two k tiles. Promoted every k tile (128 deep), as CUTLASS's default interval.
+  // Releases every stage it reads; advances read_state by k_count.
+  template <class Accum>
+  CUTLASS_DEVICE static void mma_fp8_split(MainloopPipeline& pipeline, PipelineState& read_state, Accum& accum,
+                                           int k_count, int mma_thread_idx, SharedStorage& ss) {
+    Tensor sA = make_tensor(make_smem_ptr(ss.mainloop.smem_A.data()), typename Mainloop::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(ss.mainloop.smem_B.data()), typename Mainloop::SmemLayoutB{});
+    TiledMma tiled_mma;
+    int const warp_group = __shfl_sync(0xffffffff, mma_thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
+    auto thread_mma = tiled_mma.get_slice(warp_group * cutlass::NumThreadsPerWarpGroup);
+    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
+    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
+    Tensor even = make_fragment_like(accum);
+    Tensor odd = make_fragment_like(accum);
+    clear(accum);
+    PipelineState release = read_state;
+
+    // The next k tile into `into`.
+    auto issue = [&](auto& into) {
+      pipeline.consumer_wait(read_state, pipeline.consumer_try_wait(read_state));
+      int const stage = read_state.index();
+      warpgroup_fence_operand(into);
+      warpgroup_arrive();
+      tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTLASS_PRAGMA_UNROLL
+      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+        cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), into);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      ++read_state;
+    };
+    // Once the wgmmas of `done` (all but the newest batch) completed: add them to accum, release their stage.
+    auto promote = [&](auto& done) {
+      warpgroup_fence_operand(done);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(accum); ++i) accum(i) += done(i);
+      pipeline.consumer_release(release);
+      ++release;
+    };
+    // Two k tiles per iteration, both retired inside it: nothing is in flight across the loop's back edge or a
+    // branch, where ptxas would copy in-flight accumulator registers and serialize every wgmma of the kernel.
+    int kt = 0;
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; kt + 1 < k_count; kt += 2) {
+      issue(even);
+      issue(odd);
+      warpgroup_wait<1>();
+      promote(even);
+      warpgroup_wait<0>();
+      promote(odd);
+    }
+    if (kt < k_count) {
+      issue(even);
+      warpgroup_wait<0>();
+      promote(even);
+    }
+    warpgroup_fence_operand(accum);
+  }
+
   // AllGather: the A tile of a peer's rows may only be loaded once every chunk it covers has landed. The first
   // time this CTA sees a group's chunks, it compares the source's call signature with ours (signature_checked:
   // bit g once done).
@@ -735,11 +798,13 @@ struct GemmKernel {
         int const k_count = seg.k_end - seg.k_begin;
         bool const refused = call_failed(p);  // read before the mainloop, which hides the load
         Tensor accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
-        // CUTLASS's FP8 mainloop with split accumulation adds its partial sums into accum: it must start at zero.
-        if constexpr (Cfg::kFp8 && Cfg::kAccumulation == Accumulation::kSplit) clear(accum);
-        collective.mma(pipeline, read_state, accum, k_count, mma_thread_idx, ss.mainloop, params.mainloop_own);
-        collective.mma_tail(pipeline, read_state, k_count);
-        read_state.advance(k_count);
+        if constexpr (Cfg::kFp8 && Cfg::kAccumulation == Accumulation::kSplit) {
+          mma_fp8_split(pipeline, read_state, accum, k_count, mma_thread_idx, ss);
+        } else {
+          collective.mma(pipeline, read_state, accum, k_count, mma_thread_idx, ss.mainloop, params.mainloop_own);
+          collective.mma_tail(pipeline, read_state, k_count);
+          read_state.advance(k_count);
+        }
         if (refused) poison(accum);
         if constexpr (kSplitCapable) {
           if (seg.k_begin > 0) {  // a later segment of a split item: hand the partial to the item's reducer

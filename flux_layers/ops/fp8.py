@@ -90,15 +90,34 @@ def check_fp8_args(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch
     return x_mode, w_mode
 
 
+def _cast_kernels(t: torch.Tensor) -> bool:
+    """Whether the op library's cast kernels take ``t`` (a CUDA bf16/fp16 matrix with 16-byte aligned rows of a
+    multiple of 8 elements); they give the same bits as the torch ops below."""
+    if not (t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and t.dim() == 2 and t.shape[1] % 8 == 0
+            and (t.stride(1) == 1 or t.shape[1] <= 1) and t.data_ptr() % 16 == 0
+            and (t.shape[0] <= 1 or t.stride(0) % 8 == 0)):
+        return False
+    from flux_layers import _library
+    return _library.unavailable_reason() is None
+
+
+def _check_cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"{name}: dtype must be one of {FP8_DTYPES}, got {dtype}")
+    if t.dim() != 2:
+        raise ValueError(f"{name}: t must be 2-D, got shape {tuple(t.shape)}")
+
+
 def quantize(t: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, *, rowwise: bool = False,
              margin: int = 0) -> ScaledTensor:
     """``t`` cast to FP8 with current scaling: scale = amax * 2^margin / FP8 max over the whole tensor (or per row,
     ``rowwise``; ``margin`` leaves 2^margin of headroom below the format's max, as megatron's ``fp8_margin``),
-    data = t / scale saturated to the format's range. An all-zero tensor (or row) gets scale 1."""
-    if dtype not in FP8_DTYPES:
-        raise ValueError(f"quantize: dtype must be one of {FP8_DTYPES}, got {dtype}")
-    if t.dim() != 2:
-        raise ValueError(f"quantize: t must be 2-D, got shape {tuple(t.shape)}")
+    data = t / scale saturated to the format's range. An all-zero tensor (or row) gets scale 1. On CUDA, two
+    kernels (amax, cast) that read ``t`` once each; no host sync."""
+    _check_cast("quantize", t, dtype)
+    if _cast_kernels(t):
+        data, scale, _ = torch.ops.flux_layers.quantize_fp8(t, dtype, rowwise, 2.0**margin, False)
+        return ScaledTensor(data, scale)
     fmax = FP8_MAX[dtype]
     src = t.float()
     amax = src.abs().amax(dim=1, keepdim=True) if rowwise else src.abs().amax().reshape(1)
@@ -116,7 +135,12 @@ def dequantize(q: ScaledTensor) -> torch.Tensor:
 def quantize_with_transpose(t: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, *,
                             margin: int = 0) -> tuple[ScaledTensor, ScaledTensor]:
     """:func:`quantize` (tensor-wise) of ``t`` [M, K] and of its transpose [K, M] with the same scale: the two
-    K-major operands a backward needs from one tensor (dgrad reads ``t``, wgrad its transpose)."""
+    K-major operands a backward needs from one tensor (dgrad reads ``t``, wgrad its transpose). On CUDA the cast
+    writes both in one pass after the amax."""
+    _check_cast("quantize_with_transpose", t, dtype)
+    if _cast_kernels(t):
+        data, scale, data_t = torch.ops.flux_layers.quantize_fp8(t, dtype, False, 2.0**margin, True)
+        return ScaledTensor(data, scale), ScaledTensor(data_t, scale)
     q = quantize(t, dtype, margin=margin)
     return q, ScaledTensor(q.data.t().contiguous(), q.scale)
 
@@ -129,10 +153,17 @@ def transpose_blocks_to_common_scale(q: ScaledTensor) -> ScaledTensor:
     m = q.data.shape[0]
     if m % blocks != 0:
         raise ValueError(f"transpose_blocks_to_common_scale: {m} rows do not split into {blocks} scale blocks")
+    data = q.data
+    if (data.is_cuda and data.is_contiguous() and data.shape[1] % 8 == 0 and data.data_ptr() % 8 == 0
+            and q.scale.is_contiguous()):
+        from flux_layers import _library
+        if _library.unavailable_reason() is None:
+            out, common = torch.ops.flux_layers.transpose_fp8_to_common_scale(data, q.scale.reshape(-1))
+            return ScaledTensor(out, common)
     common = q.scale.reshape(-1).amax().reshape(1)
     if blocks == 1:
-        return ScaledTensor(q.data.t().contiguous(), common)
+        return ScaledTensor(data.t().contiguous(), common)
     ratio = (q.scale.reshape(-1) / common).repeat_interleave(m // blocks).reshape(m, 1)
-    fmax = FP8_MAX[q.data.dtype]
-    data = (q.data.float() * ratio).clamp_(-fmax, fmax).to(q.data.dtype)
-    return ScaledTensor(data.t().contiguous(), common)
+    fmax = FP8_MAX[data.dtype]
+    recast = (data.float() * ratio).clamp_(-fmax, fmax).to(data.dtype)
+    return ScaledTensor(recast.t().contiguous(), common)

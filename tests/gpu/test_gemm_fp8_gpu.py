@@ -82,7 +82,8 @@ def test_fp8_gemm_matches_dequantized_reference(mnk, pair, modes, accum):
 def test_fp8_stream_k_tail_matches_reference_and_repeats_bitwise(case):
     from flux_layers.ops import fused_gemm
     m, n, k, sms = case
-    assert stream_k_active(m, n, k, 1, 2, sms, max_fill_pct=100, tile_k=128), f"{case}: the stream-K tail would not run"
+    assert stream_k_active(m, n, k, 1, 2, sms, max_fill_pct=100, tile_k=128), \
+        f"{case}: the stream-K tail would not run"
     gen = torch.Generator(device="cuda").manual_seed(m + n + k)
     x, w, xs, ws, b, ref = fp8_operands(m, n, k, (E4M3, E4M3), ("row", "row"), gen, True)
     cublas = scaled_mm(x, w, xs, ws, b, False)
@@ -125,7 +126,7 @@ def test_fp8_bad_inputs_raise_and_later_calls_work():
         (lambda: fused_gemm.gemm(x, w, x_scale=torch.ones(7, 1, device="cuda"), w_scale=ws), "row-wise"),
         (lambda: fused_gemm.gemm(x, w, x_scale=xs, w_scale=torch.ones(128, 2, device="cuda")), "row-wise"),
         (lambda: fused_gemm.gemm(x, w, torch.zeros(128, device="cuda"), x_scale=xs, w_scale=ws), "bias"),
-        (lambda: fused_gemm.gemm(x[:, :504], w[:, :504], x_scale=xs, w_scale=ws), "multiple of 16"),
+        (lambda: fused_gemm.gemm(x[:, :504], w[:, :504], x_scale=xs, w_scale=ws), "multiples of 16"),
         (lambda: fused_gemm.gemm(x, w, x_scale=xs, w_scale=ws, tile=1), "tile"),
         (lambda: fused_gemm.gemm(bf, bf[:128], x_scale=xs, w_scale=ws), "FP8 operands only"),
     ]

@@ -1,0 +1,39 @@
+// FP8 casts with current scaling (torch-free launchers; csrc/kernels/fp8_cast.cu). Scales are dequantization scales
+// (value = fp8 * scale), scale = amax * margin_factor / fp8_max, 1 where the amax is 0; data = x / scale, saturated to
+// the format's finite range and rounded to nearest: the same arithmetic as flux_layers/ops/fp8.py's torch path, so
+// both give the same bits.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "flux/gemm_params.h"
+
+namespace flux {
+
+// A 16-bit matrix [rows, cols] with row stride ld (elements), 16-byte aligned rows.
+struct CastInput {
+  const void* x = nullptr;
+  DType dtype = DType::kBF16;  // kBF16 or kFP16
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t ld = 0;
+};
+
+// amax[0] = max |x| (per_row false; amax[0] must hold 0 or a smaller value beforehand: blocks combine by atomicMax),
+// or amax[r] = max |x[r, :]| (per_row).
+void launch_amax(const CastInput& in, bool per_row, float* amax, cudaStream_t stream);
+
+// data [rows, cols] (contiguous) = cast of x by its scale, the scale (one, or one per row) written to scale; with
+// data_t non-null (tensor-wise only) also the transpose [cols, rows] (contiguous) with the same scale.
+void launch_cast_fp8(const CastInput& in, const float* amax, bool per_row, float margin_factor, DType out, void* data,
+                     void* data_t, float* scale, cudaStream_t stream);
+
+// out [cols, rows] = the transpose of FP8 data [rows, cols] whose rows come in `blocks` equal blocks with scales
+// block_scale[b], re-cast to one scale, the largest (written to out_scale[0]).
+void launch_transpose_to_common_scale(const void* data, DType dtype, int64_t rows, int64_t cols,
+                                      const float* block_scale, int blocks, void* out, float* out_scale,
+                                      cudaStream_t stream);
+
+}  // namespace flux
