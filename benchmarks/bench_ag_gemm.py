@@ -96,6 +96,13 @@ def _unfused_times(rank, xs, ws_, gathered, reps, what, sms=None):
     return t
 
 
+def _key(x_shard_m, w_shard_n, tp):
+    """The tuning table key of the fused calls here (x [M/tp, K], weight [N/tp, K]: the per-rank GEMM, as the op
+    looks it up)."""
+    from flux_layers.runtime import tuning
+    return tuning.table_key("ag_gemm", x_shard_m.shape[0], x_shard_m.shape[1], w_shard_n.shape[0], tp)
+
+
 def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
     from flux_layers import _env, ops
     from flux_layers.ops import fused_ag_gemm
@@ -151,7 +158,7 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
            "transport": "copy_engine", "ag_mode": _env.get("AG_MODE"), "ag_order": ag_ws.order,
            "dispatch_auto": ops.plan("ag_gemm", xs[0], ws_[0], group=group).path,
            "fused_default_config": tuning.kernel_name(tuning.resolve_kernel("ag_gemm", dtype=dtype, tp=tp,
-                                                                            mkn=(m, k, n))),
+                                                                            mkn=_key(xs[0], ws_[0], tp))),
            "implementation": "fused = flux_layers._C ag_gemm (copy-engine chunks + signal-waiting persistent GEMM)"}
     row["ce_over_p2p"] = row["ce_ag_gbps"] / row["p2p_gbps"]
     return row
@@ -194,7 +201,7 @@ def bench_shape_nccl(rank, tp, m, k, n, dtype, reps, sets=2):
            "rows_per_chunk": call.rows_per_chunk,
            "dispatch_auto": ops.plan("ag_gemm", xs[0], ws_[0], group=group).path,
            "fused_default_config": tuning.kernel_name(tuning.resolve_kernel("ag_gemm", dtype=dtype, tp=tp,
-                                                                            mkn=(m, k, n))),
+                                                                            mkn=_key(xs[0], ws_[0], tp))),
            "implementation": "fused = flux_layers._C ag_gemm in external-transfer mode + NCCL send/recv batches "
                              "(torch.distributed) each followed by its chunk flag (flux_layers/runtime/"
                              "nccl_transport.py)"}

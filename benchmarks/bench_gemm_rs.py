@@ -94,6 +94,13 @@ def _unfused_times(rank, xs, ws_, partial, rs_out, reps, what, sms=None):
     return t
 
 
+def _key(x_shard_k, w_shard_k, tp):
+    """The tuning table key of the fused calls here (x [M, K/tp], weight [N, K/tp]: the per-rank GEMM, as the op
+    looks it up)."""
+    from flux_layers.runtime import tuning
+    return tuning.table_key("gemm_rs", x_shard_k.shape[0], x_shard_k.shape[1], w_shard_k.shape[0], tp)
+
+
 def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
     from flux_layers import ops
     from flux_layers.ops import fused_gemm_rs
@@ -134,8 +141,8 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
             "rel_err_vs_nccl": err, "transport": "peer",
             "dispatch_auto": ops.plan("gemm_rs", xs[0], ws_[0], group=group).path,
             "fused_default_config": tuning.kernel_name(tuning.resolve_kernel("gemm_rs", dtype=dtype, tp=tp,
-                                                                             mkn=(m, k, n))),
-            "fused_transport": tuning.rs_transport(dtype=dtype, tp=tp, mkn=(m, k, n)),
+                                                                             mkn=_key(xs[0], ws_[0], tp))),
+            "fused_transport": tuning.rs_transport(dtype=dtype, tp=tp, mkn=_key(xs[0], ws_[0], tp)),
             "implementation": "fused = flux_layers._C gemm_rs with the default transport (fused_transport: "
                               "'direct' = epilogue stores into peer slots, flagged tiles; 'copy_engine' = epilogue "
                               "stores locally, copy engine moves finished chunks); the owner reduces in its "
@@ -172,7 +179,7 @@ def bench_shape_nccl(rank, tp, m, k, n, dtype, reps, sets=2):
             "chunks_per_peer": len(call.chunks), "rows_per_chunk": [c.rows for c in call.chunks],
             "dispatch_auto": ops.plan("gemm_rs", xs[0], ws_[0], group=group).path,
             "fused_default_config": tuning.kernel_name(tuning.resolve_kernel("gemm_rs", dtype=dtype, tp=tp,
-                                                                             mkn=(m, k, n))),
+                                                                             mkn=_key(xs[0], ws_[0], tp))),
             "implementation": "fused = flux_layers._C gemm_rs in external-transfer mode (partials staged locally, "
                               "counted per full-width chunk) + NCCL send/recv batches (torch.distributed) each "
                               "after its chunk's count and followed by the received chunk's flag "

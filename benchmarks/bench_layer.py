@@ -7,7 +7,11 @@ own ColumnParallelLinear/RowParallelLinear), with the same sequence-parallel RMS
 they differ only in the linear layers. TP over all visible GPUs with sequence parallelism, bf16, SwiGLU, no
 biases. One step = forward of the block on a random [seq/tp, batch, hidden] input + backward of a random
 gradient; every variant is built at once and timed in interleaved rounds; the figure is the median step time
-over all repetitions (each the max over ranks).
+over all repetitions (each the max over ranks). Each variant's settings (FLUX_LAYERS_RS_TRANSPORT) are applied
+before its warm-up step, so the library decides its calls there and the timed steps only run them. Each variant's
+record says what ran as the library reports it: every flux linear's path per GEMM and, for the fused ones, the
+transport, all-gather direction and order and kernel configuration resolved for that call (``ran``;
+``rs_transport``: the reduce-scatter transports among them).
 
 `baseline_no_comm` is the baseline stack with megatron-core's all-gathers and reduce-scatters replaced by local
 copies (flux_layers/devtools/no_comm.py): wrong numbers, no communication, the same computation.
@@ -62,6 +66,79 @@ def linear_paths(block) -> dict:
     return paths
 
 
+def what_ran(block, tp: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Per flux linear of ``block`` and GEMM ('fprop', 'dgrad', 'wgrad'): the path of its last call as the layer
+    reports it (``last_paths``) and, for a fused GEMM, what the library resolves for that call (its per-rank key,
+    ``last_gemms``) under the settings in force: the transport, the all-gather's direction and order, the kernel
+    configuration. Call it under the variant's settings, after a step."""
+    from flux_layers import _env
+    from flux_layers.ops import backend
+    from flux_layers.runtime import topology, tuning
+    ran = {}
+    for name, module in block.named_modules():
+        paths = getattr(module, "last_paths", None)
+        if paths is None:
+            continue
+        gemms = getattr(module, "last_gemms", {})
+        ran[name] = {}
+        for gemm, choice in paths.items():
+            row = {"path": choice.path, "reason": choice.reason}
+            decided = gemms.get(gemm)
+            if choice.path == "fused" and decided is not None:
+                op, mkn = decided
+                row.update(op=op, mkn=list(mkn), config=tuning.kernel_name(
+                    tuning.resolve_kernel(op, dtype=dtype, tp=tp, mkn=mkn)))
+                if op == "gemm_rs":
+                    peer = backend.transport(op, module.tp_group) != "nccl"
+                    row["transport"] = tuning.rs_transport(dtype=dtype, tp=tp, mkn=mkn) if peer else "nccl"
+                else:
+                    row["transport"] = backend.ag_transport(module.tp_group)
+                    if row["transport"] == "copy_engine":
+                        row.update(ag_mode=_env.get("AG_MODE"),
+                                   ag_order=topology.ag_order(backend._group_devices(tp)))
+            ran[name][gemm] = row
+    return ran
+
+
+def rs_transports(ran: dict) -> list[str] | None:
+    """The reduce-scatter transports the fused GEMM+ReduceScatter calls of :func:`what_ran` took (None: none ran)."""
+    seen = sorted({row["transport"] for gemms in ran.values() for row in gemms.values()
+                   if row.get("op") == "gemm_rs" and "transport" in row})
+    return seen or None
+
+
+# name -> (baseline spec, tp_comm_overlap_rs_dgrad, FLUX_LAYERS_RS_TRANSPORT or None for the library default).
+# flux: column dgrad GEMM with its NCCL reduce-scatter under the wgrad GEMM (tp_comm_overlap_rs_dgrad=False,
+# Megatron's default); flux_rs_dgrad: column dgrad as the fused GEMM+ReduceScatter; the _ce ones name the
+# copy-engine transport.
+VARIANTS = {"baseline": (True, False, None), "flux": (False, False, None), "flux_rs_dgrad": (False, True, None),
+            "flux_ce": (False, False, "copy_engine"), "flux_rs_dgrad_ce": (False, True, "copy_engine")}
+CEILING = ("baseline_no_comm", (True, False, None))
+
+
+def variant_steps(blocks: dict, variants: dict, inp: torch.Tensor, dy: torch.Tensor) -> tuple[dict, dict]:
+    """(step per variant: forward of its block on ``inp`` + backward of ``dy``; settings per variant: a context
+    manager factory applying its FLUX_LAYERS_RS_TRANSPORT, and for baseline_no_comm megatron's collectives as local
+    copies). The settings are entered around a variant's warm-up and timed steps together
+    (harness.time_interleaved), so each call is decided in the warm-up and the timed steps only run."""
+    def step_of(block):
+        def step(i):
+            inp.grad = None
+            out = block(inp, attention_mask=None)
+            out.backward(dy)
+        return step
+
+    def settings_of(name):
+        no_comm = megatron_collectives_as_local_copies if name == CEILING[0] else contextlib.nullcontext
+
+        @contextlib.contextmanager
+        def applied():
+            with env_override(RS_TRANSPORT=variants[name][2]), no_comm():
+                yield
+        return applied
+    return {name: step_of(blocks[name]) for name in variants}, {name: settings_of(name) for name in variants}
+
+
 def setup_ranks(tp):
     """Megatron's model-parallel state for TP over every rank, with its seeded RNG."""
     from megatron.core import parallel_state
@@ -106,40 +183,24 @@ def run(rank, tp, args):
 
 METHOD = ("CUDA events around fwd+bwd of the block, GPU sleep + NCCL all-reduce before each repetition, each "
           "repetition the max over ranks; all variants built at once and timed in interleaved rounds (rotating "
-          "order); median over all repetitions")
+          "order), each variant's settings applied before its warm-up step, so its calls are decided there and not "
+          "in the timed steps; median over all repetitions")
 
 
 def measure(rank, tp, args) -> tuple[dict, dict]:
     """Every variant of the stack of ``args``' shape timed in interleaved rounds (model-parallel state set up):
     (results per variant, summary: speedups over the baseline, the ceiling, peak memory)."""
-    from flux_layers import _env
-
     x, dy = step_tensors(rank, tp, args)
-    # flux: column dgrad GEMM with its NCCL reduce-scatter under the wgrad GEMM (tp_comm_overlap_rs_dgrad=False,
-    # Megatron's default); flux_rs_dgrad: column dgrad as the fused GEMM+ReduceScatter. The GEMM+ReduceScatter
-    # transport is the library default (FLUX_LAYERS_RS_TRANSPORT) unless the variant names one (the _ce ones).
-    variants = {"baseline": (True, False, None), "flux": (False, False, None),
-                "flux_rs_dgrad": (False, True, None), "flux_ce": (False, False, "copy_engine"),
-                "flux_rs_dgrad_ce": (False, True, "copy_engine")}
+    variants = dict(VARIANTS)
     if args.ceiling:
-        variants["baseline_no_comm"] = (True, False, None)
+        variants[CEILING[0]] = CEILING[1]
 
     # Every variant is built once and timed in interleaved rounds (the order rotating each round), so that the
     # machine's drift over the run falls on all variants alike.
     blocks = {name: build_block(args, baseline, rs_dgrad) for name, (baseline, rs_dgrad, _) in variants.items()}
     inp = x.clone().requires_grad_(True)
     names = list(variants)
-
-    def step_of(name):
-        block, transport = blocks[name], variants[name][2]
-        no_comm = megatron_collectives_as_local_copies if name == "baseline_no_comm" else contextlib.nullcontext
-
-        def step(i):
-            with env_override(RS_TRANSPORT=transport), no_comm():
-                inp.grad = None
-                out = block(inp, attention_mask=None)
-                out.backward(dy)
-        return step
+    steps, settings = variant_steps(blocks, variants, inp, dy)
 
     def report(rnd, samples):
         if rank == 0:
@@ -147,26 +208,29 @@ def measure(rank, tp, args) -> tuple[dict, dict]:
                   flush=True)
 
     # One step of each first, so that first-call set-up (communicators, workspaces) stays out of the timed rounds'
-    # clock and power windows.
+    # clock and power windows; what each variant ran is read there, under its settings.
+    ran = {}
     for name in names:
-        step_of(name)(0)
+        with settings[name]():
+            steps[name](0)
+            ran[name] = what_ran(blocks[name], tp)
     torch.cuda.synchronize()
     windows = []
     sampling = rank == 0 and GpuSampler.available()
     with GpuSampler() if sampling else contextlib.nullcontext() as sampler:
-        samples = time_interleaved({name: step_of(name) for name in names}, reps=max(1, args.reps // args.rounds),
-                                   rounds=args.rounds, warmup=1, group=dist.group.WORLD, on_round=report,
-                                   windows=windows)
+        samples = time_interleaved(steps, reps=max(1, args.reps // args.rounds), rounds=args.rounds, warmup=1,
+                                   group=dist.group.WORLD, on_round=report, windows=windows, settings=settings)
     gpus = {g: sampler.summary(windows, g) for g in range(torch.cuda.device_count())} if sampling else None
     tokens = args.seq * args.batch
     results = {}
-    for name, (baseline, _, transport) in variants.items():
+    for name, (baseline, _, _) in variants.items():
         ms = median(samples[name])
         results[name] = {"step_ms": ms, "tokens_per_s": tokens / ms * 1e3, "samples_ms": samples[name],
                          "paths": linear_paths(blocks[name]) if not baseline else
                          "megatron-core linears (cuBLAS, collectives as local copies)" if name == "baseline_no_comm"
                          else "megatron-core linears (NCCL + cuBLAS)",
-                         "rs_transport": None if baseline else (transport or _env.get("RS_TRANSPORT")),
+                         "ran": None if baseline else ran[name],
+                         "rs_transport": None if baseline else rs_transports(ran[name]),
                          "gpus": {g: per[name] for g, per in gpus.items()} if gpus else None}
         if rank == 0:
             clocks = "".join(f", GPU {g} {v['sm_clock_mhz']:.0f} MHz {v['power_w']:.0f} W"

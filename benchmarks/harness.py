@@ -32,9 +32,13 @@ def time_ms(fn, *, reps: int = 30, warmup: int = 5, group=None, sleep_cycles: in
 @contextlib.contextmanager
 def env_override(**values: str | None):
     """Set FLUX_LAYERS_<name>=value for the duration; None leaves a setting as it is. The library decides each
-    distinct call once, reading the settings then: the decisions are refreshed on entry and on exit."""
+    distinct call once, reading the settings then: where a setting is set, the decisions are refreshed on entry
+    and on exit, so the next call of each is decided again (a cost of its own: enter this outside timed code)."""
     from flux_layers import ops
     values = {k: v for k, v in values.items() if v is not None}
+    if not values:
+        yield
+        return
     saved = {k: os.environ.get("FLUX_LAYERS_" + k) for k in values}
     os.environ.update({"FLUX_LAYERS_" + k: v for k, v in values.items()})
     ops.refresh_settings()
@@ -82,19 +86,24 @@ def time_samples_ms(fn, *, reps: int, warmup: int = 5, group=None, sleep_cycles:
 
 
 def time_interleaved(variants: dict, *, reps: int, rounds: int, warmup: int = 5, group=None,
-                     on_round=None, windows: list | None = None) -> dict:
+                     on_round=None, windows: list | None = None, settings: dict | None = None) -> dict:
     """Samples (ms) of every ``variants[key](i)``: ``rounds`` rounds, each timing every variant for ``reps``
     repetitions (:func:`time_samples_ms`), the order rotated so that the rounds start at evenly spread
     variants; the machine's drift over the run then falls on all variants alike. ``on_round(r, samples)`` is
     called after each round; ``windows`` receives (key, start, end) wall-clock times of each variant's repetitions,
-    warm-up included (for flux_layers.devtools.gpu_monitor)."""
+    warm-up included (for flux_layers.devtools.gpu_monitor). ``settings[key]`` (optional): a context manager
+    factory (e.g. ``lambda: env_override(...)``) entered around each of the variant's timing runs, warm-up
+    included: its settings hold before the warm-up, where the library decides the variant's calls, and the timed
+    repetitions reuse those decisions (entering settings inside ``variants[key]`` would decide anew every step)."""
     samples = {key: [] for key in variants}
     keys = list(variants)
+    settings = settings or {}
     for r in range(rounds):
         shift = r * len(keys) // rounds
         for key in keys[shift:] + keys[:shift]:
             began = time.time()
-            samples[key] += time_samples_ms(variants[key], reps=reps, warmup=warmup, group=group)
+            with settings.get(key, contextlib.nullcontext)():
+                samples[key] += time_samples_ms(variants[key], reps=reps, warmup=warmup, group=group)
             if windows is not None:
                 windows.append((key, began, time.time()))
         if on_round is not None:

@@ -3,6 +3,11 @@
     python -m benchmarks.make_dispatch_table benchmarks/results/ag_gemm_h200x2.json \
         benchmarks/results/gemm_rs_h200x2.json --out configs/tuning/dispatch_h200.json
 
+The benchmarks name a shape by its global M x K x N (bench_ag_gemm: N split over the ranks; bench_gemm_rs: K split);
+the table is keyed by the per-rank GEMM one rank's kernel runs, as every lookup passes it (the key convention of
+flux_layers/runtime/tuning.py): ag_gemm M x K x N/tp, gemm_rs M x K/tp x N. Each entry keeps the global shape
+(``global_mkn``) beside its key.
+
 For every measured shape: path 'sequential' where NCCL+GEMM (or GEMM+NCCL) was faster than the fused
 operator in that run, else 'fused'; for GEMM+ReduceScatter runs that timed both transports, the faster one
 ('direct' or 'copy_engine'). Lookups take the nearest measured shape (flux_layers/runtime/tuning.py).
@@ -16,7 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 
+from flux_layers.runtime import tuning
+
 SEQ_KEY = {"ag_gemm": "nccl_then_gemm", "gemm_rs": "gemm_then_nccl"}
+
+
+def per_rank_key(op: str, tp: int, m: int, k: int, n: int) -> tuple[int, int, int]:
+    """The table key of a benchmark's global M x K x N at ``tp`` ranks: tuning.table_key of the tensors one rank
+    holds there (ag_gemm: x [M/tp, K], weight [N/tp, K]; gemm_rs: x [M, K/tp], weight [N, K/tp])."""
+    split = n if op == "ag_gemm" else k
+    if split % tp != 0 or (op == "ag_gemm" and m % tp != 0):
+        raise SystemExit(f"{op} {m}x{k}x{n} does not split over {tp} ranks")
+    if op == "ag_gemm":
+        return tuning.table_key(op, m // tp, k, n // tp, tp)
+    return tuning.table_key(op, m, k // tp, n, tp)
 
 
 def entries_from(path: str) -> tuple[str, list[dict]]:
@@ -26,7 +44,9 @@ def entries_from(path: str) -> tuple[str, list[dict]]:
     out = []
     for r in run["results"]:
         t = r["times_ms"]
-        entry = {"op": op, "dtype": r["dtype"], "tp": r["tp"], "m": r["m"], "k": r["k"], "n": r["n"]}
+        m, k, n = per_rank_key(op, r["tp"], r["m"], r["k"], r["n"])
+        entry = {"op": op, "dtype": r["dtype"], "tp": r["tp"], "m": m, "k": k, "n": n,
+                 "global_mkn": [r["m"], r["k"], r["n"]]}
         fused = t["fused"]
         # GEMM+ReduceScatter runs measured with both transports: the faster one is the shape's transport.
         transports = {name: t.get(f"fused_{name}") for name in ("direct", "copy_engine")}
@@ -40,7 +60,8 @@ def entries_from(path: str) -> tuple[str, list[dict]]:
 
 
 def loop_times(path: str) -> dict[tuple, dict[str, float]]:
-    """{(op, tp, m, k, n): {impl: loop_ms averaged over layouts}} of a bench_overhead run (GPU figures only)."""
+    """{(op, tp, m, k, n): {impl: loop_ms averaged over layouts}} of a bench_overhead run (GPU figures only); (m, k, n)
+    the per-rank key of the run's global shape, as the entries'."""
     with open(path) as f:
         run = json.load(f)
     if run.get("shared_gpu"):
@@ -48,8 +69,8 @@ def loop_times(path: str) -> dict[tuple, dict[str, float]]:
     sums: dict[tuple, dict[str, list[float]]] = {}
     for r in run["results"]:
         if r.get("loop_ms") is not None:
-            sums.setdefault((r["op"], run["tp"], r["m"], r["k"], r["n"]), {}).setdefault(r["impl"], []).append(
-                r["loop_ms"])
+            key = (r["op"], run["tp"]) + per_rank_key(r["op"], run["tp"], r["m"], r["k"], r["n"])
+            sums.setdefault(key, {}).setdefault(r["impl"], []).append(r["loop_ms"])
     return {key: {impl: sum(v) / len(v) for impl, v in impls.items()} for key, impls in sums.items()}
 
 
@@ -83,7 +104,7 @@ def main():
     with open(args.out, "w") as f:
         command = " ".join(args.results + [f"--loop {p}" for p in args.loop])
         json.dump({"gpu": gpu, "generated_by": "python -m benchmarks.make_dispatch_table " + command,
-                   "entries": entries}, f, indent=2)
+                   "key": tuning.TABLE_KEY, "entries": entries}, f, indent=2)
     print(f"wrote {args.out}: {sum(e['path'] == 'sequential' for e in entries)} of {len(entries)} shapes sequential")
 
 

@@ -20,6 +20,12 @@
 # time limit; a failing step does not stop the others. Logs and JSON go to a work folder, packed at the end into
 # OUTDIR/gpu_check.tgz (plus OUTDIR/summary.txt).
 #
+# Every pytest step writes a JUnit report (PYTEST_ADDOPTS: --junitxml, and -rs for the skip reasons in its log); its
+# summary line gives passed / failed / errors / skipped (scripts/junit_summary.py) and each skip reason. A step whose
+# tests all skipped, or that collected none, is reported NOTHING RAN and counts as failed, even though pytest exits 0
+# (e.g. every 2-GPU test on a machine with one GPU). The script exits 1 when any step failed, ran nothing or was
+# skipped for the budget, else 0.
+#
 # Wheels the machine lacks (megatron-core for the layer steps) are installed from .whl/ if present; the
 # op library is taken prebuilt from flux_layers/_C*.so, else built here (needs nvcc and nvidia-cutlass).
 set -u
@@ -50,6 +56,7 @@ GPUS=$($PY -c "import torch; print(torch.cuda.device_count())")
 GPU_TAG=h200x$GPUS
 summary="$WORK/summary.txt"
 : > "$summary"
+not_passed=0  # steps that failed, ran no test or did not run
 # Whole-run budget (seconds): steps are shortened or skipped so that results always come back.
 DEADLINE=$(( $(date +%s) + ${GPU_CHECK_BUDGET_S:-560} ))
 
@@ -64,14 +71,26 @@ step() {  # step NAME LIMIT_S COMMAND...
   local left=$(( DEADLINE - $(date +%s) - 15 ))
   if [ "$left" -lt 20 ]; then
     echo "$name skipped (budget spent)" | tee -a "$summary"
+    not_passed=$(( not_passed + 1 ))
     return
   fi
   [ "$limit" -gt "$left" ] && limit=$left
   local t0=$(date +%s)
+  local junit="$WORK/$name.junit.xml"
+  rm -f "$junit"
   echo "=== $name (limit ${limit}s)"
-  timeout --kill-after=10 "$limit" "$@" > "$WORK/$name.log" 2>&1
+  # A pytest run anywhere in the step's command writes its report; other commands ignore the variable.
+  PYTEST_ADDOPTS="${PYTEST_ADDOPTS:+$PYTEST_ADDOPTS }-rs --junitxml=$junit" \
+    timeout --kill-after=10 "$limit" "$@" > "$WORK/$name.log" 2>&1
   local rc=$?
-  echo "$name rc=$rc $(( $(date +%s) - t0 ))s" | tee -a "$summary"
+  local verdict="rc=$rc" tests="" jrc=0
+  if [ -f "$junit" ]; then
+    tests=$($PY "$ROOT/scripts/junit_summary.py" "$junit")
+    jrc=$?
+    [ "$jrc" -eq 3 ] && verdict="rc=$rc NOTHING RAN"
+  fi
+  { [ "$rc" -ne 0 ] || [ "$jrc" -ne 0 ]; } && not_passed=$(( not_passed + 1 ))
+  echo "$name $verdict $(( $(date +%s) - t0 ))s${tests:+: $tests}" | tee -a "$summary"
   tail -n 25 "$WORK/$name.log"
   pack
 }
@@ -151,10 +170,12 @@ benchmarks.bench_overhead --shared-gpu ${OVERHEAD_ARGS:-} --out $WORK/results/op
     stock_bench)  # stock CUTLASS kernel schedules beside cuBLAS and ours (not in the default steps)
       [ -f build/cutlass_stock/libstock_gemm.so ] || step stock_build 300 env PYTHON=$PY bash benchmarks/cutlass_stock/build.sh
       step stock_bench 200 $PY -m benchmarks.bench_cutlass_stock --out "$WORK/results/gemm_stock_cutlass_h200.json" ;;
-    *) echo "unknown step $s" | tee -a "$summary" ;;
+    *) echo "unknown step $s" | tee -a "$summary"; not_passed=$(( not_passed + 1 )) ;;
   esac
 done
 
+echo "steps not passed: $not_passed" >> "$summary"
 pack
 echo "=== summary"
 cat "$summary"
+[ "$not_passed" -eq 0 ]

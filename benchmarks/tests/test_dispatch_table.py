@@ -32,6 +32,9 @@ def test_entries_from_picks_the_faster_path_and_transport(tmp_path):
     assert got == [(1024, "fused", None), (2048, "sequential", None), (4096, "fused", "copy_engine"),
                    (8192, "fused", "direct"), (16384, "sequential", "copy_engine")]
     assert all(e["op"] == "gemm_rs" and e["source"] == f"{results} @ abc" for e in entries)
+    # Keyed by the per-rank GEMM (K/tp for gemm_rs), the benchmark's global shape beside it.
+    assert [(e["m"], e["k"], e["n"], e["global_mkn"]) for e in entries[:2]] == [(1024, 2048, 4096, [1024, 4096, 4096]),
+                                                                               (2048, 2048, 4096, [2048, 4096, 4096])]
     assert entries[2]["fused_ms"] == 0.95  # the chosen transport's time, not the run's default
 
 
@@ -51,6 +54,13 @@ def test_packaged_table_matches_the_results_it_cites():
             assert len(same_shape) == 1, f"{path} has no single row for {entry}"
             with open(full) as f:
                 assert json.load(f).get("commit") == commit, f"{path} is no longer the run of {commit}"
+            # The key is what one rank held in that run (its own record: n_local / k_local), not the global shape.
+            with open(full) as f:
+                row = next(r for r in json.load(f)["results"]
+                           if [r["m"], r["k"], r["n"]] == entry["global_mkn"] and r["tp"] == entry["tp"])
+            held = ((row["m"], row["k"], row["n_local"]) if entry["op"] == "ag_gemm" else
+                    (row["m"], row["k_local"], row["n"]))
+            assert (entry["m"], entry["k"], entry["n"]) == held, f"{entry} is not keyed by the per-rank GEMM {held}"
             for key in ("path", "transport", "fused_ms", "sequential_ms"):
                 assert same_shape[0].get(key) == entry.get(key), f"{key} of {entry} disagrees with {path}"
             if "transport" in entry:
@@ -68,12 +78,13 @@ def test_loop_times_decide_where_measured(tmp_path):
                                      ("nn", "sequential", 0.14), ("nt", "auto", 0.2))]
     loop.write_text(json.dumps({"tp": 2, "shared_gpu": False, "commit": "def", "results": rows}))
     times = loop_times(str(loop))
-    assert times[("gemm_rs", 2, 2048, 4096, 4096)] == pytest.approx({"fused": 0.18, "sequential": 0.13, "auto": 0.2})
-    entries = [{"op": "gemm_rs", "tp": 2, "m": 2048, "k": 4096, "n": 4096, "path": "fused"},
-               {"op": "gemm_rs", "tp": 2, "m": 4096, "k": 4096, "n": 4096, "path": "fused"}]
+    # bench_overhead names the global 2048x4096x4096; the table's key is one rank's 2048x2048x4096.
+    assert times == {("gemm_rs", 2, 2048, 2048, 4096): pytest.approx({"fused": 0.18, "sequential": 0.13, "auto": 0.2})}
+    entries = [{"op": "gemm_rs", "tp": 2, "m": 2048, "k": 2048, "n": 4096, "path": "fused"},
+               {"op": "gemm_rs", "tp": 2, "m": 4096, "k": 2048, "n": 4096, "path": "fused"}]
     apply_loop_times(entries, times, "overhead.json @ def")
     assert entries[0]["path"] == "sequential" and entries[0]["fused_loop_ms"] == pytest.approx(0.18)
-    assert entries[1] == {"op": "gemm_rs", "tp": 2, "m": 4096, "k": 4096, "n": 4096, "path": "fused"}
+    assert entries[1] == {"op": "gemm_rs", "tp": 2, "m": 4096, "k": 2048, "n": 4096, "path": "fused"}
     shared = tmp_path / "shared.json"
     shared.write_text(json.dumps({"tp": 2, "shared_gpu": True, "results": []}))
     with pytest.raises(SystemExit, match="not TP figures"):

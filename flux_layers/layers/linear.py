@@ -23,7 +23,10 @@ config's ``tp_comm_overlap*`` fields unless ``overlap=`` is given) and ops' disp
 what ``ops.plan`` asks). The layer decides all three GEMMs of a step at fprop and hands the decision to the
 backward, so ``layer.last_paths`` ('fprop', 'dgrad', 'wgrad' -> :class:`ops.Choice`) is what runs: path
 'fused' or 'reference' for the ops, 'local' for a plain GEMM (whose collective, if any, runs separately, as in
-Megatron). Under torch.compile the decision is taken once per shape at trace time (a constant in the graph).
+Megatron). ``layer.last_gemms`` ('fprop', 'dgrad' -> (op, (M, K, N)) or None) names the op of each
+sequence-parallel GEMM and the per-rank GEMM its path was decided under (the tuning table's key,
+flux_layers/runtime/tuning.py); None where an overlap switch sent it down the reference path undecided. Under
+torch.compile the decision is taken once per shape at trace time (a constant in the graph).
 """
 from __future__ import annotations
 
@@ -130,6 +133,7 @@ class _ParallelLinear(torch.nn.Module):
             raise TypeError(f"overlap must be a flux_layers.OverlapConfig or None, got {type(overlap).__name__}")
         self.overlap = overlap if overlap is not None else OverlapConfig.from_megatron(config, tp_comm_buffer_name)
         self.last_paths: dict[str, Choice] = {}
+        self.last_gemms: dict[str, tuple[str, tuple[int, int, int]] | None] = {}
         if cuda_graphs_requested(config):
             # The fused ops' workspaces need their CUDA-graph twins, created with them before any capture.
             from flux_layers.runtime import workspace
@@ -146,22 +150,26 @@ class _ParallelLinear(torch.nn.Module):
                                f"weight.main_grad (allocated by megatron's DistributedDataParallel); the weight "
                                f"has none")
 
-    def _plan(self, op: str, x: torch.Tensor, mkn: tuple[int, int, int], dgrad: bool = False) -> Choice:
-        """The path of one sequence-parallel GEMM (``mkn`` as ``ops.plan`` counts it: M the gathered rows): the
-        reference path where this layer's overlap switch is off, else what ops' dispatch decides. ``dgrad``:
-        the column dgrad's GEMM+RS, which has its own switch."""
+    def _plan(self, op: str, x: torch.Tensor, mkn: tuple[int, int, int], dgrad: bool = False
+              ) -> tuple[Choice, tuple[str, tuple[int, int, int]] | None]:
+        """The path of one sequence-parallel GEMM (``mkn`` the per-rank GEMM, as ``ops.plan`` counts it: M the
+        gathered rows) and what it was decided under ((op, mkn), None where undecided): the reference path where
+        this layer's overlap switch is off, else what ops' dispatch decides. ``dgrad``: the column dgrad's GEMM+RS,
+        which has its own switch."""
         kind = "gemm_rs_dgrad" if dgrad else op
         switch = self.overlap.off_switch(kind)
         if switch is not None:
-            return Choice("reference", f"overlap switch {switch}=False")
+            return Choice("reference", f"overlap switch {switch}=False"), None
         # NOTE: the path may depend on the shape (tuning table), so under torch.compile with dynamic shapes
         # guard_scalar specialises M, K, N: one graph per shape, each with its own path.
         m, k, n = (guard_scalar(d) for d in mkn)
-        return Choice(*_choose(op, x.device, x.dtype, m, k, n, self.tp_group, self.overlap.backend_for(kind)))
+        choice = Choice(*_choose(op, x.device, x.dtype, m, k, n, self.tp_group, self.overlap.backend_for(kind)))
+        return choice, (op, (m, k, n))
 
     def _local_paths(self, reason: str) -> None:
         local = Choice("local", reason)
         self.last_paths = {"fprop": local, "dgrad": local, "wgrad": local}
+        self.last_gemms = {}
 
     def set_extra_state(self, state: Any):
         """Extra state is ignored."""
@@ -264,8 +272,9 @@ class ColumnParallelLinear(_ParallelLinear):
     def _all_gather_linear(self, input_, weight, bias):
         x_shard_m = input_.reshape(-1, input_.shape[-1])
         m, k, n = x_shard_m.shape[0] * self.tp_size, self.input_size, self.output_size_per_partition
-        fprop = self._plan("ag_gemm", x_shard_m, (m, k, n))   # AG(x) [M, K] @ W^T -> [M, N/tp]
-        dgrad = self._plan("gemm_rs", x_shard_m, (m, n, k), dgrad=True)   # dY [M, N/tp] @ W -> RS -> [M/tp, K]
+        fprop, fprop_gemm = self._plan("ag_gemm", x_shard_m, (m, k, n))   # AG(x) [M, K] @ W^T -> [M, N/tp]
+        dgrad, dgrad_gemm = self._plan("gemm_rs", x_shard_m, (m, n, k), dgrad=True)  # dY [M, N/tp] @ W -> RS
+        self.last_gemms = {"fprop": fprop_gemm, "dgrad": dgrad_gemm}
         if dgrad.path == "reference":
             dgrad = Choice("reference", dgrad.reason + "; NCCL reduce-scatter under the wgrad GEMM")
         self.last_paths = {"fprop": fprop, "dgrad": dgrad,
@@ -360,8 +369,9 @@ class RowParallelLinear(_ParallelLinear):
                              f"({x.shape[0]}) is not divisible by the tensor-parallel size {self.tp_size}")
         x_shard_k = x.reshape(-1, x.shape[-1])
         m, k, n = x_shard_k.shape[0], self.input_size_per_partition, self.output_size
-        fprop = self._plan("gemm_rs", x_shard_k, (m, k, n))   # x [M, K/tp] @ W^T -> RS -> [M/tp, N]
-        dgrad = self._plan("ag_gemm", x_shard_k, (m, n, k))   # AG(dY) [M, N] @ W -> [M, K/tp]
+        fprop, fprop_gemm = self._plan("gemm_rs", x_shard_k, (m, k, n))   # x [M, K/tp] @ W^T -> RS -> [M/tp, N]
+        dgrad, dgrad_gemm = self._plan("ag_gemm", x_shard_k, (m, n, k))   # AG(dY) [M, N] @ W -> [M, K/tp]
+        self.last_gemms = {"fprop": fprop_gemm, "dgrad": dgrad_gemm}
         self.last_paths = {"fprop": fprop, "dgrad": dgrad, "wgrad": Choice("local", "AG(dY)^T @ x, AG(dY) from dgrad")}
         y_shard_m = ReduceScatterLinear.apply(x_shard_k, self.weight, bias, self.tp_group, fprop.path, dgrad.path,
                                               self.gradient_accumulation_fusion)

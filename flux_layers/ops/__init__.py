@@ -39,10 +39,10 @@ def _tp(group) -> int:
 def plan(op: str, x: torch.Tensor, weight: torch.Tensor, *, group=None, weight_layout: str = "nt",
          backend: str | None = None) -> Choice:
     """Which path ``op`` ('gemm', 'ag_gemm', 'gemm_rs') would take for these arguments, and why."""
-    m, k, n = check_matmul_args(op, x, weight, None, weight_layout)
-    if op == "ag_gemm":
-        m *= _tp(group)
-    return choose(op, device=x.device, dtype=x.dtype, mkn=(m, k, n), group=group, backend=backend)
+    from flux_layers.runtime import tuning
+    rows, k, n = check_matmul_args(op, x, weight, None, weight_layout)
+    return choose(op, device=x.device, dtype=x.dtype, mkn=tuning.table_key(op, rows, k, n, _tp(group)), group=group,
+                  backend=backend)
 
 
 def _fp8_call(x, weight, x_scale, w_scale) -> bool:

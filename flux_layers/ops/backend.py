@@ -109,9 +109,16 @@ def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int,
         return Choice("fused", "requested" + untried)
     if blockers:
         return Choice("reference", blockers[0])
+    return auto_choice(op, dtype=dtype, tp=dist.get_world_size(group) if group is not None else 1, mkn=mkn,
+                       untried=untried)
+
+
+def auto_choice(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int], untried: str = "") -> Choice:
+    """The ``auto`` path of a call that nothing blocks: the reference path where FLUX_LAYERS_DISPATCH=table and the
+    tuning table measured the sequential path faster for the nearest shape, else fused. ``mkn`` is the call's
+    per-rank GEMM (runtime/tuning.py's key convention), as :func:`choose` gets it."""
     if _env.get("DISPATCH") == "table":
         from flux_layers.runtime import tuning
-        tp = dist.get_world_size(group) if group is not None else 1
         entry = tuning.dispatch_entry(op, dtype=dtype, tp=tp, mkn=mkn)
         if entry is not None and entry.get("path") == "sequential":
             return Choice("reference", f"tuning table: sequential path measured faster ({entry.get('source', '?')})")

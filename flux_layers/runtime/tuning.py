@@ -2,12 +2,18 @@
 
 A table file looks like::
 
-    {"gpu": "NVIDIA H200", "entries": [
-        {"op": "ag_gemm", "dtype": "bfloat16", "tp": 2, "m": 2048, "k": 4096, "n": 4096,
-         "path": "sequential", "source": "benchmarks/results/ag_gemm_h200x2.json"}]}
+    {"gpu": "NVIDIA H200", "key": TABLE_KEY, "entries": [
+        {"op": "ag_gemm", "dtype": "bfloat16", "tp": 2, "m": 2048, "k": 4096, "n": 2048,
+         "path": "sequential", "source": "benchmarks/results/ag_gemm_h200x2.json @ <commit>"}]}
 
-Lookups match op, dtype, tp and GPU name exactly and take the entry with the nearest (m, k, n) in log space;
-with no matching entry the fused path is used (the heuristic: fused kernels are built to win on large shapes).
+Key convention (the table's ``key`` field, :data:`TABLE_KEY`): an entry's (m, k, n) is the per-rank GEMM, the
+problem one rank's kernel runs (:func:`table_key`): ag_gemm (M gathered rows, K, N/tp: this rank's output
+columns), gemm_rs (M rows, K/tp: this rank's shard of the reduction, N). Every lookup (``ops.backend.choose``, the
+ops' call plans, the layers' plans, ``ops.plan``) passes the sizes of the tensors this rank holds, which are
+exactly these; the benchmarks name shapes by their global M x K x N, and benchmarks/make_dispatch_table.py
+converts. Lookups match op, dtype, tp and GPU name exactly and take the entry with the nearest (m, k, n) in log
+space, within :data:`NEAREST_LOG2_DISTANCE`; with no matching entry the fused path is used (the heuristic: fused
+kernels are built to win on large shapes).
 """
 from __future__ import annotations
 
@@ -41,7 +47,27 @@ def _gpu_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+TABLE_KEY = ("per-rank GEMM (flux_layers.runtime.tuning.table_key): ag_gemm m x k x n = gathered M x K x N/tp, "
+             "gemm_rs m x k x n = M x K/tp x N")
+
+
+def table_key(op: str, rows: int, k: int, n: int, tp: int) -> tuple[int, int, int]:
+    """The (M, K, N) under which a call of ``op`` is looked up: the per-rank GEMM. ``rows``, ``k``, ``n`` are the
+    call's sizes as this rank holds its tensors (x [rows, K], weight K -> N; ``ops._checks.check_matmul_args``):
+    ag_gemm gathers ``tp`` shards of rows (M = rows * tp, N = this rank's output columns), gemm_rs multiplies its
+    x [M, K/tp] as held; a plain gemm is its own shape."""
+    return (rows * tp, k, n) if op == "ag_gemm" else (rows, k, n)
+
+
+# The measured shapes lie a factor 2 or more apart in some dimension, so an entry is taken for a call whose shape
+# is nearer to it than half that spacing: sum |log2(call / entry)| over M, K, N at most 0.5 (a factor sqrt 2 in
+# total). A shape a whole factor 2 away is another measurement's business, and keys mixed up between per-rank and
+# global sizes (a factor tp in K or N, log2(tp) >= 1) never match.
+NEAREST_LOG2_DISTANCE = 0.5
+
+
 def dispatch_entry(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int]) -> dict | None:
+    """The table entry for a call of ``op`` whose per-rank GEMM is ``mkn`` (:func:`table_key`), or None."""
     if min(mkn) <= 0:  # an empty problem (M = 0 is a valid no-op) has no nearest measured shape
         return None
     gpu = _gpu_name()
@@ -56,8 +82,7 @@ def dispatch_entry(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int,
             d = sum(abs(math.log2(a) - math.log2(b)) for a, b in zip(mkn, (e["m"], e["k"], e["n"])))
             if d < best_dist:
                 best, best_dist = e, d
-    # Only trust an entry for shapes close to a measured one (within a factor 2 in total).
-    return best if best_dist <= 1.0 else None
+    return best if best_dist <= NEAREST_LOG2_DISTANCE else None
 
 
 # Defaults where no tuned entry applies, as measured (benchmarks/results/gemm_h200.json, ag_gemm_*, gemm_rs_*):

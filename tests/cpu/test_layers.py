@@ -317,6 +317,85 @@ def _check_paths(rank, tp, group):
     assert {p for p, _ in paths(_config(tp, False)).values()} == {"local"}
 
 
+def _check_gemm_keys(rank, tp, group):
+    """Each sequence-parallel GEMM is decided under its per-rank GEMM (the tuning table's key), the one the op it
+    runs is decided under too: ``last_gemms`` and the keys asked of the dispatcher, by the layer and by its ops."""
+    from flux_layers.layers import ColumnParallelLinear, RowParallelLinear
+    from flux_layers.ops import _dispatch
+    config = _config(tp, True, tp_comm_overlap=True, tp_comm_overlap_rs_dgrad=True)
+    asked = []
+    real = _dispatch.choose
+
+    def choose(op, **kw):
+        asked.append((op, kw["mkn"], kw["backend"]))
+        return real(op, **kw)
+    _dispatch.choose = choose
+    try:
+        rows, k, n = 3 * 2, 8, 6 * tp  # this rank's sequence shard [3, 2, K]: M = 6 * tp gathered rows
+        m = rows * tp
+        col = ColumnParallelLinear(k, n, config=config, init_method=torch.nn.init.normal_, bias=False, tp_group=group)
+        x = torch.randn(3, 2, k, dtype=torch.float64, requires_grad=True)
+        _dispatch.refresh()
+        del asked[:]
+        y, _ = col(x)
+        y.backward(torch.ones_like(y))
+        assert col.last_gemms == {"fprop": ("ag_gemm", (m, k, n // tp)), "dgrad": ("gemm_rs", (m, n // tp, k))}
+        # The layer asks about both GEMMs (backend None: ops' auto); its fprop op asks again under the same key.
+        assert asked == [("ag_gemm", (m, k, n // tp), None), ("gemm_rs", (m, n // tp, k), None),
+                         ("ag_gemm", (m, k, n // tp), "reference")], asked
+        row = RowParallelLinear(n, k, config=config, init_method=torch.nn.init.normal_, bias=False,
+                                input_is_parallel=True, skip_bias_add=False, tp_group=group)
+        h = torch.randn(m, n // tp, dtype=torch.float64, requires_grad=True)
+        _dispatch.refresh()
+        del asked[:]
+        z, _ = row(h.view(m // 2, 2, n // tp))
+        z.backward(torch.ones_like(z))
+        assert row.last_gemms == {"fprop": ("gemm_rs", (m, n // tp, k)), "dgrad": ("ag_gemm", (m, k, n // tp))}
+        assert asked == [("gemm_rs", (m, n // tp, k), None), ("ag_gemm", (m, k, n // tp), None),
+                         ("gemm_rs", (m, n // tp, k), "reference"), ("ag_gemm", (m, k, n // tp), "reference")], asked
+        off = ColumnParallelLinear(k, n, config=_config(tp, True), init_method=torch.nn.init.normal_, bias=False,
+                                   tp_group=group)
+        off(x)
+        assert off.last_gemms == {"fprop": None, "dgrad": None}  # switched off: not decided by the dispatcher
+    finally:
+        _dispatch.choose = real
+
+
+def _check_wgrad_input(rank, tp, group):
+    """``last_paths['wgrad']`` says where the column wgrad's AG(x) comes from, and that is what runs: 'kept from
+    fprop' saves the gathered input for backward and gathers nothing there; 'gathered again' saves the shard and
+    gathers it once in backward."""
+    import torch.distributed as dist
+
+    from flux_layers.layers import ColumnParallelLinear, OverlapConfig
+    gathers = []
+    real = dist.all_gather_into_tensor
+
+    def counted(out, inp, *args, **kwargs):
+        gathers.append(tuple(out.shape))
+        return real(out, inp, *args, **kwargs)
+    dist.all_gather_into_tensor = counted
+    try:
+        for wgrad_input in ("keep", "regather"):
+            col = ColumnParallelLinear(8, 4 * tp, config=_config(tp, True), init_method=torch.nn.init.normal_,
+                                       bias=False, tp_group=group,
+                                       overlap=OverlapConfig(backend="reference", wgrad_input=wgrad_input))
+            x = torch.randn(3, 2, 8, dtype=torch.float64, requires_grad=True)
+            y, _ = col(x)
+            reason = col.last_paths["wgrad"].reason
+            kept = "kept from fprop" in reason
+            assert kept != ("gathered again" in reason), reason
+            assert kept == (wgrad_input == "keep"), f"{wgrad_input}: {reason}"
+            node = y.grad_fn.next_functions[0][0]  # the AllGatherLinear node under the output's view
+            saved_x = node.saved_tensors[0]
+            assert saved_x.shape[0] == (3 * 2 * tp if kept else 3 * 2), f"{reason}: saved {tuple(saved_x.shape)}"
+            del gathers[:]
+            y.backward(torch.ones_like(y))
+            assert gathers == ([] if kept else [(3 * 2 * tp, 8)]), f"{reason}: all-gathers in backward {gathers}"
+    finally:
+        dist.all_gather_into_tensor = real
+
+
 def _check_compile(rank, tp, group, seed):
     """A column + row pair traces into one graph under torch.compile (fullgraph; 'aot_eager' keeps it quick) and
     gives the eager values. With gradient-accumulation fusion the Python side effects on ``weight`` (as in
@@ -366,12 +445,18 @@ def _worker(rank, tp, seed, checks):
         _check_paths(rank, tp, group)
     if "compile" in checks:
         _check_compile(rank, tp, group, seed)
+    if "gemm_keys" in checks:
+        _check_gemm_keys(rank, tp, group)
+    if "wgrad_input" in checks:
+        _check_wgrad_input(rank, tp, group)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_parallel_linears(tp):
-    """fp64 and megatron-core agreement for every case at TP 2 and 4; at TP 2 also init, checkpoint, errors,
-    path reports and torch.compile (one process group per TP size keeps the CPU suite short)."""
+    """fp64 and megatron-core agreement for every case, the GEMMs' tuning keys and the wgrad input's report at TP 2
+    and 4; at TP 2 also init, checkpoint, errors, path reports and torch.compile (one process group per TP size
+    keeps the CPU suite short)."""
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    checks = ("cases", "init_checkpoint", "errors", "paths", "compile") if tp == 2 else ("cases",)
+    checks = (("cases", "init_checkpoint", "errors", "paths", "compile", "gemm_keys", "wgrad_input") if tp == 2 else
+              ("cases", "gemm_keys", "wgrad_input"))
     run_distributed(_worker, tp, seed, checks)

@@ -2,7 +2,8 @@
 group size, the full-width chunks against the kernel's tile schedule, and the very executor that drives NCCL run
 with gloo on CPU tensors across 2, 4 and 8 processes, with CPU stand-ins for the kernel (a chunk's partial appears
 in the staging slot only when its count wait is reached), the flags (each checks that its data is in place and is
-set once) and the owner's reduction (the partials summed in rank order, compared bitwise with the reference).
+set once) and the owner's reduction (the partials it received summed in rank order, as the kernel adds them, against
+the library's reference reduce-scatter of every rank's partial product, ops/reference.py).
 The same for the inter-node part of a two-level plan across nodes: collectors' node partials (their intra-node sum
 stood in), summed by the owner in the plan's node order."""
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from flux_layers.devtools.launch import run_distributed
+from flux_layers.ops import reference
 from flux_layers.runtime import nccl_rs_transport as rs
 from flux_layers.runtime import schedules
 from flux_layers.runtime.transfer_plan import GroupLayout, PlanError, build_rs_plan
@@ -134,8 +136,12 @@ def _run_calls(rank, tp, late_rank):
             for s in recv:
                 assert torch.equal(recv[s], _partial(s, rank, rows, n)), f"{what}: partial of rank {s}"
             out = _reduce([_partial(rank, rank, rows, n) if s == rank else recv[s] for s in range(tp)])
-            ref = _reduce([_partial(s, rank, rows, n) for s in range(tp)])
-            assert torch.equal(out, ref), f"{what}: reduced rows differ from the reference"
+            # This rank's partial product of every rank's rows, reduce-scattered by the reference backend (gloo:
+            # an all-reduce, this rank's block kept): what the owner's sum of the delivered partials must give.
+            product = torch.cat([_partial(rank, d, rows, n) for d in range(tp)])
+            ref = reference.reduce_scatter_rows(product, group)
+            torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-9,
+                                       msg=lambda m: f"{what}: reduced rows differ from the reference: {m}")
             results.append(out)
         assert torch.equal(results[0], results[1]), f"rank {rank}: two calls differ bitwise"
         dist.barrier()

@@ -75,6 +75,17 @@ def test_e2e_ceiling_runs_the_three_trainings(tmp_path):
     assert set(runs) == {"megatron", "flux", "megatron_no_comm"}
     assert all(len(r["losses"]) == 6 for r in runs.values())
     assert runs["megatron"]["losses"] != runs["megatron_no_comm"]["losses"], "the collectives were not replaced"
-    assert record["ceiling_speedup"] > 0 and record["flux_speedup"] > 0
+    # The figures are the runs' own: each median over the steps after the timing warm-up (1 step), the speedups
+    # megatron's median over the other run's.
+    import statistics
+    median = {name: statistics.median(r["step_times_ms"][1:]) for name, r in runs.items()}
+    assert all(len(r["step_times_ms"]) == 6 for r in runs.values())
+    for name, r in runs.items():
+        assert r["median_step_ms"] == pytest.approx(median[name], rel=1e-12), name
+    assert record["ceiling_speedup"] == pytest.approx(median["megatron"] / median["megatron_no_comm"], rel=1e-12)
+    assert record["flux_speedup"] == pytest.approx(median["megatron"] / median["flux"], rel=1e-12)
+    gain = median["megatron"] - median["megatron_no_comm"]
+    share = (median["megatron"] - median["flux"]) / gain if gain > 0 else None
+    assert record["flux_share_of_ceiling"] == (pytest.approx(share, rel=1e-9) if share is not None else None)
     # Same seed, same data: the two implementations with communication train alike.
     assert abs(runs["megatron"]["losses"][-1] - runs["flux"]["losses"][-1]) < 1e-3

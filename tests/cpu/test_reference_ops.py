@@ -98,3 +98,49 @@ def _compiled_ops(rank, tp, seed):
 
 def test_ops_compile_to_opaque_nodes():
     run_distributed(_compiled_ops, 2, int(torch.randint(0, 2**30, ()).item()))
+
+
+class _NcclCall:
+    """torch.distributed as an NCCL group of ``tp`` ranks presents it to the reference backend, with the tensor
+    reduce-scatter captured: its arguments bound to the real function's signature (defaults applied), so the
+    reduction it asks for is read, not assumed. The collective itself writes a marker into the output, so the
+    caller's use of that output shows."""
+
+    def __init__(self, monkeypatch, tp: int):
+        import inspect
+        self.group, self.calls = object(), []
+        signature = inspect.signature(dist.reduce_scatter_tensor)
+
+        def reduce_scatter_tensor(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            self.calls.append(dict(bound.arguments))
+            bound.arguments["output"].fill_(7.0)
+        monkeypatch.setattr(dist, "reduce_scatter_tensor", reduce_scatter_tensor)
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: tp)
+
+
+def test_reference_reduce_scatter_over_nccl_asks_for_a_sum(monkeypatch):
+    """The NCCL branch of the reference backend (never taken by gloo, so not by the other CPU tests): the op, the
+    tensors and the group passed to reduce_scatter_tensor; what it writes is what the call returns (+ bias once)."""
+    from flux_layers.layers import autograd
+    tp = 4
+    nccl = _NcclCall(monkeypatch, tp)
+    x, w, b = _inputs(3, 8, 6, 5, "nt")
+    ops.refresh_settings()
+    out = ops.gemm_rs(x, w, b, group=nccl.group, backend="reference")
+    (call,) = nccl.calls
+    assert call["op"] == dist.ReduceOp.SUM, f"reduce_scatter_tensor asked for {call['op']}, not a sum"
+    assert call["group"] is nccl.group and call["async_op"] is False
+    torch.testing.assert_close(call["input"], x @ w.t(), rtol=0, atol=0)  # the whole partial product, [M, N]
+    assert call["output"].shape == (8 // tp, 5) and call["input"].is_contiguous()
+    torch.testing.assert_close(out, torch.full((8 // tp, 5), 7.0, dtype=torch.float64) + b, rtol=0, atol=0)
+    # The column dgrad's reduce-scatter under the wgrad GEMM (layers/autograd.py), started asynchronously.
+    dgrad = torch.randn(8, 3, dtype=torch.float64)
+    block, _work = autograd._reduce_scatter_rows_start(dgrad, nccl.group)
+    second = nccl.calls[1]
+    assert second["op"] == dist.ReduceOp.SUM, f"the dgrad's reduce-scatter asked for {second['op']}, not a sum"
+    assert second["async_op"] is True and second["group"] is nccl.group
+    assert second["output"] is block and block.shape == (8 // tp, 3) and torch.equal(second["input"], dgrad)
+    ops.refresh_settings()

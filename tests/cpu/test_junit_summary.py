@@ -1,0 +1,66 @@
+"""scripts/junit_summary.py, which scripts/gpu_check.sh reads each pytest step's JUnit report with: the counts, the
+skip reasons, and a run whose tests all skipped (or that collected none) told apart from one that ran tests."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "scripts", "junit_summary.py")
+
+
+def _pytest_report(tmp_path, body: str) -> str:
+    """The JUnit report of a pytest run of a test file holding ``body``."""
+    (tmp_path / "test_sample.py").write_text("import pytest\n" + body)
+    report = tmp_path / "report.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+                    str(tmp_path / "test_sample.py")], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    return str(report)
+
+
+def _summary(report: str) -> tuple[int, list[str]]:
+    proc = subprocess.run([sys.executable, SCRIPT, report], capture_output=True, text=True, timeout=60)
+    return proc.returncode, proc.stdout.splitlines()
+
+
+def test_counts_and_skip_reasons_of_a_run_that_ran_tests(tmp_path):
+    report = _pytest_report(tmp_path, """
+def test_passes():
+    pass
+
+def test_fails():
+    assert False
+
+@pytest.mark.skip(reason="needs 2 CUDA GPUs, 1 visible")
+def test_two_gpus():
+    pass
+
+@pytest.mark.skip(reason="needs 2 CUDA GPUs, 1 visible")
+def test_two_gpus_again():
+    pass
+
+@pytest.mark.skip(reason="needs megatron-core")
+def test_layers():
+    pass
+""")
+    rc, lines = _summary(report)
+    assert rc == 0
+    assert lines == ["1 passed, 1 failed, 0 errors, 3 skipped", "  skipped 2: needs 2 CUDA GPUs, 1 visible",
+                     "  skipped 1: needs megatron-core"]
+
+
+@pytest.mark.parametrize("body", ['pytestmark = pytest.mark.skip(reason="needs 2 CUDA GPUs, 1 visible")\n'
+                                  "def test_a():\n    pass\n\ndef test_b():\n    pass\n",
+                                  "def helper():\n    pass\n"], ids=["all skipped", "none collected"])
+def test_a_run_that_ran_no_test_is_told_apart(tmp_path, body):
+    rc, lines = _summary(_pytest_report(tmp_path, body))
+    assert rc == 3, lines
+    assert lines[0].startswith("0 passed, 0 failed, 0 errors, ")
+
+
+def test_a_missing_report_is_said(tmp_path):
+    rc, lines = _summary(str(tmp_path / "absent.xml"))
+    assert rc == 4 and lines[0].startswith("no readable pytest report")
