@@ -271,10 +271,14 @@ struct GemmKernel {
   }
 
   // ---------------------------------------------------------------- consumer: FP8 split accumulation
-  // The tensor cores accumulate each k tile into one of two temporary fragments, which is added to the fp32
-  // accumulators once its wgmmas have completed, while the next k tile's wgmmas run into the other fragment; the
-  // tensor pipe drains once per two k tiles. Promoted every k tile (128 deep), as CUTLASS's default interval.
-  // Releases every stage it reads; advances read_state by k_count.
+  // The tensor cores accumulate kSplitTilesPerPromotion k tiles into one of two temporary fragments, which is added
+  // to the fp32 accumulators once its wgmmas have completed, while the next k tiles' wgmmas run into the other
+  // fragment. (CUTLASS's FP8 mainloop, which waits for every wgmma before each promotion, had ptxas serialize every
+  // wgmma of this kernel, C7514, and ran 0.8x cuBLASLt.) Releases every stage it reads; advances read_state.
+  // k tiles (128 deep each) the tensor cores accumulate before a promotion: 2 measured 0.93-0.95x cuBLASLt on the
+  // large shapes against 0.87-0.91x with 1 (each iteration drains the pipe once; benchmarks/results/
+  // gemm_fp8_h200.json), at 1.01x its error (the output's bf16 rounding dominates either way).
+  static constexpr int kSplitTilesPerPromotion = 2;
   template <class Accum>
   CUTLASS_DEVICE static void mma_fp8_split(MainloopPipeline& pipeline, PipelineState& read_state, Accum& accum,
                                            int k_count, int mma_thread_idx, SharedStorage& ss) {
@@ -290,45 +294,58 @@ struct GemmKernel {
     clear(accum);
     PipelineState release = read_state;
 
-    // The next k tile into `into`.
-    auto issue = [&](auto& into) {
-      pipeline.consumer_wait(read_state, pipeline.consumer_try_wait(read_state));
-      int const stage = read_state.index();
+    // The next `count` k tiles into `into` (one commit group each).
+    auto issue = [&](auto& into, int count) {
       warpgroup_fence_operand(into);
-      warpgroup_arrive();
       tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-      CUTLASS_PRAGMA_UNROLL
-      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-        cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), into);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      for (int t = 0; t < count; ++t) {
+        pipeline.consumer_wait(read_state, pipeline.consumer_try_wait(read_state));
+        int const stage = read_state.index();
+        warpgroup_arrive();
+        CUTLASS_PRAGMA_UNROLL
+        for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+          cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), into);
+          tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        ++read_state;
       }
-      warpgroup_commit_batch();
-      ++read_state;
     };
-    // Once the wgmmas of `done` (all but the newest batch) completed: add them to accum, release their stage.
-    auto promote = [&](auto& done) {
+    // Once the wgmmas of `done` completed: add them to accum and release their `count` stages.
+    auto promote = [&](auto& done, int count) {
       warpgroup_fence_operand(done);
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(accum); ++i) accum(i) += done(i);
-      pipeline.consumer_release(release);
-      ++release;
+      for (int t = 0; t < count; ++t) {
+        pipeline.consumer_release(release);
+        ++release;
+      }
     };
-    // Two k tiles per iteration, both retired inside it: nothing is in flight across the loop's back edge or a
-    // branch, where ptxas would copy in-flight accumulator registers and serialize every wgmma of the kernel.
+    // 2 * F k tiles per iteration (F per fragment), all retired inside it: nothing is in flight across the loop's
+    // back edge or a branch, where ptxas would copy in-flight accumulator registers and serialize every wgmma of the
+    // kernel. The second warp group starts with F k tiles alone, so the two warp groups drain their tensor pipes
+    // half an iteration apart and each one's promotion runs under the other's wgmmas.
+    constexpr int F = kSplitTilesPerPromotion;
     int kt = 0;
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (; kt + 1 < k_count; kt += 2) {
-      issue(even);
-      issue(odd);
-      warpgroup_wait<1>();
-      promote(even);
+    if (warp_group == 1 && k_count > F) {
+      issue(even, F);
       warpgroup_wait<0>();
-      promote(odd);
+      promote(even, F);
+      kt = F;
+    }
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; kt + 2 * F <= k_count; kt += 2 * F) {
+      issue(even, F);
+      issue(odd, F);
+      warpgroup_wait<F>();
+      promote(even, F);
+      warpgroup_wait<0>();
+      promote(odd, F);
     }
     if (kt < k_count) {
-      issue(even);
+      issue(even, k_count - kt);
       warpgroup_wait<0>();
-      promote(even);
+      promote(even, k_count - kt);
     }
     warpgroup_fence_operand(accum);
   }
