@@ -115,5 +115,7 @@ setup(
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     options={"bdist_wheel": {"py_limited_api": "cp310"}} if ext_modules else {},
+    # The tuning tables are package data (flux_layers/runtime/tuning.py finds them through the package).
+    package_data={"flux_layers": ["tuning_tables/*.json"]},
     include_package_data=False,
 )

@@ -1,7 +1,8 @@
-"""Turn operator benchmark results into the per-shape dispatch table the library reads (configs/tuning/).
+"""Turn operator benchmark results into the per-shape dispatch table the library reads (flux_layers/tuning_tables/,
+package data of flux_layers).
 
     python -m benchmarks.make_dispatch_table benchmarks/results/ag_gemm_h200x2.json \
-        benchmarks/results/gemm_rs_h200x2.json --out configs/tuning/dispatch_h200.json
+        benchmarks/results/gemm_rs_h200x2.json --out flux_layers/tuning_tables/dispatch_h200.json
 
 For every measured shape: path 'sequential' where NCCL+GEMM (or GEMM+NCCL) was faster than the fused
 operator in that run, else 'fused'; for GEMM+ReduceScatter runs that timed both transports, the faster one
