@@ -6,10 +6,10 @@ ColumnParallelLinear / RowParallelLinear / LayerNormColumnParallelLinear); ``meg
 through ``get_gpt_decoder_block_spec``, which adds the SP-capable final norm. Everything else — embedding, output
 layer, optimizer — is the same in both, so a difference between the two runs is the linears'.
 
-NOTE: megatron-core 0.16.1 assumes CUDA in its tensor-parallel plumbing: the sequence-parallel collectives allocate
-with ``device=torch.cuda.current_device()`` (tensor_parallel/mappings.py, layers.py) and the RNG tracker reads and
-writes CUDA generators (tensor_parallel/random.py). :func:`enable_megatron_on_cpu` points both at the CPU, for the
-CPU (gloo) run only; the model code is the same on both devices.
+NOTE: megatron-core (0.16.1 to 0.19.x) assumes CUDA in its tensor-parallel plumbing: the sequence-parallel
+collectives allocate with ``device=torch.cuda.current_device()`` (tensor_parallel/mappings.py, layers.py) and the
+RNG tracker reads and writes CUDA generators (tensor_parallel/random.py). :func:`enable_megatron_on_cpu` points
+both at the CPU, for the CPU (gloo) run only; the model code is the same on both devices.
 """
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
 """Where the supported megatron-core releases (0.16.1 to 0.19.x) differ for flux_layers, and only there.
 
 Each difference is decided by the installed release (``megatron.core.package_info.VERSION``) and names the
-release that changed it (as read in the sources of 0.16.1, 0.17.1, 0.18.2 and 0.19.2). Everything else the
-layers, specs and examples use is the same in all of them.
+release that changed it (as read in the sources of 0.16.1, 0.17.1, 0.18.2 and 0.19.2). Differences that only
+add an argument are taken where it arrives (the linears' ``name``, passed from 0.18 on; ``layer_norm``'s
+``has_residual`` in the spec providers, from 0.17); everything else the layers, specs and examples use is the same
+in all of them.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ MEGATRON_CORE = tuple(int(part) for part in package_info.VERSION[:3])
 OLDEST_SUPPORTED, NEWEST_TESTED = (0, 16, 1), (0, 19)
 
 if MEGATRON_CORE < OLDEST_SUPPORTED:
-    raise ImportError(f"flux_layers.layers needs megatron-core >= 0.16.1 (tested: 0.16.1 to 0.19.x); this is "
+    raise ImportError(f"flux_layers.layers needs megatron-core 0.16.1 to 0.19.x; this is "
                       f"{package_info.__version__}")
 if MEGATRON_CORE[:2] > NEWEST_TESTED:
     warnings.warn(f"flux_layers.layers is tested with megatron-core 0.16.1 to 0.19.x; megatron-core "
