@@ -106,12 +106,16 @@ setup(
     packages=find_packages(include=["flux_layers", "flux_layers.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.6", "numpy", "pyyaml"],
+    # megatron-core: the releases flux_layers.layers supports (flux_layers/layers/_megatron_compat.py); 0.16.1 is
+    # the newest for Python 3.11, 0.19.x the newest for 3.12 (CI tests both).
     extras_require={
-        "megatron": ["megatron-core==0.16.1"],
-        "test": ["pytest", "pytest-timeout", "megatron-core==0.16.1", "matplotlib"],
+        "megatron": ["megatron-core>=0.16.1,<0.20"],
+        "test": ["pytest", "pytest-timeout", "megatron-core>=0.16.1,<0.20", "matplotlib"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     options={"bdist_wheel": {"py_limited_api": "cp310"}} if ext_modules else {},
+    # The tuning tables are package data (flux_layers/runtime/tuning.py finds them through the package).
+    package_data={"flux_layers": ["tuning_tables/*.json"]},
     include_package_data=False,
 )

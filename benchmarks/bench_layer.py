@@ -40,6 +40,7 @@ def build_block(args, baseline: bool, rs_dgrad: bool = False):
     from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from flux_layers.layers import _megatron_compat
     from flux_layers.layers.spec import get_gpt_decoder_block_spec
 
     tp = dist.get_world_size()
@@ -51,7 +52,7 @@ def build_block(args, baseline: bool, rs_dgrad: bool = False):
         pipeline_dtype=torch.bfloat16, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, tp_comm_overlap=True, tp_comm_overlap_rs_dgrad=rs_dgrad,
-        cuda_graph_scope=[],
+        **_megatron_compat.whole_layer_cuda_graphs(),
     )
     spec = get_gpt_decoder_block_spec(config, baseline=baseline)
     return TransformerBlock(config, spec).cuda()

@@ -1,7 +1,8 @@
-"""Turn operator benchmark results into the per-shape dispatch table the library reads (configs/tuning/).
+"""Turn operator benchmark results into the per-shape dispatch table the library reads (flux_layers/tuning_tables/,
+package data of flux_layers).
 
     python -m benchmarks.make_dispatch_table benchmarks/results/ag_gemm_h200x2.json \
-        benchmarks/results/gemm_rs_h200x2.json --out configs/tuning/dispatch_h200.json
+        benchmarks/results/gemm_rs_h200x2.json --out flux_layers/tuning_tables/dispatch_h200.json
 
 The benchmarks name a shape by its global M x K x N (bench_ag_gemm: N split over the ranks; bench_gemm_rs: K split);
 the table is keyed by the per-rank GEMM one rank's kernel runs, as every lookup passes it (the key convention of

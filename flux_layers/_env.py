@@ -19,7 +19,7 @@ launchers can set them per process.
 | FLUX_LAYERS_RS_CHUNK_COLS | columns per copy-engine chunk of the reduce-scatter (0: 1024) | 0 |
 | FLUX_LAYERS_TIMEOUT_S | bound on every cross-rank wait, seconds | 30 |
 | FLUX_LAYERS_WORKSPACE_MAX_GIB | largest symmetric buffer one workspace may take, GiB (0: no cap) | 16 |
-| FLUX_LAYERS_TUNING | path of a tuning table (JSON) to use instead of configs/tuning | (packaged) |
+| FLUX_LAYERS_TUNING | path of a tuning table (JSON) to use instead of flux_layers/tuning_tables | (packaged) |
 | FLUX_LAYERS_DISPATCH | ``table`` (per-shape fused/sequential choice), ``always`` (fused wherever supported) | table |
 | FLUX_LAYERS_STREAM_K | ``1``: stream-K tail (2); ``0``: whole tiles only | 1 |
 | FLUX_LAYERS_STREAM_K_MAX_FILL | most % of the persistent grid a split last wave may fill (0: never) (2) | 75 |

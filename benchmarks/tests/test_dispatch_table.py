@@ -1,5 +1,5 @@
 """The per-shape dispatch table: how benchmarks/make_dispatch_table.py derives it from benchmark results, and that
-the packaged table (configs/tuning/) still says what the result files it cites measured."""
+the packaged table (flux_layers/tuning_tables/) still says what the result files it cites measured."""
 import json
 import os
 
@@ -40,7 +40,7 @@ def test_entries_from_picks_the_faster_path_and_transport(tmp_path):
 
 def test_packaged_table_matches_the_results_it_cites():
     tables = tuning._load_tables("")
-    assert tables, "configs/tuning holds the measured dispatch table"
+    assert tables, "flux_layers/tuning_tables holds the measured dispatch table"
     checked = 0
     for table in tables:
         for entry in table["entries"]:

@@ -6,10 +6,10 @@ ColumnParallelLinear / RowParallelLinear / LayerNormColumnParallelLinear); ``meg
 through ``get_gpt_decoder_block_spec``, which adds the SP-capable final norm. Everything else — embedding, output
 layer, optimizer — is the same in both, so a difference between the two runs is the linears'.
 
-NOTE: megatron-core 0.16.1 assumes CUDA in its tensor-parallel plumbing: the sequence-parallel collectives allocate
-with ``device=torch.cuda.current_device()`` (tensor_parallel/mappings.py, layers.py) and the RNG tracker reads and
-writes CUDA generators (tensor_parallel/random.py). :func:`enable_megatron_on_cpu` points both at the CPU, for the
-CPU (gloo) run only; the model code is the same on both devices.
+NOTE: megatron-core (0.16.1 to 0.19.x) assumes CUDA in its tensor-parallel plumbing: the sequence-parallel
+collectives allocate with ``device=torch.cuda.current_device()`` (tensor_parallel/mappings.py, layers.py) and the
+RNG tracker reads and writes CUDA generators (tensor_parallel/random.py). :func:`enable_megatron_on_cpu` points
+both at the CPU, for the CPU (gloo) run only; the model code is the same on both devices.
 """
 from __future__ import annotations
 
@@ -112,6 +112,7 @@ def build_model(cfg, linear_impl: str, device: torch.device, tp_comm_overlap: bo
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from flux_layers.layers import _megatron_compat
     from flux_layers.layers.spec import get_gpt_decoder_block_spec
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -129,8 +130,8 @@ def build_model(cfg, linear_impl: str, device: torch.device, tp_comm_overlap: bo
         # The column layers' dgrad as the fused GEMM+ReduceScatter (megatron-core's own linears ignore the switch):
         # 0.6-1.0% faster per layer-stack step than the GEMM with an NCCL reduce-scatter under the wgrad GEMM in
         # the last four runs (docs/experiments.md).
-        tp_comm_overlap=tp_comm_overlap, tp_comm_overlap_rs_dgrad=tp_comm_overlap, cuda_graph_scope=[],
-        cuda_graph_impl="local" if cuda_graphs else "none",
+        tp_comm_overlap=tp_comm_overlap, tp_comm_overlap_rs_dgrad=tp_comm_overlap,
+        cuda_graph_impl="local" if cuda_graphs else "none", **_megatron_compat.whole_layer_cuda_graphs(),
     )
     if linear_impl not in LINEAR_IMPLS:
         raise ValueError(f"linear_impl must be one of {LINEAR_IMPLS}, got {linear_impl!r}")

@@ -1,8 +1,8 @@
 """Optimizer, gradient handling, learning-rate schedule, checkpoints and the training loop of the example.
 
 Why not megatron-core's DistributedDataParallel, ``get_megatron_optimizer`` and ``clip_grad_norm_fp32``: in 0.16.1
-they allocate their buffers with ``device="cuda"`` / ``torch.cuda.current_device()`` and so cannot run the CPU (gloo)
-version of this example, which is what CI trains. The pieces here do the same work on either device:
+to 0.19.x they allocate their buffers with ``device="cuda"`` / ``torch.cuda.current_device()`` and so cannot run the
+CPU (gloo) version of this example, which is what CI trains. The pieces here do the same work on either device:
 
 - :class:`MixedPrecisionAdamW`: torch AdamW (fused kernel on CUDA) on fp32 master copies of bf16 weights, as
   megatron's Float16OptimizerWithFloat16Params does (fp32 runs optimise the weights directly);

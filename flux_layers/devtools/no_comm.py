@@ -45,8 +45,8 @@ def local_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, 
     return _Done() if async_op else None
 
 
-# Module attributes through which megatron-core 0.16 calls the collectives of its tensor-parallel linears and
-# sequence-parallel mappings.
+# Module attributes through which megatron-core (0.16.1 to 0.19.x) calls the collectives of its tensor-parallel
+# linears and sequence-parallel mappings.
 _PATCH_POINTS = (("megatron.core.tensor_parallel.layers", "dist_all_gather_func", local_all_gather),
                  ("megatron.core.tensor_parallel.layers", "dist_reduce_scatter_func", local_reduce_scatter),
                  ("megatron.core.tensor_parallel.mappings", "dist_all_gather_func", local_all_gather),

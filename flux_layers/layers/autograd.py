@@ -11,7 +11,7 @@ the sequence shard of a rank is one contiguous block of rows. ``tp`` is the size
 
 Shapes: x_shard_m [M/tp, K], w_shard_n [N/tp, K], x_shard_k [M, K/tp], w_shard_k [N, K/tp].
 
-Gradient-accumulation fusion follows megatron-core 0.16.1's ``LinearWithGradAccumulationAndAsyncCommunication``:
+Gradient-accumulation fusion follows megatron-core's ``LinearWithGradAccumulationAndAsyncCommunication`` (0.16.1 to 0.19.x):
 wgrad is added into ``weight.main_grad`` (read at fprop, restored at backward), and the returned weight gradient
 is a dummy of the weight's shape with ``weight.grad_added_to_main_grad = True`` when the weight has that attribute,
 else None. Biases get ordinary gradients; the row-parallel SP bias gradient is this rank's partial sum, which

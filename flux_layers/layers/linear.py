@@ -1,7 +1,8 @@
 """Megatron-compatible ``ColumnParallelLinear`` and ``RowParallelLinear`` on top of the fused operators.
 
 Constructor keywords, parameter shapes, tensor-parallel attributes, initialisation (same seed, same weights),
-``(output, bias)`` return and ``sharded_state_dict`` are megatron-core 0.16.1's, so either layer can replace
+``(output, bias)`` return and ``sharded_state_dict`` are those of the installed megatron-core (0.16.1 to 0.19.x;
+where they differ, :mod:`flux_layers.layers._megatron_compat` decides), so either layer can replace
 ``megatron.core.tensor_parallel.ColumnParallelLinear`` / ``RowParallelLinear`` in a spec and checkpoints
 interchange. Tensors are [s, b, h] (sequence first; any leading dims work) and flattened sequence-major to
 [s*b, h] for the 2-D ops, so a sequence shard is a contiguous block of rows.
@@ -16,7 +17,7 @@ interchange. Tensors are [s, b, h] (sequence first; any leading dims work) and f
 Without sequence parallelism, at TP = 1, and for MoE experts with explicit expert communication the layers do
 what megatron-core's do, with two deliberate differences: a frozen weight keeps its bias gradient (megatron's
 ``LinearWithFrozenWeight`` drops it), and the tensor-parallel attributes are set even when
-``perform_initialization`` is False.
+``perform_initialization`` is False (as megatron-core sets them too from 0.18 on).
 
 Which path a sequence-parallel GEMM takes is up to :class:`~flux_layers.config.OverlapConfig` (from the
 config's ``tp_comm_overlap*`` fields unless ``overlap=`` is given) and ops' dispatcher (``ops.backend.choose``,
@@ -45,6 +46,7 @@ from torch.fx.experimental.symbolic_shapes import guard_scalar
 from torch.nn.parameter import Parameter
 
 from flux_layers.config import OverlapConfig
+from flux_layers.layers import _megatron_compat
 from flux_layers.layers.autograd import (
     AllGatherLinear,
     GatherLastDim,
@@ -76,12 +78,17 @@ def _divide(name: str, value: int, tp: int) -> int:
     return value // tp
 
 
-def _check_config(layer: str, config) -> None:
+def _check_config(layer: str, config, is_expert: bool) -> None:
     if getattr(config, "defer_embedding_wgrad_compute", False):
         raise ValueError(f"{layer}: config.defer_embedding_wgrad_compute=True is not supported; keep "
                          f"megatron-core's ColumnParallelLinear for the output layer that uses it")
     if getattr(config, "cpu_offloading", False):
         raise ValueError(f"{layer}: config.cpu_offloading=True is not supported")
+    shards = _megatron_compat.weight_shards_beyond_tp(config, is_expert)
+    if shards > 1:
+        field = "expert_tensor_parallel_num_weight_shards" if is_expert else "tensor_parallel_num_weight_shards"
+        raise ValueError(f"{layer}: generalized tensor parallelism (config.{field}: weights sharded {shards} ways "
+                         f"beyond tensor parallelism) is not supported")
 
 
 def cuda_graphs_requested(config) -> bool:
@@ -99,8 +106,8 @@ def _init_weight(weight: Parameter, config, *, full_out: int, full_in: int, per_
                  is_expert: bool, master_dtype: torch.dtype):
     """Megatron's initialisation: the whole master weight on CPU, or the per-rank RNG-tracker fork on GPU.
 
-    NOTE: megatron-core leaves the tensor-parallel attributes unset when ``perform_initialization`` is False
-    (so its grad-norm would count such a weight as a TP duplicate); these layers always set them.
+    NOTE: megatron-core before 0.18 leaves the tensor-parallel attributes unset when ``perform_initialization``
+    is False (so its grad-norm would count such a weight as a TP duplicate); these layers always set them.
     """
     if not config.perform_initialization:
         set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
@@ -119,10 +126,13 @@ class _ParallelLinear(torch.nn.Module):
     """What the two layers share: groups, switches, the gradient-accumulation check, extra state."""
 
     def _setup(self, config, tp_group, is_expert: bool, tp_comm_buffer_name, overlap) -> tuple[int, int]:
-        _check_config(type(self).__name__, config)
+        _check_config(type(self).__name__, config, is_expert)
         self.config = config
         self.is_expert = is_expert
         self.expert_parallel = config.expert_model_parallel_size > 1
+        # The parameters' ``allreduce`` attribute: False where megatron reduces their gradients over the expert
+        # data-parallel group (its DistributedDataParallel and grad-norm read it).
+        self._params_allreduce = not _megatron_compat.grads_reduced_over_expert_dp(config, is_expert)
         self.tp_comm_buffer_name = tp_comm_buffer_name
         self.tp_group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=is_expert)
         world_size, rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
@@ -186,8 +196,9 @@ class ColumnParallelLinear(_ParallelLinear):
     """Y = X A^T + b with A [output_size, input_size] split along its rows (output features) over TP ranks.
 
     Keywords as megatron-core's ``ColumnParallelLinear``, plus ``overlap`` (an :class:`OverlapConfig`; default:
-    from ``config``). Under ``config.sequence_parallel`` the input is this rank's sequence shard [s/tp, b, K] and
-    the output [s, b, N/tp].
+    from ``config``); ``name``, the module's path that megatron-core passes from 0.18 on, is unused (as by its own
+    local linears). Under ``config.sequence_parallel`` the input is this rank's sequence shard [s/tp, b, K] and the
+    output [s, b, N/tp].
     """
 
     def __init__(self, input_size: int, output_size: int, *, config, init_method: Callable, bias: bool = True,
@@ -196,7 +207,7 @@ class ColumnParallelLinear(_ParallelLinear):
                  embedding_activation_buffer: Optional[list] = None, grad_output_buffer: Optional[list] = None,
                  is_expert: bool = False, tp_comm_buffer_name: Optional[str] = None,
                  disable_grad_reduce: bool = False, tp_group: Optional[torch.distributed.ProcessGroup] = None,
-                 overlap: Optional[OverlapConfig] = None):
+                 overlap: Optional[OverlapConfig] = None, name: Optional[str] = None):
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
@@ -216,7 +227,7 @@ class ColumnParallelLinear(_ParallelLinear):
                 per_partition=self.output_size_per_partition, partition_dim=0, init_method=init_method,
                 stride=stride, keep_master_weight_for_test=keep_master_weight_for_test, rank=rank,
                 world_size=world_size, is_expert=is_expert, master_dtype=torch.float32)  # as megatron's column
-            setattr(self.weight, "allreduce", not (self.is_expert and self.expert_parallel))
+            setattr(self.weight, "allreduce", self._params_allreduce)
         else:
             self.weight = None
 
@@ -227,7 +238,7 @@ class ColumnParallelLinear(_ParallelLinear):
             if config.perform_initialization:
                 with torch.no_grad():
                     self.bias.zero_()
-            setattr(self.bias, "allreduce", not (self.is_expert and self.expert_parallel))
+            setattr(self.bias, "allreduce", self._params_allreduce)
         else:
             self.register_parameter("bias", None)
 
@@ -300,17 +311,19 @@ class ColumnParallelLinear(_ParallelLinear):
 class RowParallelLinear(_ParallelLinear):
     """Y = X A^T + b with A [output_size, input_size] split along its columns (input features) over TP ranks.
 
-    Keywords as megatron-core's ``RowParallelLinear``, plus ``overlap``. The bias is not split and is added after
-    the reduction (once); under ``config.sequence_parallel`` the output is this rank's sequence shard
-    [s/tp, b, N] and the bias carries ``sequence_parallel = True`` so that its partial gradients are all-reduced
-    by Megatron's ``finalize_model_grads``.
+    Keywords as megatron-core's ``RowParallelLinear``, plus ``overlap`` (``name`` unused, as in
+    :class:`ColumnParallelLinear`). The bias is not split and is added after the reduction (once); under
+    ``config.sequence_parallel`` the output is this rank's sequence shard [s/tp, b, N] and the bias carries
+    ``sequence_parallel = True`` so that its partial gradients are all-reduced by Megatron's
+    ``finalize_model_grads``.
     """
 
     def __init__(self, input_size: int, output_size: int, *, config, init_method: Callable, bias: bool,
                  input_is_parallel: bool, skip_bias_add: bool, stride: int = 1,
                  keep_master_weight_for_test: bool = False, is_expert: bool = False,
                  tp_comm_buffer_name: Optional[str] = None,
-                 tp_group: Optional[torch.distributed.ProcessGroup] = None, overlap: Optional[OverlapConfig] = None):
+                 tp_group: Optional[torch.distributed.ProcessGroup] = None, overlap: Optional[OverlapConfig] = None,
+                 name: Optional[str] = None):
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
@@ -333,14 +346,14 @@ class RowParallelLinear(_ParallelLinear):
             per_partition=self.input_size_per_partition, partition_dim=1, init_method=init_method, stride=stride,
             keep_master_weight_for_test=keep_master_weight_for_test, rank=rank, world_size=world_size,
             is_expert=is_expert, master_dtype=config.params_dtype)
-        setattr(self.weight, "allreduce", not (self.is_expert and self.expert_parallel))
+        setattr(self.weight, "allreduce", self._params_allreduce)
 
         if bias:
             self.bias = Parameter(torch.empty(output_size, dtype=config.params_dtype, device=_device(config)))
             if config.perform_initialization:
                 with torch.no_grad():
                     self.bias.zero_()
-            setattr(self.bias, "allreduce", not (self.is_expert and self.expert_parallel))
+            setattr(self.bias, "allreduce", self._params_allreduce)
             setattr(self.bias, "sequence_parallel", self.sequence_parallel)
         else:
             self.register_parameter("bias", None)

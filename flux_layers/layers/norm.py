@@ -117,12 +117,12 @@ class LayerNormColumnParallelLinear(ColumnParallelLinear):
                  bias: bool, skip_bias_add: bool, is_expert: bool, skip_weight_param_allocation: bool = False,
                  tp_comm_buffer_name: Optional[str] = None,
                  tp_group: Optional[torch.distributed.ProcessGroup] = None, stride: int = 1,
-                 overlap: Optional[OverlapConfig] = None):
+                 overlap: Optional[OverlapConfig] = None, name: Optional[str] = None):
         _check_normalization("LayerNormColumnParallelLinear", config.normalization)
         super().__init__(input_size, output_size, config=config, init_method=init_method, bias=bias,
                          gather_output=gather_output, stride=stride, skip_bias_add=skip_bias_add,
                          skip_weight_param_allocation=skip_weight_param_allocation, is_expert=is_expert,
-                         tp_comm_buffer_name=tp_comm_buffer_name, tp_group=tp_group, overlap=overlap)
+                         tp_comm_buffer_name=tp_comm_buffer_name, tp_group=tp_group, overlap=overlap, name=name)
         self.normalization = config.normalization
         self.eps = config.layernorm_epsilon
         self.zero_centered_gamma = config.layernorm_zero_centered_gamma

@@ -31,8 +31,6 @@ from megatron.core.tensor_parallel import RowParallelLinear as MegatronRowParall
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.mlp import MLPSubmodules
-from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import L2Norm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -43,6 +41,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from flux_layers.config import OverlapConfig
+from flux_layers.layers import _megatron_compat
 from flux_layers.layers.attention import SDPAttention
 from flux_layers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from flux_layers.layers.norm import LayerNormColumnParallelLinear, Norm
@@ -76,23 +75,22 @@ class FluxSpecProvider(LocalSpecProvider):
     def column_parallel_layer_norm_linear(self):
         return _with_overlap(LayerNormColumnParallelLinear, self.overlap)
 
-    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False):
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
         return Norm
 
     def core_attention(self):
         return SDPAttention
 
-    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool):
-        if moe_use_grouped_gemm:
-            return GroupedMLP, None
-        return SequentialMLP, MLPSubmodules(linear_fc1=self.column_parallel_linear(),
-                                            linear_fc2=self.row_parallel_linear())
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool = False):
+        # megatron-core 0.16 passes both flags, 0.17 on only the first (see _megatron_compat.experts).
+        return _megatron_compat.experts(moe_use_grouped_gemm, linear_fc1=self.column_parallel_linear(),
+                                        linear_fc2=self.row_parallel_linear(), activation_func=self.activation_func())
 
 
 class BaselineSpecProvider(LocalSpecProvider):
     """megatron-core's own parallel linears with the same norm and attention as :class:`FluxSpecProvider`."""
 
-    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False):
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
         return Norm
 
     def core_attention(self):
@@ -109,9 +107,8 @@ def _gpt_layer_spec(backend, *, linear_qkv, linear_proj, input_layernorm, pre_ml
                     moe_grouped_gemm, qk_layernorm, moe_use_legacy_grouped_gemm, qk_l2_norm,
                     sharded_state_dict_keys_map=None) -> ModuleSpec:
     """The GPT ``TransformerLayer`` both specs share; they differ only in the pieces passed in."""
-    mlp = get_mlp_module_spec_for_backend(backend=backend, num_experts=num_experts,
-                                          moe_grouped_gemm=moe_grouped_gemm,
-                                          moe_use_legacy_grouped_gemm=moe_use_legacy_grouped_gemm)
+    mlp = get_mlp_module_spec_for_backend(backend=backend, num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
+                                          **_megatron_compat.mlp_spec_kwargs(moe_use_legacy_grouped_gemm))
     qk_norm = _qk_norm(qk_layernorm, qk_l2_norm)
     return ModuleSpec(
         module=TransformerLayer,
@@ -172,12 +169,14 @@ def get_gpt_decoder_block_spec(config, *, baseline: bool = False, overlap: Optio
     if baseline and overlap is not None:
         raise ValueError("get_gpt_decoder_block_spec: overlap= applies to the flux layers only; got baseline=True")
 
+    legacy_grouped_gemm = _megatron_compat.legacy_grouped_gemm(config)
+
     def layer_spec(num_experts):
         if baseline:
             return get_gpt_layer_baseline_spec(num_experts, config.moe_grouped_gemm, config.qk_layernorm,
-                                               config.moe_use_legacy_grouped_gemm, qk_l2_norm)
+                                               legacy_grouped_gemm, qk_l2_norm)
         return get_gpt_layer_flux_spec(num_experts, config.moe_grouped_gemm, config.qk_layernorm,
-                                       config.moe_use_legacy_grouped_gemm, qk_l2_norm, overlap)
+                                       legacy_grouped_gemm, qk_l2_norm, overlap)
 
     dense, moe = layer_spec(None), layer_spec(config.num_moe_experts)
     if config.num_moe_experts is None:

@@ -1,4 +1,6 @@
-"""Tuned data kept as JSON in ``configs/tuning/``: per-shape dispatch (fused vs sequential) and kernel choice.
+"""Tuned data kept as JSON in ``flux_layers/tuning_tables/``: per-shape dispatch (fused vs sequential) and kernel
+choice. The tables are package data of flux_layers (setup.py), found through the package wherever it is
+installed; ``FLUX_LAYERS_TUNING`` names one file to read instead.
 
 A table file looks like::
 
@@ -18,10 +20,9 @@ kernels are built to win on large shapes).
 from __future__ import annotations
 
 import functools
-import glob
+import importlib.resources
 import json
 import math
-import os
 from typing import NamedTuple
 
 import torch
@@ -29,15 +30,27 @@ import torch
 from flux_layers import _env
 from flux_layers.runtime.schedules import DEFAULT_STREAM_K_FILL, TILE_CONFIGS
 
-_TUNING_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                           "configs", "tuning")
+_TUNING_DIR = importlib.resources.files("flux_layers") / "tuning_tables"
+
+
+def _table_paths(override: str) -> tuple[str, ...]:
+    if override:
+        return (override,)
+    if not _TUNING_DIR.is_dir():  # the package ships it: without it every shape would fall back to the defaults
+        raise FileNotFoundError(f"flux_layers' tuning tables are missing ({_TUNING_DIR} is not a folder): the "
+                                f"package is incompletely installed")
+    return tuple(sorted(str(p) for p in _TUNING_DIR.iterdir() if p.name.endswith(".json")))
+
+
+def table_paths() -> tuple[str, ...]:
+    """The tuning tables that lookups read: ``FLUX_LAYERS_TUNING``'s file if set, else the packaged ones."""
+    return _table_paths(_env.get("TUNING"))
 
 
 @functools.lru_cache(maxsize=None)
 def _load_tables(override: str) -> tuple[dict, ...]:
-    paths = [override] if override else sorted(glob.glob(os.path.join(_TUNING_DIR, "*.json")))
     tables = []
-    for path in paths:
+    for path in _table_paths(override):
         with open(path) as f:
             tables.append(json.load(f))
     return tuple(tables)

@@ -239,6 +239,38 @@ def _check_init_and_checkpoint(rank, tp, group):
             b.load_state_dict(a.state_dict())
 
 
+def _check_param_attributes(rank, tp, group):
+    """The parameters' tensor-parallel and ``allreduce`` attributes are megatron-core's, for expert layers (whose
+    ``allreduce`` rule megatron-core 0.19 widened) and without initialisation (where megatron-core before 0.18 sets
+    no tensor-parallel attributes and ours are set all the same)."""
+    from megatron.core import tensor_parallel as mtp
+
+    from flux_layers.layers import ColumnParallelLinear, RowParallelLinear, _megatron_compat
+    tp_attrs = ("tensor_model_parallel", "partition_dim", "partition_stride")
+    expected_tp_attrs = {"weight": {ColumnParallelLinear: (True, 0, 1), RowParallelLinear: (True, 1, 1)},
+                         "bias": {ColumnParallelLinear: (True, 0, 1)}}
+    for is_expert, expert_tp, init in ((False, tp, True), (True, tp, True), (True, 1, True), (False, tp, False)):
+        config = _config(tp, False, expert_tensor_parallel_size=expert_tp, perform_initialization=init)
+        for ours, theirs, kw in (
+                (ColumnParallelLinear, mtp.ColumnParallelLinear, {}),
+                (RowParallelLinear, mtp.RowParallelLinear, dict(input_is_parallel=True, skip_bias_add=True))):
+            a, b = (cls(4 * tp, 4 * tp, config=config, init_method=torch.nn.init.zeros_, bias=True, tp_group=group,
+                        is_expert=is_expert, **kw) for cls in (ours, theirs))
+            for name, p in a.named_parameters():
+                mp = dict(b.named_parameters())[name]
+                where = (ours.__name__, name, is_expert, expert_tp, init)
+                assert p.allreduce == mp.allreduce, where
+                assert p.allreduce == (not (is_expert and _megatron_compat.EXPERT_DP_WHERE_ETP_DIFFERS
+                                            and expert_tp != tp)), where
+                assert tuple(getattr(p, t, None) for t in tp_attrs) == \
+                    expected_tp_attrs[name].get(ours, (None, None, None)), where
+                if init or _megatron_compat.MEGATRON_CORE >= (0, 18) or name == "bias":
+                    assert tuple(getattr(p, t, None) for t in tp_attrs) == \
+                        tuple(getattr(mp, t, None) for t in tp_attrs), where
+                else:
+                    assert not hasattr(mp, "tensor_model_parallel"), where
+
+
 def _check_errors(rank, tp, group):
     """Bad configurations and inputs raise errors that name the argument or config field."""
     from flux_layers import FusedOpsUnavailable
@@ -275,6 +307,11 @@ def _check_errors(rank, tp, group):
     deferred.defer_embedding_wgrad_compute = True
     with pytest.raises(ValueError, match=r"config.defer_embedding_wgrad_compute=True is not supported"):
         col(4, 4, config=deferred)
+    from flux_layers.layers import _megatron_compat
+    if _megatron_compat.GENERALIZED_TP:  # megatron-core 0.19 on
+        with pytest.raises(ValueError, match=r"generalized tensor parallelism \(config.tensor_parallel_num_weight_"
+                                             r"shards: weights sharded 2 ways beyond tensor parallelism\)"):
+            col(4, 4, config=_config(tp, False, tensor_parallel_num_weight_shards=2 * tp))
 
 
 def _check_paths(rank, tp, group):
@@ -439,6 +476,8 @@ def _worker(rank, tp, seed, checks):
         _check_cases(rank, tp, group, seed)
     if "init_checkpoint" in checks:
         _check_init_and_checkpoint(rank, tp, group)
+    if "attributes" in checks:
+        _check_param_attributes(rank, tp, group)
     if "errors" in checks:
         _check_errors(rank, tp, group)
     if "paths" in checks:
@@ -454,9 +493,9 @@ def _worker(rank, tp, seed, checks):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_parallel_linears(tp):
     """fp64 and megatron-core agreement for every case, the GEMMs' tuning keys and the wgrad input's report at TP 2
-    and 4; at TP 2 also init, checkpoint, errors, path reports and torch.compile (one process group per TP size
-    keeps the CPU suite short)."""
+    and 4; at TP 2 also init, checkpoint, parameter attributes, errors, path reports and torch.compile (one process
+    group per TP size keeps the CPU suite short)."""
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    checks = (("cases", "init_checkpoint", "errors", "paths", "compile", "gemm_keys", "wgrad_input") if tp == 2 else
-              ("cases", "gemm_keys", "wgrad_input"))
+    checks = (("cases", "init_checkpoint", "attributes", "errors", "paths", "compile", "gemm_keys", "wgrad_input")
+              if tp == 2 else ("cases", "gemm_keys", "wgrad_input"))
     run_distributed(_worker, tp, seed, checks)
