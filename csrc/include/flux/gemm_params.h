@@ -32,7 +32,8 @@ constexpr int kClusterM = 2;
 // A last, partial wave is split along K while it keeps at most this percentage of the clusters busy.
 constexpr int kDefaultSplitMaxFillPct = 75;
 
-enum class DType : int { kBF16 = 0, kFP16 = 1 };
+// FP8 (kE4M3: float8_e4m3fn, kE5M2: float8_e5m2) is named for what follows; no launcher accepts it yet.
+enum class DType : int { kBF16 = 0, kFP16 = 1, kE4M3 = 2, kE5M2 = 3 };
 enum class WeightLayout : int { kNT = 0 /* W [N, K]: x @ W^T */, kNN = 1 /* W [K, N]: x @ W */ };
 
 // Error codes written into GemmProblem::error_record[0] when a bounded wait times out, or when a peer's call
