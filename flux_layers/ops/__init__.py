@@ -7,10 +7,11 @@
 | ``gemm_rs(x, w, bias, group=...)`` | x [M, K_local], w [N, K_local] ('nt') or [K_local, N] ('nn') | [M/tp, N], summed over ranks |
 
 Every op takes ``backend=`` ('auto' | 'fused' | 'reference', default from ``FLUX_LAYERS_BACKEND``); see
-:mod:`flux_layers.ops.backend`. ``plan()`` says which path a call with those arguments would take. Each distinct
-call (shapes, dtype, layout, group, backend) is decided once and the decision kept (:mod:`flux_layers.ops._dispatch`),
-so a repeated call costs a dict lookup and the op; ``refresh_settings()`` makes changed settings count. Under
-torch.compile each call is one opaque graph node (:mod:`flux_layers.ops._traceable`), dispatch included.
+:mod:`flux_layers.ops.backend`. Each distinct call (shapes, dtype, layout, group, backend) is decided once and the
+:class:`Decision` kept: :func:`decide` returns it (path, reason, and on the fused path the transport and the call
+plan the op library runs), :func:`plan` its :class:`Choice`; a repeated call costs a dict lookup and the decided
+call (on the fused path a direct call into the op library); ``refresh_settings()`` makes changed settings count.
+Under torch.compile each call is one opaque graph node (:mod:`flux_layers.ops._traceable`), dispatch included.
 """
 from __future__ import annotations
 
@@ -18,10 +19,15 @@ import torch
 import torch.distributed as dist
 
 from flux_layers.ops import _dispatch, _traceable, reference
-from flux_layers.ops._checks import check_matmul_args
-from flux_layers.ops.backend import Choice, choose
+from flux_layers.ops._dispatch import Decision
+from flux_layers.ops.backend import Choice
+from flux_layers.runtime.workspace import NoGraphTwin
 
-__all__ = ["gemm", "ag_gemm", "gemm_rs", "plan", "refresh_settings", "Choice", "reference"]
+__all__ = ["gemm", "ag_gemm", "gemm_rs", "decide", "plan", "refresh_settings", "Choice", "Decision", "reference"]
+
+_compiling = torch.compiler.is_compiling
+# The decisions, by _dispatch.call_key (built inline below: a repeated call costs this lookup and the decided call).
+_decisions = _dispatch._decisions
 
 
 def _tp(group) -> int:
@@ -30,46 +36,74 @@ def _tp(group) -> int:
     return group.size() if torch.compiler.is_compiling() else dist.get_world_size(group)
 
 
+def decide(op: str, x, weight, *, group=None, weight_layout: str = "nt", backend: str | None = None,
+           dtype: torch.dtype | None = None, device: torch.device | None = None) -> Decision:
+    """How a call of ``op`` ('gemm', 'ag_gemm', 'gemm_rs') with these arguments runs (decided once, and kept: the
+    call then runs exactly this). ``x``, ``weight``: the call's tensors, or their shapes with ``dtype`` and
+    ``device`` (a call decided before its tensors exist). Under CUDA-graph capture: what a captured call runs."""
+    return _dispatch.decide(op, x, weight, group, weight_layout, backend, dtype=dtype, device=device)
+
+
 def plan(op: str, x: torch.Tensor, weight: torch.Tensor, *, group=None, weight_layout: str = "nt",
          backend: str | None = None) -> Choice:
-    """Which path ``op`` ('gemm', 'ag_gemm', 'gemm_rs') would take for these arguments, and why."""
-    m, k, n = check_matmul_args(op, x, weight, None, weight_layout)
-    if op == "ag_gemm":
-        m *= _tp(group)
-    return choose(op, device=x.device, dtype=x.dtype, mkn=(m, k, n), group=group, backend=backend)
+    """Which path ``op`` ('gemm', 'ag_gemm', 'gemm_rs') would take for these arguments, and why
+    (``decide(...).choice``)."""
+    return decide(op, x, weight, group=group, weight_layout=weight_layout, backend=backend).choice
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_layout: str = "nt",
          backend: str | None = None) -> torch.Tensor:
-    if torch.compiler.is_compiling():
+    if _compiling():
         return _traceable.op_gemm(x, weight, bias, weight_layout, backend)
-    return _dispatch.gemm_call(x, weight, weight_layout, backend)(x, weight, bias)
+    decision = _decisions.get(("gemm", None, x.shape, weight.shape, x.dtype, x.get_device(), weight_layout, backend))
+    if decision is None:
+        decision = _dispatch.decided("gemm", x, weight, None, weight_layout, backend)
+    return decision.run(x, weight, bias)
 
 
 def ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group,
             weight_layout: str = "nt", return_gathered: bool = False, backend: str | None = None):
-    if torch.compiler.is_compiling():
+    if _compiling():
         if _tp(group) == 1:
             out = gemm(x_shard_m, weight, bias, weight_layout=weight_layout, backend=backend)
             return (out, x_shard_m) if return_gathered else out
         out, gathered = _traceable.op_ag_gemm(x_shard_m, weight, bias, group.group_name, weight_layout,
                                               return_gathered, backend)
         return (out, gathered) if return_gathered else out
-    call = _dispatch.ag_gemm_call(x_shard_m, weight, group, weight_layout, backend)
-    return call(x_shard_m, weight, bias, return_gathered)
+    decision = _decisions.get(("ag_gemm", group, x_shard_m.shape, weight.shape, x_shard_m.dtype,
+                               x_shard_m.get_device(), weight_layout, backend))
+    if decision is None:
+        decision = _dispatch.decided("ag_gemm", x_shard_m, weight, group, weight_layout, backend)
+    try:
+        out = decision.run(x_shard_m, weight, bias, return_gathered)
+        if out is NotImplemented:
+            out = decision.fallback(x_shard_m, weight, bias, return_gathered)
+    except NoGraphTwin as exc:  # captured, and this call's path under capture differs (_dispatch.under_capture)
+        out = _dispatch.under_capture(decision, exc).run(x_shard_m, weight, bias, return_gathered)
+    return out
 
 
 def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group,
             weight_layout: str = "nt", backend: str | None = None) -> torch.Tensor:
-    if torch.compiler.is_compiling():
+    if _compiling():
         if _tp(group) == 1:
             return gemm(x, weight, bias, weight_layout=weight_layout, backend=backend)
         return _traceable.op_gemm_rs(x, weight, bias, group.group_name, weight_layout, backend)
-    return _dispatch.gemm_rs_call(x, weight, group, weight_layout, backend)(x, weight, bias)
+    decision = _decisions.get(("gemm_rs", group, x.shape, weight.shape, x.dtype, x.get_device(), weight_layout,
+                               backend))
+    if decision is None:
+        decision = _dispatch.decided("gemm_rs", x, weight, group, weight_layout, backend)
+    try:
+        out = decision.run(x, weight, bias)
+        if out is NotImplemented:
+            out = decision.fallback(x, weight, bias)
+    except NoGraphTwin as exc:
+        out = _dispatch.under_capture(decision, exc).run(x, weight, bias)
+    return out
 
 
 def refresh_settings() -> None:
     """Make the next calls read the ``FLUX_LAYERS_*`` settings and the tuning table again (each distinct call is
-    otherwise decided once, when first made; see :mod:`flux_layers.ops._dispatch`). Workspaces keep the settings
-    they were made with (FLUX_LAYERS_TIMEOUT_S, FLUX_LAYERS_POISON_OUTPUTS)."""
+    otherwise decided once, when first made; see :func:`decide`). Workspaces keep the settings they were made with
+    (FLUX_LAYERS_TIMEOUT_S, FLUX_LAYERS_POISON_OUTPUTS)."""
     _dispatch.refresh()

@@ -2,9 +2,10 @@
 
 Dynamo cannot trace the operators' Python dispatch (tuning-table files, the workspace registry and its lock,
 loading the op library, host-side epochs), so under torch.compile ``ops.gemm`` / ``ag_gemm`` / ``gemm_rs``
-each become one custom op here. Its implementation is the same eager call, dispatch included, which reaches the op
-library's implementation by its direct call (flux_layers/ops/_opcalls.py), not by a second, nested op; its fake
-implementation only gives the output shapes. Eager calls never come through here.
+each become one custom op here. Its implementation is the same eager call (``ops.ag_gemm`` ..., run outside the
+trace), decision included, which reaches the op library's implementation by its direct call
+(flux_layers/ops/_opcalls.py), not by a second, nested op; its fake implementation only gives the output shapes.
+Eager calls never come through here.
 
 The process group travels by name (``ProcessGroup.group_name``) and is resolved when the op runs.
 """
@@ -13,14 +14,14 @@ from __future__ import annotations
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from flux_layers.ops import _dispatch
 from flux_layers.ops._checks import output_shape
 
 
 @torch.library.custom_op("flux::op_gemm", mutates_args=())
 def op_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_layout: str,
             backend: str | None) -> torch.Tensor:
-    return _dispatch.gemm_call(x, weight, weight_layout, backend)(x, weight, bias)
+    from flux_layers import ops
+    return ops.gemm(x, weight, bias, weight_layout=weight_layout, backend=backend)
 
 
 @op_gemm.register_fake
@@ -32,11 +33,11 @@ def _(x, weight, bias, weight_layout, backend):
 def op_ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group_name: str,
                weight_layout: str, return_gathered: bool, backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, gathered); gathered is [0, K] unless ``return_gathered`` (an op's outputs have a fixed arity)."""
+    from flux_layers import ops
     group = _resolve_process_group(group_name)
-    call = _dispatch.ag_gemm_call(x_shard_m, weight, group, weight_layout, backend)
-    if return_gathered:
-        return call(x_shard_m, weight, bias, True)
-    return call(x_shard_m, weight, bias, False), x_shard_m.new_empty((0, x_shard_m.shape[1]))
+    out = ops.ag_gemm(x_shard_m, weight, bias, group=group, weight_layout=weight_layout,
+                      return_gathered=return_gathered, backend=backend)
+    return out if return_gathered else (out, x_shard_m.new_empty((0, x_shard_m.shape[1])))
 
 
 @op_ag_gemm.register_fake
@@ -49,8 +50,9 @@ def _(x_shard_m, weight, bias, group_name, weight_layout, return_gathered, backe
 @torch.library.custom_op("flux::op_gemm_rs", mutates_args=())
 def op_gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group_name: str,
                weight_layout: str, backend: str | None) -> torch.Tensor:
-    group = _resolve_process_group(group_name)
-    return _dispatch.gemm_rs_call(x, weight, group, weight_layout, backend)(x, weight, bias)
+    from flux_layers import ops
+    return ops.gemm_rs(x, weight, bias, group=_resolve_process_group(group_name), weight_layout=weight_layout,
+                       backend=backend)
 
 
 @op_gemm_rs.register_fake
