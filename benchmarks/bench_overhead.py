@@ -95,36 +95,40 @@ def _host_us(fn, data, calls, sleep_ms, in_flight):
 
 
 def _breakdown(rank, op, m, k, n, layout, data, group, args):
-    """Host time of the parts of one fused call (flux_layers.ops on the fused path): the dispatch lookup (as asked for
-    the fused path and for the automatic choice), torch's query whether the stream is being captured, the op
-    library's call alone as the ops make it (the direct call where it applies, flux_layers/ops/_opcalls.py), the same
-    through the registered op, and, for ag_gemm, without its GEMM launch, calling an op of the same signature that does
-    nothing, the plain GEMM's launch, and allocating an output. Measured as ``host_us`` (same batches), then the
-    maximum over ranks."""
-    from flux_layers.ops import _dispatch
+    """Host time of the parts of one fused call (flux_layers.ops on the fused path): the decision's lookup as the op
+    makes it (asked for the fused path and for the automatic choice), torch's query whether the stream is being
+    captured, the op library's call alone as the op makes it (the decision's direct call where it applies,
+    flux_layers/ops/_opcalls.py), the same through the registered op, and, for ag_gemm, without its GEMM launch,
+    calling an op of the same signature that does nothing, the plain GEMM's launch, and allocating an output.
+    Measured as ``host_us`` (same batches), then the maximum over ranks."""
+    from flux_layers import ops
+    from flux_layers.ops import _dispatch, _opcalls
     x, w, _ = data[0]
-    call = _dispatch.ag_gemm_call(x, w, group, layout, "fused") if op == "ag_gemm" else \
-        _dispatch.gemm_rs_call(x, w, group, layout, "fused")
-    weight_nn = layout == "nn"
-    lookup = _dispatch.ag_gemm_call if op == "ag_gemm" else _dispatch.gemm_rs_call
-    parts = {"dispatch_lookup": lambda x, w: lookup(x, w, group, layout, "fused"),
-             "dispatch_lookup_auto": lambda x, w: lookup(x, w, group, layout, "auto"),
+    call = ops.ag_gemm if op == "ag_gemm" else ops.gemm_rs
+    call(x, w, group=group, weight_layout=layout, backend="fused")  # decided and bound
+    decision = ops.decide(op, x, w, group=group, weight_layout=layout, backend="fused")
+    ws, weight_nn = decision.workspace, layout == "nn"
+    plan = ws.plan_index(decision.plan)
+
+    def lookup(backend):
+        return lambda x, w: _dispatch._decisions.get(_dispatch.call_key(op, group, x.shape, w.shape, x.dtype,
+                                                                        x.get_device(), layout, backend))
+    parts = {"dispatch_lookup": lookup("fused"), "dispatch_lookup_auto": lookup(None),
              "capture_query": lambda x, w: torch.cuda.is_current_stream_capturing()}
     if op == "ag_gemm":
         registered = torch.ops.flux_layers.ag_gemm.default
-        parts["op_call"] = lambda x, w: call.op(x, w, None, call.handle, call.plan, weight_nn, False, True)
-        parts["op_call_registered"] = lambda x, w: registered(x, w, None, call.handle, call.plan, weight_nn, False,
-                                                              True)
-        parts["op_call_without_gemm"] = lambda x, w: call.op(x, w, None, call.handle, call.plan, weight_nn, False,
-                                                             False)
+        parts["op_call"] = lambda x, w: decision.run(x, w, None, False)
+        parts["op_call_registered"] = lambda x, w: registered(x, w, None, ws.handle, plan, weight_nn, False, True)
+        without_gemm = _opcalls.ag_gemm(ws, plan, weight_nn, run_gemm=False)
+        parts["op_call_without_gemm"] = lambda x, w: without_gemm(x, w, None, False)
     else:
         registered = torch.ops.flux_layers.gemm_rs.default
-        parts["op_call"] = lambda x, w: call.op(x, w, None, call.handle, call.plan, weight_nn)
-        parts["op_call_registered"] = lambda x, w: registered(x, w, None, call.handle, call.plan, weight_nn)
+        parts["op_call"] = lambda x, w: decision.run(x, w, None)
+        parts["op_call_registered"] = lambda x, w: registered(x, w, None, ws.handle, plan, weight_nn)
     out_rows = m if op == "ag_gemm" else m // dist.get_world_size(group)
     out_cols = n // dist.get_world_size(group) if op == "ag_gemm" else n
     parts["call_an_empty_op"] = lambda x, w: torch.ops.flux_layers.call_overhead_probe.default(
-        x, w, None, call.handle, call.plan, weight_nn, False, True)
+        x, w, None, ws.handle, plan, weight_nn, False, True)
     parts["allocate_output"] = lambda x, w: torch.empty((out_rows, out_cols), device=x.device, dtype=x.dtype)
     full_x = torch.randn(out_rows, x.shape[1], device="cuda").to(x.dtype)
     gemm_out = torch.empty((out_rows, out_cols), device="cuda", dtype=x.dtype)

@@ -203,10 +203,10 @@ def rejected_call_then_valid(rank, tp, opts, out_dir):
     decided = [_valid(rank, tp, op, seed + i)[0] for i, op in enumerate(("ag_gemm", "gemm_rs"))]
     x = torch.randn(256, K, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(N // tp, K, device="cuda", dtype=torch.bfloat16)
-    ag = _dispatch.ag_gemm_call(x, w, group, "nt", "fused").ws
+    ag = _dispatch.decided("ag_gemm", x, w, group, "nt", "fused").workspace  # made and bound on every rank, not run
     x_rs = torch.randn(256 * tp, K // tp, device="cuda", dtype=torch.bfloat16)
     w_rs = torch.randn(N, K // tp, device="cuda", dtype=torch.bfloat16)
-    rs = _dispatch.gemm_rs_call(x_rs, w_rs, group, "nt", "fused").ws
+    rs = _dispatch.decided("gemm_rs", x_rs, w_rs, group, "nt", "fused").workspace
     rejected = []
     if rank == 0:  # calls rejected on one rank only: nothing may be enqueued and no epoch may advance
         bad = {
@@ -252,7 +252,6 @@ def graph_replay_timeout(rank, tp, opts, out_dir):
 
     from flux_layers import ops
     from flux_layers.devtools import oracle
-    from flux_layers.ops import _dispatch
     from flux_layers.runtime import workspace
     from flux_layers.runtime.workspace import WorkspaceError
     timeout = opts["graph_timeout_s"]
@@ -268,7 +267,7 @@ def graph_replay_timeout(rank, tp, opts, out_dir):
         return ops.ag_gemm(x_local, w, group=group, backend="fused")
     call()
     torch.cuda.synchronize()
-    twin = _dispatch.ag_gemm_call(x_local, w, group, "nt", "fused").ws.graph_twin
+    twin = ops.decide("ag_gemm", x_local, w, group=group, backend="fused").workspace.graph_twin
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = call()
@@ -559,7 +558,7 @@ def reset_after_timeout(rank, tp, opts, out_dir):
     torch.cuda.synchronize()
     x = torch.randn(256, K, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(N // tp, K, device="cuda", dtype=torch.bfloat16)
-    ws = _dispatch.ag_gemm_call(x, w, dist.group.WORLD, "nt", "fused").ws
+    ws = _dispatch.decided("ag_gemm", x, w, dist.group.WORLD, "nt", "fused").workspace
     ws.timeout_s = opts["graph_timeout_s"]
     dist.barrier()
     raised = None
@@ -576,8 +575,8 @@ def reset_after_timeout(rank, tp, opts, out_dir):
     after = [_valid(rank, tp, op, seed + 1 + i)[0] for i, op in enumerate(("ag_gemm", "gemm_rs", "ag_gemm"))]
     torch.cuda.synchronize()
     _write(out_dir, rank, {"before_ok": before, "raised": raised, "after_ok": all(after),
-                           "fresh_workspace": _dispatch.ag_gemm_call(x, w, dist.group.WORLD, "nt", "fused").ws
-                           is not ws})
+                           "fresh_workspace": _dispatch.decided("ag_gemm", x, w, dist.group.WORLD, "nt",
+                                                                "fused").workspace is not ws})
 
 
 def _merge_reset(records, opts):

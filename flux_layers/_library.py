@@ -19,7 +19,8 @@ import torch
 from flux_layers import _env
 
 _lock = threading.Lock()
-_state: dict = {"loaded": False, "path": None, "error": None, "tried": False, "direct": None, "direct_error": None}
+_state: dict = {"loaded": False, "path": None, "error": None, "tried": False, "direct": None, "direct_error": None,
+                "codes": None}
 
 _INSTALL_HINT = (
     "Build it on a machine with the CUDA toolkit (nvcc >= 12.3) and the nvidia-cutlass package: "
@@ -86,16 +87,38 @@ def _load_direct_calls(path: str) -> None:
     if not hasattr(module, "ag_gemm"):
         _state["direct_error"] = "the library found torch's tensor objects laid out otherwise than it reads them"
         return
+    from flux_layers.runtime.workspace import NoGraphTwin, WorkspaceError
+    module._set_error_types(WorkspaceError, NoGraphTwin)  # the direct calls raise them (csrc/bindings/fastcall.cpp)
     _state["direct"] = module
 
 
 def direct_calls():
-    """The module whose ``ag_gemm`` / ``gemm_rs`` take the registered ops' arguments and return their results, or
-    ``NotImplemented`` where an argument is not a plain tensor, a torch-function or dispatch mode is active, or an
-    input requires grad under grad mode (then call the op); None where there are none
-    (:func:`direct_calls_unavailable_reason` says why)."""
+    """The module whose ``ag_gemm`` / ``gemm_rs`` make the registered ops' calls, their arguments in the order a
+    decision binds them (csrc/bindings/fastcall.cpp), or return ``NotImplemented`` where an argument is not a plain
+    tensor, a torch-function or dispatch mode is active, or an input requires grad under grad mode (then call the op);
+    None where there are none (:func:`direct_calls_unavailable_reason` says why)."""
     load()
     return _state["direct"]
+
+
+def codes() -> dict[str, dict[str, int]]:
+    """The op library's codes by kind and name, e.g. ``codes()["ag_mode"]["push"]`` (csrc/bindings/ops.cpp, the one
+    table of them): Python passes the names and keeps no copy of a code."""
+    if _state.get("codes") is None:
+        require_library()
+        table: dict[str, dict[str, int]] = {}
+        for dotted, code in torch.ops.flux_layers.codes().items():
+            kind, name = dotted.split(".", 1)
+            table.setdefault(kind, {})[name] = code
+        _state["codes"] = table
+    return _state["codes"]
+
+
+def require_library() -> None:
+    """Raise :class:`FusedOpsUnavailable` unless the op library is loaded (what runs without a GPU: its layouts and
+    codes)."""
+    if not load():
+        raise FusedOpsUnavailable(f"flux_layers op library is unavailable: {_state['error']}. {_INSTALL_HINT}")
 
 
 def direct_calls_unavailable_reason() -> str | None:

@@ -1,6 +1,11 @@
 // The fused ops called from Python without torch's op dispatch: the module flux_layers._C (this library, imported
-// by flux_layers/_library.py after torch.ops.load_library) with ag_gemm and gemm_rs, the same arguments and results as
-// torch.ops.flux_layers.ag_gemm / gemm_rs and the same implementation (fused_calls.h).
+// by flux_layers/_library.py after torch.ops.load_library) with ag_gemm and gemm_rs, the implementation of
+// torch.ops.flux_layers.ag_gemm / gemm_rs (fused_calls.h) with their arguments in the order a decision binds them:
+//   ag_gemm(workspace, plan, weight_nn, run_gemm, x_shard_m, weight, bias | None, return_gathered)
+//       -> out, or (out, gathered) if return_gathered
+//   gemm_rs(workspace, plan, weight_nn, x, weight, bias | None) -> out
+// so that flux_layers/ops binds the first ones once (functools.partial) and a call passes its tensors only, and
+// returns what ops.ag_gemm / ops.gemm_rs return.
 //
 // Why: calling a registered op from Python parses every argument against its schema, boxes them onto a stack and
 // runs the dispatcher, which cost 8-19 us per call on the GPU machine, as much as all the call's CUDA work
@@ -13,6 +18,9 @@
 // or rewrite ops, inputs requiring grad under grad mode) returns NotImplemented, and the caller makes the registered
 // op's call instead, which handles it as torch does for any op. The profiler still sees the call
 // (RECORD_FUNCTION under the op's name).
+//
+// Errors: c10::ValueError -> ValueError, WorkspaceFailed / NoGraphTwin (fused_calls.h) -> the Python types
+// flux_layers registers once at load (_set_error_types), other errors -> RuntimeError.
 //
 // Stable ABI (Py_LIMITED_API, as the whole library): the Python API used is the limited one. Two facts of
 // libtorch_python are declared here instead of included (its headers need the full Python API): THPVariable_Wrap,
@@ -83,24 +91,25 @@ PyObject* not_implemented() {
   return Py_NotImplemented;
 }
 
-// Reads `count` int64/bool arguments from args[first..]; false (with a Python error set) if one is not an integer.
-bool read_ints(PyObject* const* args, Py_ssize_t first, Py_ssize_t count, int64_t* out) {
-  for (Py_ssize_t i = 0; i < count; ++i) {
-    out[i] = PyLong_AsLongLong(args[first + i]);  // bools are ints
-    if (out[i] == -1 && PyErr_Occurred()) return false;
-  }
-  return true;
-}
+// The Python types of the typed failures (flux_layers/runtime/workspace.py), set once at load; RuntimeError before.
+PyObject* g_workspace_error = nullptr;
+PyObject* g_no_graph_twin = nullptr;
 
-// Runs fn with the GIL released, translating C++ errors as torch does for op calls: c10::ValueError -> ValueError,
-// other errors -> RuntimeError. Returns false with the Python error set.
+// Runs fn with the GIL released, translating C++ errors (module comment). Returns false with the Python error set.
 template <class Fn>
-bool call_released(Fn&& fn) {
+bool call_released(const char* op, Fn&& fn) {
   PyObject* type = nullptr;
   std::string message;
   PyThreadState* const saved = PyEval_SaveThread();
   try {
+    RECORD_FUNCTION(op, std::vector<c10::IValue>());
     fn();
+  } catch (const flux::bindings::WorkspaceFailed& e) {
+    type = g_workspace_error != nullptr ? g_workspace_error : PyExc_RuntimeError;
+    message = e.what_without_backtrace();
+  } catch (const flux::bindings::NoGraphTwin& e) {
+    type = g_no_graph_twin != nullptr ? g_no_graph_twin : PyExc_RuntimeError;
+    message = e.what_without_backtrace();
   } catch (const c10::ValueError& e) {
     type = PyExc_ValueError;
     message = e.what_without_backtrace();
@@ -117,46 +126,92 @@ bool call_released(Fn&& fn) {
   return false;
 }
 
-bool wrong_count(const char* op, Py_ssize_t nargs, Py_ssize_t expected) {
-  if (nargs == expected) return false;
-  PyErr_Format(PyExc_TypeError, "%s takes %zd positional arguments, got %zd", op, expected, nargs);
-  return true;
+// A direct call's arguments: `leading` integers (the workspace, the plan, then flags: what a decision binds), the
+// operands (x, weight, bias | None), then `trailing` bools.
+struct DirectArgs {
+  int64_t leading[4] = {0, 0, 0, 0};
+  Operands operands;
+  int64_t trailing = 0;
+};
+
+// 1: parsed; 0: not the plain case (the caller returns NotImplemented); -1: a Python error is set.
+int parse(const char* op, PyObject* const* args, Py_ssize_t nargs, Py_ssize_t leading, Py_ssize_t trailing,
+          DirectArgs& out) {
+  Py_ssize_t const expected = leading + 3 + trailing;
+  if (nargs != expected) {
+    PyErr_Format(PyExc_TypeError, "%s takes %zd positional arguments, got %zd", op, expected, nargs);
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < leading + 3 + trailing; ++i) {
+    if (i >= leading && i < leading + 3) continue;
+    int64_t const v = PyLong_AsLongLong(args[i]);  // bools are ints
+    if (v == -1 && PyErr_Occurred()) return -1;
+    (i < leading ? out.leading[i] : out.trailing) = v;
+  }
+  return plain_operands(args + leading, out.operands) ? 1 : 0;
 }
 
-// ag_gemm(x_shard_m, weight, bias | None, workspace, plan, weight_nn, return_gathered, run_gemm) -> (out, gathered)
 PyObject* fast_ag_gemm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (wrong_count("ag_gemm", nargs, 8)) return nullptr;
-  Operands o;
-  if (!plain_operands(args, o)) return not_implemented();
-  int64_t v[5];
-  if (!read_ints(args, 3, 5, v)) return nullptr;
+  DirectArgs a;
+  int const parsed = parse("ag_gemm", args, nargs, 4, 1, a);
+  if (parsed <= 0) return parsed == 0 ? not_implemented() : nullptr;
+  Operands const& o = a.operands;
+  bool const return_gathered = a.trailing != 0;
   std::tuple<at::Tensor, at::Tensor> result;
-  bool const ok = call_released([&] {
-    RECORD_FUNCTION("flux_layers::ag_gemm", std::vector<c10::IValue>());
-    result = flux::bindings::ag_gemm(*o.x, *o.w, o.bias, v[0], v[1], v[2] != 0, v[3] != 0, v[4] != 0);
-  });
-  if (!ok) return nullptr;
+  if (!call_released("flux_layers::ag_gemm", [&] {
+        result = flux::bindings::ag_gemm(*o.x, *o.w, o.bias, a.leading[0], a.leading[1], a.leading[2] != 0,
+                                         return_gathered, a.leading[3] != 0);
+      }))
+    return nullptr;
   PyObject* out = THPVariable_Wrap(std::get<0>(result));
-  PyObject* gathered = out != nullptr ? THPVariable_Wrap(std::get<1>(result)) : nullptr;
+  if (!return_gathered || out == nullptr) return out;
+  PyObject* gathered = THPVariable_Wrap(std::get<1>(result));
   PyObject* pair = gathered != nullptr ? PyTuple_Pack(2, out, gathered) : nullptr;
-  Py_XDECREF(out);
+  Py_DECREF(out);
   Py_XDECREF(gathered);
   return pair;
 }
 
-// gemm_rs(x, weight, bias | None, workspace, plan, weight_nn) -> out
 PyObject* fast_gemm_rs(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (wrong_count("gemm_rs", nargs, 6)) return nullptr;
-  Operands o;
-  if (!plain_operands(args, o)) return not_implemented();
-  int64_t v[3];
-  if (!read_ints(args, 3, 3, v)) return nullptr;
+  DirectArgs a;
+  int const parsed = parse("gemm_rs", args, nargs, 3, 0, a);
+  if (parsed <= 0) return parsed == 0 ? not_implemented() : nullptr;
+  Operands const& o = a.operands;
   at::Tensor result;
-  bool const ok = call_released([&] {
-    RECORD_FUNCTION("flux_layers::gemm_rs", std::vector<c10::IValue>());
-    result = flux::bindings::gemm_rs(*o.x, *o.w, o.bias, v[0], v[1], v[2] != 0);
-  });
-  return ok ? THPVariable_Wrap(result) : nullptr;
+  if (!call_released("flux_layers::gemm_rs", [&] {
+        result = flux::bindings::gemm_rs(*o.x, *o.w, o.bias, a.leading[0], a.leading[1], a.leading[2] != 0);
+      }))
+    return nullptr;
+  return THPVariable_Wrap(result);
+}
+
+// _set_error_types(workspace_error, no_graph_twin): the Python types of the typed failures, kept for the process.
+PyObject* set_error_types(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || PyType_Check(args[0]) == 0 || PyType_Check(args[1]) == 0) {
+    PyErr_SetString(PyExc_TypeError, "_set_error_types takes two exception types");
+    return nullptr;
+  }
+  Py_INCREF(args[0]);
+  Py_INCREF(args[1]);
+  Py_XDECREF(g_workspace_error);
+  Py_XDECREF(g_no_graph_twin);
+  g_workspace_error = args[0];
+  g_no_graph_twin = args[1];
+  Py_RETURN_NONE;
+}
+
+// typed_error_probe(which): raises the typed failure `which` through this module's translation (tests).
+PyObject* typed_error_probe(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  Py_ssize_t size = 0;
+  const char* which = nargs == 1 ? PyUnicode_AsUTF8AndSize(args[0], &size) : nullptr;
+  if (which == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "typed_error_probe takes one str");
+    return nullptr;
+  }
+  std::string const name(which, size_t(size));
+  if (!call_released("flux_layers::typed_error_probe", [&] { flux::bindings::typed_error_probe(name); }))
+    return nullptr;
+  Py_RETURN_NONE;
 }
 
 // Whether a tensor's Python object holds its at::Tensor where TensorObject says.
@@ -174,11 +229,22 @@ bool layout_holds() {
   return ok;
 }
 
+template <class Fn>
+PyCFunction fastcall(Fn fn) {
+  return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fn));
+}
+
 PyMethodDef g_methods[] = {
-    {"ag_gemm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_ag_gemm)), METH_FASTCALL,
-     "torch.ops.flux_layers.ag_gemm without the op dispatch; NotImplemented where it does not apply"},
-    {"gemm_rs", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_gemm_rs)), METH_FASTCALL,
-     "torch.ops.flux_layers.gemm_rs without the op dispatch; NotImplemented where it does not apply"},
+    {"ag_gemm", fastcall(fast_ag_gemm), METH_FASTCALL,
+     "torch.ops.flux_layers.ag_gemm without the op dispatch, its arguments as a decision binds them; NotImplemented "
+     "where it does not apply"},
+    {"gemm_rs", fastcall(fast_gemm_rs), METH_FASTCALL,
+     "torch.ops.flux_layers.gemm_rs without the op dispatch, its arguments as a decision binds them; NotImplemented "
+     "where it does not apply"},
+    {"_set_error_types", fastcall(set_error_types), METH_FASTCALL,
+     "the Python types of WorkspaceFailed and NoGraphTwin (flux_layers/_library.py, once)"},
+    {"typed_error_probe", fastcall(typed_error_probe), METH_FASTCALL,
+     "raises the typed failure named by its argument, as a fused call would (tests)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef g_module = {PyModuleDef_HEAD_INIT, "_C", "The fused ops' direct calls (csrc/bindings/fastcall.cpp)", -1,

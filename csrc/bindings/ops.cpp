@@ -1,26 +1,32 @@
-// torch binding of the op library: the workspace object (a torch custom class around flux::WorkspaceState),
-// tensor checks, then the torch-free launchers of csrc/runtime and csrc/kernels. Registered with TORCH_LIBRARY (no
-// Python C API here; fastcall.cpp calls the fused ops from Python through the stable ABI). Bad arguments raise
-// ValueError (TORCH_CHECK_VALUE); CUDA failures raise RuntimeError; a workspace that timed out or has no CUDA-graph
-// twin raises RuntimeError tagged kWorkspaceErrorTag, which flux_layers/runtime/workspace.py turns into WorkspaceError.
+// torch binding of the op library: the workspace object (a torch custom class around flux::WorkspaceState), the
+// fused calls' tensor checks and argument marshalling, then the torch-free launchers of csrc/runtime and
+// csrc/kernels; and what Python reads of the runtime's layouts and codes (codes, ag/rs_workspace_layout, the
+// workspace's flag_index). Registered with TORCH_LIBRARY (no Python C API here; fastcall.cpp calls the fused ops
+// from Python through the stable ABI). Bad arguments raise ValueError (TORCH_CHECK_VALUE); CUDA failures raise
+// RuntimeError; a workspace that failed raises WorkspaceFailed and a captured call without a CUDA-graph twin
+// NoGraphTwin (fused_calls.h), which each path turns into its Python type.
 // Everything a call checks is checked before its epoch advances, so a rejected call leaves the ranks in step.
 #include <ATen/ATen.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <sstream>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
+#include "flux/append_only_table.h"
 #include "flux/check.h"
 #include "flux/fused_ops.h"
 #include "flux/gemm_dispatch.h"
+#include "flux/workspace_layout.h"
 #include "flux/workspace_state.h"
 #include "fused_calls.h"
 #include "operands.h"
@@ -29,10 +35,10 @@ namespace {
 
 using at::Tensor;
 
-constexpr const char* kWorkspaceErrorTag = "[flux_layers.WorkspaceError] ";
-
 using flux::bindings::check_operands;
 using flux::bindings::check_out;
+using flux::bindings::MatmulShape;
+using flux::bindings::Operands;
 using flux::bindings::to_dtype;
 
 flux::TileConfig to_tile(int64_t tile) {
@@ -64,17 +70,20 @@ void translate_value_errors(Fn&& fn) {
 // percentage of the clusters busy (the stream-K tail), using `scratch` for the tail's partials: allocated here if
 // undefined, from the caching allocator on the current stream, and kept by the caller for as long as it wants it
 // (a plain GEMM: the launch; a workspace: its lifetime, as its calls are ordered on the GPU).
+void use_split_scratch(flux::LaunchOptions& o, const Tensor& like, int sms, Tensor& scratch) {
+  if (o.split_max_fill_pct <= 0) return;
+  if (!scratch.defined()) scratch = at::empty({flux::split_workspace_bytes(sms)}, like.options().dtype(at::kByte));
+  o.split_workspace = scratch.data_ptr();
+  o.split_workspace_bytes = scratch.numel();
+}
+
 flux::LaunchOptions launch_options(const Tensor& like, int sms, int sm_count, int swizzle, int stream_k_fill,
                                    Tensor& scratch) {
   flux::LaunchOptions o;
   o.sm_count = sm_count;
   o.swizzle_m = swizzle;
   o.split_max_fill_pct = stream_k_fill;
-  if (stream_k_fill > 0) {
-    if (!scratch.defined()) scratch = at::empty({flux::split_workspace_bytes(sms)}, like.options().dtype(at::kByte));
-    o.split_workspace = scratch.data_ptr();
-    o.split_workspace_bytes = scratch.numel();
-  }
+  use_split_scratch(o, like, sms, scratch);
   return o;
 }
 
@@ -125,6 +134,88 @@ void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, c
   translate_errors([&] { flux::launch_gemm(p, ops.types, layout, to_tile(tile), c10::cuda::getCurrentCUDAStream()); });
 }
 
+// ---------------------------------------------------------------- names and layouts Python reads
+// The names Python passes for the runtime's codes, and what codes() exports: the one table of both (Python keeps no
+// copy of a code; tests/cpu/test_native_seam.py checks that none comes back).
+struct NamedCode {
+  const char* kind;
+  const char* name;
+  int code;
+};
+constexpr NamedCode kNamedCodes[] = {
+    {"dtype", "bfloat16", int(flux::DType::kBF16)},
+    {"dtype", "float16", int(flux::DType::kFP16)},
+    {"dtype", "float8_e4m3fn", int(flux::DType::kE4M3)},
+    {"dtype", "float8_e5m2", int(flux::DType::kE5M2)},
+    {"workspace_kind", "ag_gemm", int(flux::WorkspaceKind::kAllGather)},
+    {"workspace_kind", "gemm_rs", int(flux::WorkspaceKind::kReduceScatter)},
+    {"ag_mode", "pull", int(flux::AgMode::kPull)},
+    {"ag_mode", "push", int(flux::AgMode::kPush)},
+    {"ag_mode", "external", int(flux::AgMode::kExternal)},
+    {"ag_order", "mesh", int(flux::AgOrder::kMesh)},
+    {"ag_order", "ring", int(flux::AgOrder::kRing)},
+    {"rs_transport", "direct", int(flux::RsTransport::kDirect)},
+    {"rs_transport", "copy_engine", int(flux::RsTransport::kCopyEngine)},
+    {"rs_transport", "external", int(flux::RsTransport::kExternal)},
+};
+
+int code_of(const char* kind, const std::string& name) {
+  std::string known;
+  for (NamedCode const& c : kNamedCodes) {
+    if (std::strcmp(c.kind, kind) != 0) continue;
+    if (name == c.name) return c.code;
+    known += (known.empty() ? "'" : ", '") + std::string(c.name) + "'";
+  }
+  TORCH_CHECK_VALUE(false, kind, " must be one of ", known, ", got '", name, "'");
+}
+
+template <class Enum>
+Enum named(const char* kind, const std::string& name) {
+  return static_cast<Enum>(code_of(kind, name));
+}
+
+// "kind.name" -> code, e.g. "ag_mode.push" -> 1.
+c10::Dict<std::string, int64_t> codes() {
+  c10::Dict<std::string, int64_t> out;
+  for (NamedCode const& c : kNamedCodes) out.insert(std::string(c.kind) + "." + c.name, c.code);
+  return out;
+}
+
+c10::Dict<std::string, int64_t> sizes_dict(flux::WorkspaceSizes const& s) {
+  c10::Dict<std::string, int64_t> out;
+  out.insert("data_bytes", s.data_bytes);
+  out.insert("flag_words", s.flag_words);
+  out.insert("handshake_begin", s.handshake_begin);
+  out.insert("handshake_words", s.handshake_words);
+  out.insert("capacity", s.capacity);
+  out.insert("slot_rows", s.slot_rows);
+  out.insert("stage_bytes", s.stage_bytes);
+  return out;
+}
+
+void check_size(int64_t tp, int64_t max_m, int64_t inner) {
+  TORCH_CHECK_VALUE(tp >= 2 && tp <= flux::kMaxGroups, "tp ", tp, " outside [2, ", flux::kMaxGroups, "]");
+  TORCH_CHECK_VALUE(max_m > 0 && max_m % tp == 0, "max_m ", max_m, " must be a positive multiple of tp ", tp);
+  TORCH_CHECK_VALUE(inner > 0, "the inner size ", inner, " must be positive");
+}
+
+// What one rank of an all-gather workspace of this size holds (flux::WorkspaceSizes, by field name): Python
+// allocates it before the native workspace exists.
+c10::Dict<std::string, int64_t> ag_workspace_layout(int64_t tp, int64_t max_m, int64_t k, int64_t chunk_capacity,
+                                                    std::string dtype) {
+  check_size(tp, max_m, k);
+  TORCH_CHECK_VALUE(chunk_capacity > 0, "chunk_capacity ", chunk_capacity, " must be positive");
+  return sizes_dict(
+      flux::ag_workspace_sizes(int(tp), max_m, k, int(chunk_capacity), named<flux::DType>("dtype", dtype)));
+}
+
+c10::Dict<std::string, int64_t> rs_workspace_layout(int64_t tp, int64_t max_m, int64_t n, int64_t min_tile,
+                                                    std::string dtype) {
+  check_size(tp, max_m, n);
+  TORCH_CHECK_VALUE(min_tile > 0, "min_tile ", min_tile, " must be positive");
+  return sizes_dict(flux::rs_workspace_sizes(int(tp), max_m, n, int(min_tile), named<flux::DType>("dtype", dtype)));
+}
+
 // ---------------------------------------------------------------- the workspace object
 // One per fused-op workspace (flux_layers/runtime/workspace.py makes it once, after the symmetric allocation):
 // flux::WorkspaceState plus its CUDA-graph twin, the workspace whose state calls captured into a graph use.
@@ -132,34 +223,36 @@ void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, c
 // rest of the op's argument parsing (torch converts a script object argument by its class type on every call).
 struct Workspace;
 
+// Handle -> live workspace, read without a lock on every call (handles are never reused).
 class Registry {
  public:
   int64_t add(Workspace* w) {
     std::lock_guard<std::mutex> lock(mu_);
-    by_handle_[next_] = w;
-    return next_++;
+    return table_.push([&](std::atomic<Workspace*>& entry) { entry.store(w, std::memory_order_relaxed); }) + 1;
   }
   void remove(int64_t handle) {
-    std::lock_guard<std::mutex> lock(mu_);
-    by_handle_.erase(handle);
+    if (std::atomic<Workspace*>* entry = table_.find(handle - 1)) entry->store(nullptr, std::memory_order_release);
   }
-  Workspace& find(int64_t handle) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = by_handle_.find(handle);
-    TORCH_CHECK_VALUE(it != by_handle_.end(), "no live flux_layers workspace has handle ", handle,
+  Workspace& find(int64_t handle) const {
+    std::atomic<Workspace*> const* entry = table_.find(handle - 1);
+    Workspace* const w = entry != nullptr ? entry->load(std::memory_order_acquire) : nullptr;
+    TORCH_CHECK_VALUE(w != nullptr, "no live flux_layers workspace has handle ", handle,
                       " (a workspace lives as long as its Python object)");
-    return *it->second;
+    return *w;
   }
 
  private:
   std::mutex mu_;
-  std::unordered_map<int64_t, Workspace*> by_handle_;
-  int64_t next_ = 1;
+  flux::AppendOnlyTable<std::atomic<Workspace*>> table_;
 };
 
 Registry& registry() {
   static Registry r;
   return r;
+}
+
+[[noreturn]] void throw_workspace_failed(std::string why) {
+  throw flux::bindings::WorkspaceFailed({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, std::move(why));
 }
 
 struct Workspace : torch::CustomClassHolder {
@@ -173,18 +266,22 @@ struct Workspace : torch::CustomClassHolder {
   // The stream-K tail's scratch, allocated at the first call that splits and kept: a workspace's calls are
   // ordered on the GPU (their flags require it), so one scratch serves them all.
   Tensor split_scratch;
+  // ag_gemm's second output where the gathered input is not asked for: one [0, K] tensor, made once.
+  Tensor empty_gathered;
+  // One registration at a time, here and on the twin, so that a plan has the same index on both.
+  std::mutex plans_mu;
 
-  Workspace(int64_t kind, int64_t dtype, int64_t rank, int64_t device, int64_t max_m, int64_t inner, int64_t capacity,
-            std::vector<int64_t> data_ptrs, std::vector<int64_t> flag_ptrs, std::vector<int64_t> comm_streams,
-            std::vector<int64_t> error_ptrs, bool graph_protocol, double timeout_s, bool poison_outputs,
-            std::string what) {
-    TORCH_CHECK_VALUE(kind == 0 || kind == 1, "workspace kind ", kind, " is not 0 (all-gather) or 1 (reduce-scatter)");
-    TORCH_CHECK_VALUE(dtype == 0 || dtype == 1, "workspace dtype ", dtype, " is not 0 (bf16) or 1 (fp16)");
+  Workspace(std::string kind, std::string dtype, int64_t rank, int64_t device, int64_t max_m, int64_t inner,
+            int64_t capacity, std::vector<int64_t> data_ptrs, std::vector<int64_t> flag_ptrs,
+            std::vector<int64_t> comm_streams, std::vector<int64_t> error_ptrs, bool graph_protocol, double timeout_s,
+            bool poison_outputs, std::string what) {
+    flux::WorkspaceConfig c;
+    c.kind = named<flux::WorkspaceKind>("workspace_kind", kind);
+    c.dtype = named<flux::DType>("dtype", dtype);
+    TORCH_CHECK_VALUE(c.dtype == flux::DType::kBF16 || c.dtype == flux::DType::kFP16, "a workspace's dtype must be ",
+                      "bfloat16 or float16, got ", dtype, ": FP8 is not wired through the fused ops yet");
     TORCH_CHECK_VALUE(error_ptrs.size() == 2, "error_ptrs holds {record, claim}, got ", error_ptrs.size());
     TORCH_CHECK_VALUE(timeout_s > 0, "timeout_s must be positive, got ", timeout_s);
-    flux::WorkspaceConfig c;
-    c.kind = static_cast<flux::WorkspaceKind>(kind);
-    c.dtype = static_cast<flux::DType>(dtype);
     c.rank = int(rank);
     c.tp = int(data_ptrs.size());
     c.device = int(device);
@@ -210,33 +307,76 @@ struct Workspace : torch::CustomClassHolder {
   ~Workspace() override { registry().remove(handle_); }
 
   int64_t handle() const { return handle_; }
+  const flux::WorkspaceConfig& config() const { return state->config(); }
 
-  // group_order: the all-gather GEMM's shard order where the caller's transfers fix it (external mode), else empty.
-  int64_t add_plan(int64_t tile, int64_t swizzle, int64_t stream_k_fill, int64_t sm_count, int64_t mode, int64_t order,
-                   int64_t rows_per_chunk, bool copy_engine, int64_t chunk_cols, std::vector<int64_t> group_order) {
-    TORCH_CHECK_VALUE(mode >= 0 && mode <= 2, "mode must be 0 (pull), 1 (push) or 2 (external), got ", mode);
-    TORCH_CHECK_VALUE(group_order.empty() || int64_t(group_order.size()) == state->config().tp, "group_order names ",
-                      group_order.size(), " shards for a group of ", state->config().tp);
-    TORCH_CHECK_VALUE(order == 0 || order == 1, "order must be 0 (mesh) or 1 (ring), got ", order);
-    flux::CallPlan p;
-    p.tile = to_tile(tile);
-    p.swizzle = int(swizzle);
-    p.stream_k_fill = int(stream_k_fill);
-    p.sm_count = int(sm_count);
-    p.mode = static_cast<flux::AgMode>(mode);
-    p.order = static_cast<flux::AgOrder>(order);
+  // A plan's fields by name (flux_layers/runtime/call_plan.py mirrors the names). group_order: the GEMM's shard
+  // order where the caller's transfers fix it (external mode), else empty.
+  int64_t add_ag_plan(int64_t tile, int64_t swizzle, int64_t stream_k_fill, int64_t sm_count, std::string mode,
+                      std::string order, int64_t rows_per_chunk, std::vector<int64_t> group_order) {
+    TORCH_CHECK_VALUE(config().kind == flux::WorkspaceKind::kAllGather, config().what,
+                      ": an all-gather plan needs an all-gather workspace");
+    TORCH_CHECK_VALUE(group_order.empty() || int64_t(group_order.size()) == config().tp, "group_order names ",
+                      group_order.size(), " shards for a group of ", config().tp);
+    flux::CallPlan p = kernel_plan(tile, swizzle, stream_k_fill, sm_count);
+    p.mode = named<flux::AgMode>("ag_mode", mode);
+    p.order = named<flux::AgOrder>("ag_order", order);
     p.rows_per_chunk = int(rows_per_chunk);
-    p.copy_engine = copy_engine;
-    p.chunk_cols = int(chunk_cols);
     p.custom_group_order = !group_order.empty();
     for (size_t i = 0; i < group_order.size(); ++i) p.group_order[i] = int(group_order[i]);
-    int64_t index = 0;
-    translate_value_errors([&] { index = state->add_plan(p); });
-    return index;
+    return add_plan(p);
   }
 
+  int64_t add_rs_plan(int64_t tile, int64_t swizzle, int64_t stream_k_fill, int64_t sm_count, std::string transport,
+                      int64_t chunk_cols) {
+    TORCH_CHECK_VALUE(config().kind == flux::WorkspaceKind::kReduceScatter, config().what,
+                      ": a reduce-scatter plan needs a reduce-scatter workspace");
+    flux::CallPlan p = kernel_plan(tile, swizzle, stream_k_fill, sm_count);
+    p.transport = named<flux::RsTransport>("rs_transport", transport);
+    p.chunk_cols = int(chunk_cols);
+    return add_plan(p);
+  }
+
+  // The index in this rank's flag words of one word of a region: all-gather "chunk" / "avail" (rank = the shard,
+  // chunk), "done" / "signature" (rank = the peer); reduce-scatter "flag" (rank = the source), "count" (rank = the
+  // destination), "consumed" / "signature" (rank = the peer). workspace_layout.h.
+  int64_t flag_index(std::string region, int64_t rank, int64_t chunk) const {
+    auto const& c = config();
+    TORCH_CHECK_VALUE(rank >= 0 && rank < c.tp, "flag_index: rank ", rank, " outside [0, ", c.tp, ")");
+    TORCH_CHECK_VALUE(chunk >= 0 && chunk < c.capacity, "flag_index: chunk ", chunk, " outside [0, ", c.capacity, ")");
+    int const q = int(rank);
+    if (c.kind == flux::WorkspaceKind::kAllGather) {
+      flux::AgFlagLayout const f{c.tp, c.capacity};
+      if (region == "chunk") return f.chunk(q, int(chunk));
+      if (region == "avail") return f.avail(q, int(chunk));
+      if (region == "done") return f.done(q);
+      if (region == "signature") return f.signature(q);
+    } else {
+      flux::RsFlagLayout const f{c.tp, c.capacity};
+      if (region == "flag") return f.flag(q, chunk);
+      if (region == "count") return f.count(q, chunk);
+      if (region == "consumed") return f.consumed(q);
+      if (region == "signature") return f.signature(q);
+    }
+    TORCH_CHECK_VALUE(false, "flag_index: ", c.what, " has no flag region '", region, "'");
+  }
+
+  // The staging slot (reduce-scatter) of this rank's partial of dst's rows.
+  int64_t stage_slot(int64_t dst) const {
+    auto const& c = config();
+    TORCH_CHECK_VALUE(c.kind == flux::WorkspaceKind::kReduceScatter && dst >= 0 && dst < c.tp && dst != c.rank,
+                      "stage_slot: ", c.what, " has no staging slot for rank ", dst);
+    return flux::RsFlagLayout::stage_slot(c.rank, c.tp, int(dst));
+  }
+
+  // The twin runs every plan of this workspace under the same index: the plans registered so far are registered
+  // with it now, later ones with both.
   void set_twin(c10::intrusive_ptr<Workspace> t) {
-    TORCH_CHECK_VALUE(t->state->config().graph_protocol, "a CUDA-graph twin must use the CUDA-graph flag protocol");
+    std::lock_guard<std::mutex> lock(plans_mu);
+    TORCH_CHECK_VALUE(t->config().graph_protocol, "a CUDA-graph twin must use the CUDA-graph flag protocol");
+    TORCH_CHECK_VALUE(t->state->plan_count() == 0, "a CUDA-graph twin must be new (it holds plans)");
+    translate_value_errors([&] {
+      for (int64_t i = 0; i < state->plan_count(); ++i) t->state->add_plan(state->planned(i)->plan);
+    });
     twin = std::move(t);
   }
   void set_stage(int64_t ptr) { state->set_stage(reinterpret_cast<char*>(ptr)); }
@@ -251,74 +391,144 @@ struct Workspace : torch::CustomClassHolder {
   void mark_failed(std::string message) { state->mark_failed(message); }
   int64_t epoch() const { return state->epoch(); }
 
-  // ag_gemm's second output where the gathered input is not asked for: one [0, K] tensor, made once.
   const Tensor& no_gathered(const Tensor& like) {
-    if (!empty_gathered.defined()) empty_gathered = at::empty({0, state->config().inner}, like.options());
+    if (!empty_gathered.defined()) empty_gathered = at::empty({0, config().inner}, like.options());
     return empty_gathered;
   }
-  Tensor empty_gathered;
 
   // The workspace a call on `stream` uses: its CUDA-graph twin while the stream is being captured.
   Workspace& for_stream(cudaStream_t stream) {
+    if (config().graph_protocol) return *this;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    if (capture == cudaStreamCaptureStatusNone || state->config().graph_protocol) return *this;
-    TORCH_CHECK(twin, state->config().what, " (max_m=", state->config().max_m,
-                ") has no CUDA-graph twin: a fused operator's workspace (symmetric memory, a collective) cannot "
-                "be created while a CUDA graph is being captured; run the captured step once eagerly first "
-                "(warm-up) with CUDA graphs enabled (FLUX_LAYERS_CUDA_GRAPHS=1 or "
-                "flux_layers.runtime.workspace.enable_cuda_graphs())");
+    if (capture == cudaStreamCaptureStatusNone) return *this;
+    if (!twin) {
+      std::ostringstream os;
+      os << config().what << " (max_m=" << config().max_m
+         << ") has no CUDA-graph twin: a fused operator's workspace (symmetric memory, a collective) cannot be "
+            "created while a CUDA graph is being captured; run the captured step once eagerly first (warm-up) with "
+            "CUDA graphs enabled (FLUX_LAYERS_CUDA_GRAPHS=1 or flux_layers.runtime.workspace.enable_cuda_graphs())";
+      throw flux::bindings::NoGraphTwin({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, os.str());
+    }
     return *twin;
+  }
+
+  // The plan's registered call, on this workspace or its twin (the same index on both).
+  const flux::PlannedCall& planned(int64_t index) const {
+    const flux::PlannedCall* p = state->planned(index);
+    TORCH_CHECK_VALUE(p != nullptr, "plan ", index, " was not registered with ", config().what, " (",
+                      state->plan_count(), " plans)");
+    return *p;
+  }
+
+ private:
+  static flux::CallPlan kernel_plan(int64_t tile, int64_t swizzle, int64_t stream_k_fill, int64_t sm_count) {
+    flux::CallPlan p;
+    p.tile = to_tile(tile);
+    p.swizzle = int(swizzle);
+    p.stream_k_fill = int(stream_k_fill);
+    p.sm_count = int(sm_count);
+    return p;
+  }
+
+  int64_t add_plan(const flux::CallPlan& p) {
+    std::lock_guard<std::mutex> lock(plans_mu);
+    translate_value_errors([&] {
+      state->check_plan(p);
+      if (twin) twin->state->check_plan(p);
+    });
+    int64_t index = 0;
+    translate_errors([&] {
+      index = state->add_plan(p);
+      if (twin) FLUX_CHECK(twin->state->add_plan(p) == index, "the CUDA-graph twin's plans went out of step");
+    });
+    return index;
   }
 };
 
-// Before anything of a call is enqueued or any epoch advanced: the workspace is usable and matches the call. An
-// eager call also reports a timeout its CUDA-graph twin recorded in a replay (replays run no host code).
-void check_usable(const Workspace& runs, flux::WorkspaceKind kind, const Tensor& x, const char* op) {
-  flux::WorkspaceState const& st = *runs.state;
-  std::string failed = st.failure();
-  if (failed.empty() && runs.twin) failed = runs.twin->state->failure();
-  TORCH_CHECK(failed.empty(), kWorkspaceErrorTag, failed);
-  auto const& c = st.config();
-  TORCH_CHECK_VALUE(c.kind == kind, op, ": the workspace belongs to ", c.what);
-  TORCH_CHECK_VALUE(x.device().index() == c.device, op, ": x is on ", x.device(), ", the workspace on cuda:", c.device);
-  TORCH_CHECK_VALUE(!flux::is_fp8(to_dtype(x, "x")), op, ": FP8 operands are not supported by this op");
-  TORCH_CHECK_VALUE(to_dtype(x, "x") == c.dtype, op, ": x dtype ", x.scalar_type(), " differs from the workspace's ",
-                    c.dtype == flux::DType::kBF16 ? "bfloat16" : "float16");
-}
+// ---------------------------------------------------------------- the fused calls
+// What ag_gemm and gemm_rs share, in call order: the operands checked, x's device made current, the workspace that
+// runs the call (its CUDA-graph twin while the stream is captured) checked usable for this op and this x, and the
+// call's registered plan with its prefilled arguments. Each check once; the epoch is taken, and the call's flags
+// and transfers enqueued, only in enqueue(), after every check.
+struct FusedCall {
+  FusedCall(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, int64_t workspace_handle,
+            int64_t plan_index, bool weight_nn, flux::WorkspaceKind kind, const char* op)
+      : x(x),
+        w(w),
+        bias(bias),
+        weight_nn(weight_nn),
+        ops(check_operands(x, w, bias, weight_nn, false)),
+        shape(ops.shape),
+        guard(x.device()),
+        stream(c10::cuda::getCurrentCUDAStream()),
+        runs(registry().find(workspace_handle).for_stream(stream)),
+        planned(runs.planned(plan_index)),
+        config(runs.config()) {
+    // An eager call also reports a failure its CUDA-graph twin recorded in a replay (replays run no host code).
+    if (runs.state->failed() || (runs.twin && runs.twin->state->failed())) {
+      std::string why = runs.state->failure();
+      throw_workspace_failed(why.empty() && runs.twin ? runs.twin->state->failure() : why);
+    }
+    TORCH_CHECK_VALUE(config.kind == kind, op, ": the workspace belongs to ", config.what);
+    TORCH_CHECK_VALUE(x.device().index() == config.device, op, ": x is on ", x.device(),
+                      ", the workspace on cuda:", config.device);
+    TORCH_CHECK_VALUE(!flux::is_fp8(ops.types.a), op, ": FP8 operands are not wired through the fused ops yet");
+    TORCH_CHECK_VALUE(ops.types.a == config.dtype, op, ": x dtype ", x.scalar_type(), " differs from the workspace's ",
+                      flux::bindings::dtype_name(config.dtype));
+  }
 
-// The start of a fused call, before anything is enqueued: the workspace (its CUDA-graph twin while the stream is
-// captured), checked usable for this op and this x, and the call's plan (registered with the workspace; the twin
-// runs the same plans). The caller has made x's device current.
-struct CallStart {
+  // An output of the call: allocated straight from the caching allocator on the current stream (no op dispatch),
+  // NaN where the workspace poisons its outputs (tests).
+  Tensor output(at::IntArrayRef sizes) const {
+    Tensor t = at::detail::empty_cuda(sizes, x.scalar_type(), x.device(), std::nullopt);
+    if (config.poison_outputs) t.fill_(std::numeric_limits<float>::quiet_NaN());
+    return t;
+  }
+
+  // The call's arguments: its plan's prefilled ones and its operands.
+  template <class Args>
+  Args arguments(Args const& prefilled, const Tensor& out) const {
+    Args a = prefilled;
+    a.x = x.data_ptr();
+    a.ldx = x.stride(0);
+    a.w = w.data_ptr();
+    a.ldw = w.stride(0);
+    a.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+    a.out = out.data_ptr();
+    a.layout = weight_nn ? flux::WeightLayout::kNN : flux::WeightLayout::kNT;
+    a.n = int(shape.n);
+    a.k = int(shape.k);
+    a.compute = stream;
+    a.timeout_ns = runs.state->timeout_ns();
+    return a;
+  }
+
+  // Enqueues the checked call: its epoch is taken only now (nothing rejects the call any more), and the watchdog
+  // watches it unless it is being captured (a CUDA-graph twin: replays run no host code to watch them).
+  template <class Args>
+  void enqueue(Args& a, void (*launch)(const Args&)) {
+    use_split_scratch(a.launch, x, runs.state->sm_count(), runs.split_scratch);
+    flux::WorkspaceState& st = *runs.state;
+    translate_errors([&] {
+      a.epoch = st.next_epoch();
+      launch(a);
+      if (a.completion != nullptr) st.watch_call(a.epoch);
+    });
+  }
+
+  const Tensor& x;
+  const Tensor& w;
+  const std::optional<Tensor>& bias;
+  bool const weight_nn;
+  Operands const ops;
+  MatmulShape const shape;
+  c10::cuda::CUDAGuard const guard;  // x's device, current for the rest of the call
+  cudaStream_t const stream;
   Workspace& runs;
-  flux::CallPlan plan;
-  cudaStream_t stream;
+  flux::PlannedCall const& planned;
+  flux::WorkspaceConfig const& config;
 };
-
-CallStart start_call(int64_t workspace_handle, int64_t plan_index, flux::WorkspaceKind kind, const Tensor& x,
-                     const char* op) {
-  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream();
-  Workspace& workspace = registry().find(workspace_handle);
-  flux::CallPlan plan;
-  translate_value_errors([&] { plan = workspace.state->plan(plan_index); });
-  Workspace& runs = workspace.for_stream(stream);
-  check_usable(runs, kind, x, op);
-  return {runs, plan, stream};
-}
-
-// Enqueues a checked call: its epoch is taken only now (nothing rejects the call any more), and the watchdog
-// watches it unless it is being captured (a CUDA-graph twin: replays run no host code to watch them).
-template <class Args>
-void enqueue(flux::WorkspaceState& st, Args& a, void (*launch)(const Args&)) {
-  a.epoch = st.next_epoch();
-  bool const watched = !st.config().graph_protocol;
-  a.completion = watched ? st.completion_ring() : nullptr;
-  translate_errors([&] {
-    launch(a);
-    if (watched) st.watch_call(a.epoch);
-  });
-}
 
 }  // namespace
 
@@ -329,124 +539,46 @@ namespace flux::bindings {
 std::tuple<Tensor, Tensor> ag_gemm(const Tensor& x_shard_m, const Tensor& w, const std::optional<Tensor>& bias,
                                    int64_t workspace_handle, int64_t plan_index, bool weight_nn, bool return_gathered,
                                    bool run_gemm) {
-  auto s = check_operands(x_shard_m, w, bias, weight_nn, false).shape;
-  c10::cuda::CUDAGuard guard(x_shard_m.device());
-  CallStart call = start_call(workspace_handle, plan_index, flux::WorkspaceKind::kAllGather, x_shard_m, "ag_gemm");
-  Workspace& runs = call.runs;
-  flux::WorkspaceState& st = *runs.state;
-  flux::CallPlan const& plan = call.plan;
-  auto const& c = st.config();
+  FusedCall call(x_shard_m, w, bias, workspace_handle, plan_index, weight_nn, WorkspaceKind::kAllGather, "ag_gemm");
+  MatmulShape const& s = call.shape;
+  WorkspaceConfig const& c = call.config;
+  CallPlan const& plan = call.planned.plan;
   int64_t const m = c.tp * s.m;
   TORCH_CHECK_VALUE(m <= c.max_m && s.k == c.inner, "ag_gemm: call needs M=", m, ", K=", s.k,
                     "; the workspace holds max_m=", c.max_m, ", K=", c.inner);
   int64_t const chunks = (s.m + plan.rows_per_chunk - 1) / plan.rows_per_chunk;
   TORCH_CHECK_VALUE(chunks <= c.capacity, "ag_gemm: ", s.m, " rows per shard in chunks of ", plan.rows_per_chunk,
                     " rows need ", chunks, " chunk flags, the workspace holds ", c.capacity);
-  TORCH_CHECK_VALUE(!(return_gathered && plan.mode == flux::AgMode::kExternal),
+  TORCH_CHECK_VALUE(!(return_gathered && plan.mode == AgMode::kExternal),
                     "ag_gemm: with external transfers the caller copies the gathered input out");
-  Tensor out = at::empty({m, s.n}, x_shard_m.options());
-  Tensor gathered = return_gathered ? at::empty({m, s.k}, x_shard_m.options()) : runs.no_gathered(x_shard_m);
-  if (c.poison_outputs) {
-    out.fill_(std::numeric_limits<float>::quiet_NaN());
-    if (return_gathered) gathered.fill_(std::numeric_limits<float>::quiet_NaN());
-  }
+  Tensor out = call.output({m, s.n});
+  Tensor gathered = return_gathered ? call.output({m, s.k}) : call.runs.no_gathered(x_shard_m);
   if (s.m == 0) return {out, gathered};  // a no-op on every rank: no epoch, no flags
 
-  flux::AgGemmArgs a;
-  a.x = x_shard_m.data_ptr();
-  a.ldx = x_shard_m.stride(0);
-  a.w = w.data_ptr();
-  a.ldw = w.stride(0);
-  a.bias = bias.has_value() ? bias->data_ptr() : nullptr;
-  a.out = out.data_ptr();
-  a.gathered_out = return_gathered ? gathered.data_ptr() : nullptr;
-  a.dtype = c.dtype;
-  a.layout = weight_nn ? flux::WeightLayout::kNN : flux::WeightLayout::kNT;
-  a.tile = plan.tile;
+  AgGemmArgs a = call.arguments(call.planned.ag, out);
   a.rows_per_group = int(s.m);
-  a.n = int(s.n);
-  a.k = int(s.k);
-  a.rank = c.rank;
-  a.tp = c.tp;
-  for (int q = 0; q < c.tp; ++q) {
-    a.buffers[q] = c.data[q];
-    a.flags[q] = c.flags[q];
-  }
-  a.chunk_capacity = c.capacity;
-  a.rows_per_chunk = plan.rows_per_chunk;
-  a.mode = plan.mode;
-  a.order = plan.order;
-  a.custom_group_order = plan.custom_group_order;
-  for (int i = 0; i < c.tp; ++i) a.group_order[i] = plan.group_order[size_t(i)];
-  a.protocol = c.graph_protocol ? flux::FlagProtocol::kCudaGraph : flux::FlagProtocol::kEpoch;
-  a.timeout_ns = c.timeout_ns;
-  a.error_record = c.error_record;
-  a.error_claim = c.error_claim;
-  a.compute = call.stream;
-  a.num_comm = int(c.comm.size());
-  for (size_t i = 0; i < c.comm.size(); ++i) a.comm[i] = c.comm[i];
-  a.events = st.events();
+  a.gathered_out = return_gathered ? gathered.data_ptr() : nullptr;
   a.run_gemm = run_gemm;
-  a.launch = launch_options(x_shard_m, st.sm_count(), plan.sm_count, plan.swizzle, run_gemm ? plan.stream_k_fill : 0,
-                            runs.split_scratch);
-  enqueue(st, a, flux::ag_gemm);
+  if (!run_gemm) a.launch.split_max_fill_pct = 0;
+  call.enqueue(a, flux::ag_gemm);
   return {out, gathered};
 }
 
 Tensor gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, int64_t workspace_handle,
                int64_t plan_index, bool weight_nn) {
-  auto s = check_operands(x, w, bias, weight_nn, false).shape;
-  c10::cuda::CUDAGuard guard(x.device());
-  CallStart call = start_call(workspace_handle, plan_index, flux::WorkspaceKind::kReduceScatter, x, "gemm_rs");
-  Workspace& runs = call.runs;
-  flux::WorkspaceState& st = *runs.state;
-  flux::CallPlan const& plan = call.plan;
-  auto const& c = st.config();
+  FusedCall call(x, w, bias, workspace_handle, plan_index, weight_nn, WorkspaceKind::kReduceScatter, "gemm_rs");
+  MatmulShape const& s = call.shape;
+  WorkspaceConfig const& c = call.config;
   TORCH_CHECK_VALUE(s.m % c.tp == 0, "gemm_rs: M=", s.m, " rows are not divisible by the group size ", c.tp);
   TORCH_CHECK_VALUE(s.m <= c.max_m && s.n == c.inner, "gemm_rs: call needs M=", s.m, ", N=", s.n,
                     "; the workspace holds max_m=", c.max_m, ", N=", c.inner);
-  bool const external = plan.mode == flux::AgMode::kExternal;
-  TORCH_CHECK_VALUE(!(plan.copy_engine || external) || st.stage() != nullptr,
-                    "gemm_rs: the copy-engine and external transports need the workspace's staging area");
   int64_t const rows = s.m / c.tp;
-  Tensor out = at::empty({rows, s.n}, x.options());
-  if (c.poison_outputs) out.fill_(std::numeric_limits<float>::quiet_NaN());
+  Tensor out = call.output({rows, s.n});
   if (rows == 0) return out;  // a no-op on every rank: no epoch, no flags
 
-  flux::GemmRsArgs a;
-  a.x = x.data_ptr();
-  a.ldx = x.stride(0);
-  a.w = w.data_ptr();
-  a.ldw = w.stride(0);
-  a.bias = bias.has_value() ? bias->data_ptr() : nullptr;
-  a.out = out.data_ptr();
-  a.dtype = c.dtype;
-  a.layout = weight_nn ? flux::WeightLayout::kNN : flux::WeightLayout::kNT;
-  a.tile = plan.tile;
+  GemmRsArgs a = call.arguments(call.planned.rs, out);
   a.rows_per_group = int(rows);
-  a.n = int(s.n);
-  a.k = int(s.k);
-  a.rank = c.rank;
-  a.tp = c.tp;
-  for (int q = 0; q < c.tp; ++q) {
-    a.recv[q] = c.data[q];
-    a.flags[q] = c.flags[q];
-  }
-  a.slot_rows = c.max_m / c.tp;
-  a.flags_per_source = c.capacity;
-  a.stage = plan.copy_engine || external ? st.stage() : nullptr;
-  a.chunk_cols = plan.chunk_cols;
-  a.external = external;
-  a.num_comm = int(c.comm.size());
-  for (size_t i = 0; i < c.comm.size(); ++i) a.comm[i] = c.comm[i];
-  a.events = st.events();
-  a.protocol = c.graph_protocol ? flux::FlagProtocol::kCudaGraph : flux::FlagProtocol::kEpoch;
-  a.timeout_ns = c.timeout_ns;
-  a.error_record = c.error_record;
-  a.error_claim = c.error_claim;
-  a.compute = call.stream;
-  a.launch = launch_options(x, st.sm_count(), plan.sm_count, plan.swizzle, plan.stream_k_fill, runs.split_scratch);
-  enqueue(st, a, flux::gemm_rs);
+  call.enqueue(a, flux::gemm_rs);
   return out;
 }
 
@@ -489,12 +621,35 @@ void call_overhead_probe(const Tensor&, const Tensor&, const std::optional<Tenso
 
 }  // namespace
 
+namespace flux::bindings {
+
+void typed_error_probe(std::string which) {
+  if (which == "workspace_failed") throw_workspace_failed("typed_error_probe: a failed workspace");
+  if (which == "no_graph_twin")
+    throw NoGraphTwin({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, "typed_error_probe: no CUDA-graph twin");
+  TORCH_CHECK_VALUE(false, "typed_error_probe: which must be 'workspace_failed' or 'no_graph_twin', got '", which, "'");
+}
+
+}  // namespace flux::bindings
+
 TORCH_LIBRARY(flux_layers, m) {
   m.class_<Workspace>("Workspace")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, std::vector<int64_t>,
+      .def(torch::init<std::string, std::string, int64_t, int64_t, int64_t, int64_t, int64_t, std::vector<int64_t>,
                        std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, bool, double, bool,
-                       std::string>())
-      .def("add_plan", &Workspace::add_plan)
+                       std::string>(),
+           "",
+           {torch::arg("kind"), torch::arg("dtype"), torch::arg("rank"), torch::arg("device"), torch::arg("max_m"),
+            torch::arg("inner"), torch::arg("capacity"), torch::arg("data_ptrs"), torch::arg("flag_ptrs"),
+            torch::arg("comm_streams"), torch::arg("error_ptrs"), torch::arg("graph_protocol"), torch::arg("timeout_s"),
+            torch::arg("poison_outputs"), torch::arg("what")})
+      .def("add_ag_plan", &Workspace::add_ag_plan, "",
+           {torch::arg("tile"), torch::arg("swizzle"), torch::arg("stream_k_fill"), torch::arg("sm_count"),
+            torch::arg("mode"), torch::arg("order"), torch::arg("rows_per_chunk"), torch::arg("group_order")})
+      .def("add_rs_plan", &Workspace::add_rs_plan, "",
+           {torch::arg("tile"), torch::arg("swizzle"), torch::arg("stream_k_fill"), torch::arg("sm_count"),
+            torch::arg("transport"), torch::arg("chunk_cols")})
+      .def("flag_index", &Workspace::flag_index, "", {torch::arg("region"), torch::arg("rank"), torch::arg("chunk")})
+      .def("stage_slot", &Workspace::stage_slot, "", {torch::arg("dst")})
       .def("set_twin", &Workspace::set_twin)
       .def("set_stage", &Workspace::set_stage)
       .def("keep_memory", &Workspace::keep_memory)
@@ -515,6 +670,12 @@ TORCH_LIBRARY(flux_layers, m) {
   m.def(
       "call_overhead_probe(Tensor x, Tensor weight, Tensor? bias, int workspace, int plan, bool weight_nn, "
       "bool return_gathered, bool run_gemm) -> ()");
+  m.def("codes() -> Dict(str, int)", &codes);
+  m.def("ag_workspace_layout(int tp, int max_m, int k, int chunk_capacity, str dtype) -> Dict(str, int)",
+        &ag_workspace_layout);
+  m.def("rs_workspace_layout(int tp, int max_m, int n, int min_tile, str dtype) -> Dict(str, int)",
+        &rs_workspace_layout);
+  m.def("typed_error_probe(str which) -> ()", &flux::bindings::typed_error_probe);
 }
 
 TORCH_LIBRARY_IMPL(flux_layers, CUDA, m) {

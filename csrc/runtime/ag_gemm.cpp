@@ -240,7 +240,7 @@ GemmProblem gemm_problem(const AgPlan& p) {
   g.error_claim = a.error_claim;
   g.rank = a.rank;
   g.release_words = p.my(0);  // chunk, avail and done: every word a wait of this rank reads
-  g.release_count = p.flags.data_words() + a.tp;
+  g.release_count = p.flags.release_words();
   if (a.mode != AgMode::kExternal) {  // external transfers: no peer writes here, nothing to compare
     g.peer_signatures = p.my(p.flags.signature(0));
     int const left = (a.rank - 1 + a.tp) % a.tp;
@@ -254,14 +254,20 @@ GemmProblem gemm_problem(const AgPlan& p) {
 
 }  // namespace
 
-void ag_gemm(const AgGemmArgs& a) {
+void check_ag_gemm_args(const AgGemmArgs& a) {
   FLUX_CHECK(a.tp >= 2 && a.tp <= kMaxGroups, "tp ", a.tp, " outside [2, ", kMaxGroups, "]");
   FLUX_CHECK(a.rank >= 0 && a.rank < a.tp, "rank ", a.rank, " outside [0, ", a.tp, ")");
   FLUX_CHECK(a.num_comm >= 1, "at least one communication stream is needed");
   FLUX_CHECK(a.rows_per_chunk > 0, "rows_per_chunk must be positive, got ", a.rows_per_chunk);
-  FLUX_CHECK(a.epoch > 0, "epochs start at 1");
-  FLUX_CHECK(a.protocol == FlagProtocol::kEpoch || a.epoch == 1, "the CUDA-graph flag protocol sets flags to 1, got ",
-             a.epoch);
+  FLUX_CHECK(a.chunk_capacity > 0, "the workspace holds no chunk flags");
+  FLUX_CHECK(a.events != nullptr, "the workspace's events are missing");
+  if (a.mode == AgMode::kExternal) return;  // local buffer and flags only
+  for (int q = 0; q < a.tp; ++q)
+    FLUX_CHECK(a.buffers[q] != nullptr && a.flags[q] != nullptr, "copy-engine transfers need rank ", q,
+               "'s buffer and flags mapped");
+}
+
+void ag_gemm(const AgGemmArgs& a) {
   if (a.rows_per_group == 0) return;
   AgPlan p{a,
            AgFlagLayout{a.tp, a.chunk_capacity},
@@ -269,21 +275,14 @@ void ag_gemm(const AgGemmArgs& a) {
            size_t(a.k) * 2,
            {a.epoch, uint32_t(a.rows_per_group),
             signature_shape_word(0, int(a.layout), int(a.mode) * 2 + int(a.order), a.n)}};
-  FLUX_CHECK(p.chunks <= a.chunk_capacity, "this call needs ", p.chunks, " chunks per shard, the workspace holds ",
-             a.chunk_capacity);
 
   if (a.mode == AgMode::kExternal) {
-    FLUX_CHECK(a.gathered_out == nullptr, "external transfers: the caller copies the gathered input out");
     if (a.run_gemm) launch_gemm(gemm_problem(p), a.dtype, a.layout, a.tile, a.compute);
     if (p.graph()) FLUX_CUDA_CHECK(cudaMemsetAsync(p.my(0), 0, size_t(p.flags.data_words()) * 4, a.compute));
     // The watchdog sees the GEMM's end; transfers that never arrive make the GEMM's own waits time out.
     if (a.completion != nullptr) stream_write_u32(a.compute, CompletionRing::word(a.completion, a.epoch), a.epoch);
     return;
   }
-  for (int q = 0; q < a.tp; ++q)
-    FLUX_CHECK(a.buffers[q] != nullptr && a.flags[q] != nullptr, "copy-engine transfers need rank ", q,
-               "'s buffer and flags mapped");
-  FLUX_CHECK(a.events != nullptr, "the workspace's events are missing");
   cudaEvent_t* const ev = a.events;
   cudaEvent_t ready = ev[1];
   cudaStream_t s0 = a.comm[0];

@@ -23,7 +23,7 @@
 // cleared after the kernel, before consumed is written (a peer sets them again only after it saw that write).
 // Flag words of one rank: flag[src][flags_per_source] (set for us by src), consumed[tp] (set by each peer),
 // count[dst][flags_per_source] (our tiles of dst's rows per chunk; copy-engine transport, cleared per call),
-// sig[src][kSignatureWords] (src's call signature, gemm_params.h; rs_signature_word).
+// sig[src][kSignatureWords] (src's call signature, gemm_params.h): RsFlagLayout (workspace_layout.h).
 // Call signatures: before its first flag at a destination, a rank writes its signature into the destination's
 // slot for it (direct stores: each CTA, after its consumed wait; copy engine: in one batch with the first chunk's
 // flag), and the destination's kernel compares it with its own after each partial's flag. Not external.
@@ -41,14 +41,12 @@ void rs_group_order(int rank, int tp, int* group_order) {
   for (int s = 0; s < tp; ++s) group_order[s] = (rank + 1 + s) % tp;
 }
 
-void gemm_rs(const GemmRsArgs& a) {
+void check_gemm_rs_args(const GemmRsArgs& a) {
   FLUX_CHECK(a.tp >= 2 && a.tp <= kMaxGroups, "tp ", a.tp, " outside [2, ", kMaxGroups, "]");
   FLUX_CHECK(a.rank >= 0 && a.rank < a.tp, "rank ", a.rank, " outside [0, ", a.tp, ")");
-  FLUX_CHECK(a.rows_per_group <= a.slot_rows, "M / tp = ", a.rows_per_group, " exceeds the workspace slot of ",
-             a.slot_rows, " rows");
-  FLUX_CHECK(a.epoch > 0, "epochs start at 1");
+  FLUX_CHECK(a.slot_rows > 0 && a.flags_per_source > 0, "the workspace holds no receive slot or flags");
+  FLUX_CHECK(a.events != nullptr, "the workspace's events are missing");
   bool const graph = a.protocol == FlagProtocol::kCudaGraph;
-  FLUX_CHECK(!graph || a.epoch == 1, "the CUDA-graph flag protocol sets flags to 1, got ", a.epoch);
   bool const external = a.external;
   bool const copy_engine = a.stage != nullptr && !external;
   FLUX_CHECK(!(copy_engine || external) || a.num_comm >= 1, "the copy-engine and external transports need a ",
@@ -59,16 +57,22 @@ void gemm_rs(const GemmRsArgs& a) {
     FLUX_CHECK((external && q != a.rank) || (a.recv[q] != nullptr && a.flags[q] != nullptr), "rank ", q,
                "'s receive buffer or flags are not mapped (a workspace in local memory serves external transfers "
                "only)");
+}
+
+void gemm_rs(const GemmRsArgs& a) {
   if (a.rows_per_group == 0) return;
+  bool const graph = a.protocol == FlagProtocol::kCudaGraph;
+  bool const external = a.external;
+  bool const copy_engine = a.stage != nullptr && !external;
   const int r = a.rank;
   const size_t elem = 2;
   const size_t slot_bytes = size_t(a.slot_rows) * a.n * elem;
-  const int64_t fps = a.flags_per_source;
+  RsFlagLayout const layout{a.tp, a.flags_per_source};
   uint32_t const signature[kSignatureWords] = {a.epoch, uint32_t(a.rows_per_group),
                                                signature_shape_word(1, int(a.layout), copy_engine ? 1 : 0, a.k)};
-  auto signature_slot = [&](int d) { return a.flags[d] + rs_signature_word(a.tp, fps, r); };
-  auto consumed = [&](int q) { return a.flags[q] + int64_t(a.tp) * fps; };
-  uint32_t* const counts = a.flags[r] + int64_t(a.tp) * fps + a.tp;
+  auto signature_slot = [&](int d) { return a.flags[d] + layout.signature(r); };
+  auto consumed = [&](int q) { return a.flags[q] + layout.consumed(0); };
+  uint32_t* const counts = a.flags[r] + layout.count(0, 0);
   // Stream-side wait for peer d to have finished reading its receive slots (its previous call).
   auto wait_consumed = [&](cudaStream_t s, int d) {
     if (graph) {
@@ -93,7 +97,7 @@ void gemm_rs(const GemmRsArgs& a) {
   g.ldb = a.ldw;
   g.bias = a.bias;
   // Staging slot of destination d (copy engine): its step in the group order, so tp - 1 slots serve every rank.
-  auto stage_slot = [&](int d) { return a.stage + size_t((d - r - 1 + a.tp) % a.tp) * slot_bytes; };
+  auto stage_slot = [&](int d) { return a.stage + size_t(RsFlagLayout::stage_slot(r, a.tp, d)) * slot_bytes; };
   bool const staged = copy_engine || external;
   for (int d = 0; d < a.tp; ++d) {
     char* peer_slot = staged ? stage_slot(d) : a.recv[d] + size_t(r) * slot_bytes;
@@ -105,12 +109,12 @@ void gemm_rs(const GemmRsArgs& a) {
   for (int src = 0; src < a.tp; ++src) {
     if (src == r) continue;
     g.rs_partials[i] = a.recv[r] + size_t(src) * slot_bytes;
-    g.rs_partial_flags[i] = a.flags[r] + int64_t(src) * fps;
+    g.rs_partial_flags[i] = a.flags[r] + layout.flag(src, 0);
     ++i;
   }
   g.rs_num_partials = i;
   if (!external)  // staged tiles are counted, not signalled; a peer's flags may not be mapped
-    for (int d = 0; d < a.tp; ++d) g.rs_signal[d] = a.flags[d] + int64_t(r) * fps;
+    for (int d = 0; d < a.tp; ++d) g.rs_signal[d] = a.flags[d] + layout.flag(r, 0);
   g.rs_consumed = graph || external ? nullptr : consumed(r);
   g.rs_flags_per_source = a.flags_per_source;
   g.epoch = a.epoch;
@@ -120,9 +124,9 @@ void gemm_rs(const GemmRsArgs& a) {
   g.rank = r;
   g.launch = a.launch;
   g.release_words = a.flags[r];  // flag, consumed and count: every word a wait of this rank reads
-  g.release_count = 2 * int64_t(a.tp) * fps + a.tp;
+  g.release_count = layout.release_words();
   if (!external) {
-    g.peer_signatures = a.flags[r] + rs_signature_word(a.tp, fps, 0);
+    g.peer_signatures = a.flags[r] + layout.signature(0);
     for (int q = 0; q < a.tp; ++q)
       if (q != r) g.signature_sources |= 1u << q;
     std::copy(signature, signature + kSignatureWords, g.signature);
@@ -143,7 +147,7 @@ void gemm_rs(const GemmRsArgs& a) {
     g.rs_stage_counters = counts;
     // The previous call's copies (or sends) of the staging area finished before its end (joined below, or by the
     // caller for external transfers).
-    FLUX_CUDA_CHECK(cudaMemsetAsync(counts, 0, size_t(a.tp) * fps * 4, a.compute));
+    FLUX_CUDA_CHECK(cudaMemsetAsync(counts, 0, size_t(a.tp) * a.flags_per_source * 4, a.compute));
     FLUX_CUDA_CHECK(cudaEventRecord(ev[0], a.compute));
     // External: the caller's transfer stream starts after the counts are cleared (its waits must not see the
     // previous call's counts) and before the kernel (the kernel waits for what that stream receives).
@@ -183,11 +187,11 @@ void gemm_rs(const GemmRsArgs& a) {
           int const cols = std::min(a.n, col0 + grid.chunk_tiles_n * grid.tile_n) - col0;
           int const c = grid.index(cm, cn);
           size_t const offset = size_t(row0) * row_bytes + size_t(col0) * elem;
-          stream_wait_u32_geq(s, counts + int64_t(d) * fps + c, grid.tiles_in(cm, cn));
+          stream_wait_u32_geq(s, a.flags[r] + layout.count(d, c), grid.tiles_in(cm, cn));
           FLUX_CUDA_CHECK(cudaMemcpy2DAsync(a.recv[d] + size_t(r) * slot_bytes + offset, row_bytes,
                                             stage_slot(d) + offset, row_bytes, size_t(cols) * elem, rows,
                                             cudaMemcpyDefault, s));
-          uint32_t* const flag = a.flags[d] + int64_t(r) * fps + c;
+          uint32_t* const flag = a.flags[d] + layout.flag(r, c);
           if (cm == 0 && cn == 0) {  // the first flag at d: after our signature there, in one batch
             stream_write_signed_flag(s, signature_slot(d), signature, flag, a.epoch);
           } else {
@@ -203,7 +207,7 @@ void gemm_rs(const GemmRsArgs& a) {
     }
   }
 
-  if (graph) FLUX_CUDA_CHECK(cudaMemsetAsync(a.flags[r], 0, size_t(a.tp) * fps * 4, a.compute));
+  if (graph) FLUX_CUDA_CHECK(cudaMemsetAsync(a.flags[r], 0, size_t(a.tp) * a.flags_per_source * 4, a.compute));
   // Our receive slots are free again (at every peer), and the call is complete (for the watchdog): one batch.
   FlagOp done[kMaxFlagOps];
   int n = 0;

@@ -87,7 +87,7 @@ std::string describe_call(uint32_t rows_word, uint32_t shape_word, int tp) {
 }
 }  // namespace
 
-WorkspaceState::WorkspaceState(WorkspaceConfig config) : cfg_(std::move(config)) {
+WorkspaceState::WorkspaceState(WorkspaceConfig config) : cfg_(std::move(config)), timeout_ns_(cfg_.timeout_ns) {
   FLUX_CHECK(cfg_.tp >= 2 && cfg_.tp <= kMaxGroups, "tp ", cfg_.tp, " outside [2, ", kMaxGroups, "]");
   FLUX_CHECK(cfg_.rank >= 0 && cfg_.rank < cfg_.tp, "rank ", cfg_.rank, " outside [0, ", cfg_.tp, ")");
   FLUX_CHECK(int(cfg_.data.size()) == cfg_.tp && int(cfg_.flags.size()) == cfg_.tp, "a workspace of ", cfg_.tp,
@@ -130,10 +130,9 @@ WorkspaceState::~WorkspaceState() {
   if (release_stream_ != nullptr) cudaStreamDestroy(release_stream_);
 }
 
-int64_t WorkspaceState::flag_words() const {
-  // AgFlagLayout: chunk[tp][cap], avail[tp][cap], done[tp]; reduce-scatter: flag[tp][fps], consumed[tp],
-  // count[tp][fps] (csrc/runtime/gemm_rs.cpp)
-  return 2 * int64_t(cfg_.tp) * cfg_.capacity + cfg_.tp;
+int64_t WorkspaceState::release_words() const {
+  return cfg_.kind == WorkspaceKind::kAllGather ? AgFlagLayout{cfg_.tp, cfg_.capacity}.release_words()
+                                                : RsFlagLayout{cfg_.tp, cfg_.capacity}.release_words();
 }
 
 void WorkspaceState::watch_call(uint32_t epoch) {
@@ -161,7 +160,7 @@ void WorkspaceState::poll() {
   // The kernels' own waits time out at timeout_ns and say precisely what they waited for; the grace leaves them
   // the first word. The stream waits have no bound but this one.
   int64_t const grace_ns = 2'000'000'000;
-  bool const overdue = !watched_.empty() && now_ns() - watched_.front().since_ns > int64_t(cfg_.timeout_ns) + grace_ns;
+  bool const overdue = !watched_.empty() && now_ns() - watched_.front().since_ns > int64_t(timeout_ns()) + grace_ns;
   if (!kernel_timed_out && !overdue) return;
   // The watchdog's thread serves every workspace of the process: make this one's device current first.
   if (cudaSetDevice(cfg_.device) != cudaSuccess) return;
@@ -170,18 +169,21 @@ void WorkspaceState::poll() {
 
 std::string WorkspaceState::lagging_peer(const std::vector<uint32_t>& f, uint32_t epoch) const {
   auto before = [&](uint32_t v, uint32_t e) { return static_cast<int32_t>(v - e) < 0; };
-  int64_t const tp = cfg_.tp, cap = cfg_.capacity;
-  int64_t const handshake = cfg_.kind == WorkspaceKind::kAllGather ? 2 * tp * cap : tp * cap;
+  bool const ag = cfg_.kind == WorkspaceKind::kAllGather;
+  AgFlagLayout const ag_flags{cfg_.tp, cfg_.capacity};
+  RsFlagLayout const rs_flags{cfg_.tp, cfg_.capacity};
   for (int p = 0; p < cfg_.tp; ++p) {
     if (p == cfg_.rank || !cfg_.peer_mapped) continue;  // local memory: no handshake words (external transfers)
-    if (epoch > 1 && before(f[size_t(handshake + p)], epoch - 1)) {
+    int64_t const handshake = ag ? ag_flags.done(p) : rs_flags.consumed(p);
+    if (epoch > 1 && before(f[size_t(handshake)], epoch - 1)) {
       std::ostringstream os;
       os << "rank " << p << " to finish its previous call (epoch " << epoch - 1 << ")";
       return os.str();
     }
   }
   for (int p = 0; p < cfg_.tp; ++p) {  // the first chunk (or tile) of a call is always used
-    if (p != cfg_.rank && before(f[size_t(int64_t(p) * cap)], epoch)) {
+    int64_t const first = ag ? ag_flags.chunk(p, 0) : rs_flags.flag(p, 0);
+    if (p != cfg_.rank && before(f[size_t(first)], epoch)) {
       std::ostringstream os;
       os << "rank " << p << "'s " << (cfg_.kind == WorkspaceKind::kAllGather ? "first chunk" : "first partial tile")
          << " of this call";
@@ -193,13 +195,13 @@ std::string WorkspaceState::lagging_peer(const std::vector<uint32_t>& f, uint32_
 
 void WorkspaceState::release_flags_async() {
   // Every wait on this rank's flags returns (epoch comparisons are wrap-safe: 0x7f7f7f7f is ahead of any epoch).
-  cudaMemsetAsync(cfg_.flags[cfg_.rank], 0x7f, size_t(flag_words()) * 4, release_stream_);
+  cudaMemsetAsync(cfg_.flags[cfg_.rank], 0x7f, size_t(release_words()) * 4, release_stream_);
   release_pending_ = cudaEventRecord(release_done_, release_stream_) == cudaSuccess;
 }
 
 void WorkspaceState::release(uint32_t epoch) {
   released_ = true;
-  int64_t const words = flag_words();
+  int64_t const words = release_words();
   std::string waits_for = "its peers";
   // Read this rank's flags to name the peer, waiting at most 0.2 s: where a blocked stream wait holds the only
   // hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) the copy waits behind it (the kernels' own release, by the
@@ -223,8 +225,8 @@ void WorkspaceState::release(uint32_t epoch) {
     }
   }
   std::ostringstream os;
-  os << cfg_.what << ": rank " << cfg_.rank << " timed out after " << double(cfg_.timeout_ns) * 1e-9
-     << " s waiting for " << waits_for << " (epoch " << epoch << "; the call did not finish, watchdog). A peer rank "
+  os << cfg_.what << ": rank " << cfg_.rank << " timed out after " << double(timeout_ns()) * 1e-9 << " s waiting for "
+     << waits_for << " (epoch " << epoch << "; the call did not finish, watchdog). A peer rank "
      << "did not enter the call, crashed, or is slower than FLUX_LAYERS_TIMEOUT_S allows. Its waits were released so "
         "that the process can shut down: outputs of that call are invalid and this workspace cannot be used again.";
   mark_failed(os.str());
@@ -243,15 +245,55 @@ void WorkspaceState::keep_twin_released() {
   release_flags_async();
 }
 
-int WorkspaceState::add_plan(const CallPlan& plan) {
+void WorkspaceState::check_plan(const CallPlan& plan) { plan_call(plan); }
+
+int64_t WorkspaceState::add_plan(const CallPlan& plan) {
+  PlannedCall planned = plan_call(plan);
+  std::lock_guard<std::mutex> lock(mu_);
+  return plans_.push([&](PlannedCall& entry) { entry = planned; });
+}
+
+namespace {
+
+// What both argument structs take from the workspace and the plan, whatever the op.
+template <class Args>
+void prefill(Args& a, const WorkspaceConfig& cfg, const CallPlan& plan, cudaEvent_t* events, uint32_t* completion) {
+  a.dtype = cfg.dtype;
+  a.tile = plan.tile;
+  a.rank = cfg.rank;
+  a.tp = cfg.tp;
+  for (int q = 0; q < cfg.tp; ++q) a.flags[q] = cfg.flags[size_t(q)];
+  a.protocol = cfg.graph_protocol ? FlagProtocol::kCudaGraph : FlagProtocol::kEpoch;
+  a.error_record = cfg.error_record;
+  a.error_claim = cfg.error_claim;
+  a.launch.sm_count = plan.sm_count;
+  a.launch.swizzle_m = plan.swizzle;
+  a.launch.split_max_fill_pct = plan.stream_k_fill;
+  a.num_comm = int(cfg.comm.size());
+  for (size_t i = 0; i < cfg.comm.size(); ++i) a.comm[i] = cfg.comm[i];
+  a.events = events;
+  a.completion = completion;
+}
+
+}  // namespace
+
+PlannedCall WorkspaceState::plan_call(const CallPlan& plan) {
   FLUX_CHECK(plan.stream_k_fill >= 0 && plan.stream_k_fill <= 100, "stream_k_fill ", plan.stream_k_fill,
              " outside [0, 100]");
   FLUX_CHECK(plan.swizzle >= 0 && plan.swizzle <= 64, "swizzle ", plan.swizzle, " outside [0, 64]");
   FLUX_CHECK(plan.sm_count >= 0, "sm_count ", plan.sm_count, " must be >= 0 (0: all SMs)");
   FLUX_CHECK(int(plan.tile) >= 0 && int(plan.tile) < kNumTileConfigs, "tile config ", int(plan.tile), " outside [0, ",
              kNumTileConfigs, ")");
+  PlannedCall c;
+  c.plan = plan;
+  // Eager calls are watched (their ends write the completion ring); a CUDA-graph twin's replays are not.
+  uint32_t* const completion = cfg_.graph_protocol ? nullptr : completion_device_;
   if (cfg_.kind == WorkspaceKind::kAllGather) {
     FLUX_CHECK(plan.rows_per_chunk > 0, "rows_per_chunk must be positive, got ", plan.rows_per_chunk);
+    FLUX_CHECK(int(plan.mode) >= 0 && int(plan.mode) <= int(AgMode::kExternal), "unknown all-gather mode ",
+               int(plan.mode));
+    FLUX_CHECK(int(plan.order) >= 0 && int(plan.order) <= int(AgOrder::kRing), "unknown all-gather order ",
+               int(plan.order));
     FLUX_CHECK(cfg_.peer_mapped || plan.mode == AgMode::kExternal, cfg_.what,
                ": a workspace in local memory only serves calls whose caller moves the chunks (external mode)");
     if (plan.custom_group_order) {
@@ -264,28 +306,37 @@ int WorkspaceState::add_plan(const CallPlan& plan) {
       }
       FLUX_CHECK(ok, "group_order must list the ", cfg_.tp, " shards once each, this rank's (", cfg_.rank, ") first");
     }
+    AgGemmArgs& a = c.ag;
+    prefill(a, cfg_, plan, events_.data(), completion);
+    for (int q = 0; q < cfg_.tp; ++q) a.buffers[q] = cfg_.data[size_t(q)];
+    a.chunk_capacity = cfg_.capacity;
+    a.rows_per_chunk = plan.rows_per_chunk;
+    a.mode = plan.mode;
+    a.order = plan.order;
+    a.custom_group_order = plan.custom_group_order;
+    for (int i = 0; i < cfg_.tp; ++i) a.group_order[i] = plan.group_order[size_t(i)];
+    check_ag_gemm_args(a);
   } else {
     FLUX_CHECK(plan.chunk_cols >= 0, "chunk_cols ", plan.chunk_cols, " must be >= 0 (0: default)");
-    bool const external = plan.mode == AgMode::kExternal;
-    FLUX_CHECK(plan.mode == AgMode::kPull || external, "a reduce-scatter plan's mode is 0 or 2 (external), got ",
-               int(plan.mode));
-    FLUX_CHECK(!(plan.copy_engine || external) || stage_ != nullptr,
-               "the copy-engine and external transports need the staging area");
-    FLUX_CHECK(!(plan.copy_engine && external), "a reduce-scatter plan is copy-engine or external, not both");
+    FLUX_CHECK(int(plan.transport) >= 0 && int(plan.transport) <= int(RsTransport::kExternal),
+               "unknown reduce-scatter transport ", int(plan.transport));
+    bool const external = plan.transport == RsTransport::kExternal;
+    bool const staged = plan.transport != RsTransport::kDirect;
+    FLUX_CHECK(!staged || stage_ != nullptr, "the copy-engine and external transports need the staging area");
     FLUX_CHECK(cfg_.peer_mapped || external, cfg_.what,
                ": a workspace in local memory only serves calls whose caller moves the partials (external mode)");
     FLUX_CHECK(!external || !cfg_.graph_protocol, cfg_.what, ": external transfers run eagerly only");
+    GemmRsArgs& a = c.rs;
+    prefill(a, cfg_, plan, events_.data(), completion);
+    for (int q = 0; q < cfg_.tp; ++q) a.recv[q] = cfg_.data[size_t(q)];
+    a.slot_rows = cfg_.max_m / cfg_.tp;
+    a.flags_per_source = cfg_.capacity;
+    a.stage = staged ? stage_ : nullptr;
+    a.chunk_cols = plan.chunk_cols;
+    a.external = external;
+    check_gemm_rs_args(a);
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  plans_.push_back(plan);
-  return int(plans_.size()) - 1;
-}
-
-const CallPlan& WorkspaceState::plan(int64_t index) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  FLUX_CHECK(index >= 0 && index < int64_t(plans_.size()), "plan ", index, " was not registered with ", cfg_.what, " (",
-             plans_.size(), " plans)");
-  return plans_[size_t(index)];  // a deque: references stay valid as plans are added
+  return c;
 }
 
 std::string WorkspaceState::describe_record() const {
@@ -311,7 +362,7 @@ std::string WorkspaceState::describe_record() const {
   if (code == kTileTimeout) peer = (index >> 24) < cfg_.rank ? (index >> 24) : (index >> 24) + 1;
   if (code == kConsumedTimeout) peer = index;
   std::ostringstream os;
-  os << cfg_.what << ": rank " << rec[1] << " timed out after " << double(cfg_.timeout_ns) * 1e-9 << " s waiting for "
+  os << cfg_.what << ": rank " << rec[1] << " timed out after " << double(timeout_ns()) * 1e-9 << " s waiting for "
      << wait_error(code);
   if (peer >= 0) os << " from rank " << peer;
   os << " (index " << index << ", epoch " << rec[3] << ", flag held " << rec[4]
@@ -332,13 +383,7 @@ void WorkspaceState::mark_failed(const std::string& message) {
   std::string recorded = describe_record();
   std::lock_guard<std::mutex> lock(mu_);
   if (failed_.empty()) failed_ = recorded.empty() ? message : recorded;
-}
-
-uint32_t WorkspaceState::next_epoch() {
-  if (cfg_.graph_protocol) return 1;
-  uint32_t const e = epoch_.fetch_add(1) + 1;
-  FLUX_CHECK(e < (1u << 31) - 1, cfg_.what, ": epoch counter exhausted; create a new workspace");
-  return e;
+  failed_flag_.store(true, std::memory_order_release);
 }
 
 }  // namespace flux

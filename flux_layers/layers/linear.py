@@ -45,6 +45,7 @@ from megatron.core.utils import get_pg_rank, get_pg_size, get_tensor_model_paral
 from torch.fx.experimental.symbolic_shapes import guard_scalar
 from torch.nn.parameter import Parameter
 
+from flux_layers import ops
 from flux_layers.config import OverlapConfig
 from flux_layers.layers import _megatron_compat
 from flux_layers.layers.autograd import (
@@ -54,8 +55,8 @@ from flux_layers.layers.autograd import (
     ReduceScatterLinear,
     ScatterLastDim,
 )
-from flux_layers.ops import _dispatch
-from flux_layers.ops.backend import Choice
+from flux_layers.ops import Choice
+from flux_layers.runtime import tuning
 
 _LOCAL_NO_SP = "no sequence parallelism: plain GEMM, Megatron's collective separately"
 _LOCAL_TP1 = "tensor-parallel size 1: no communication"
@@ -63,13 +64,14 @@ _LOCAL_EXPERT = "expert layer: communication is the token dispatcher's"
 
 
 @torch.compiler.assume_constant_result
-def _choose(op: str, device: torch.device, dtype: torch.dtype, m: int, k: int, n: int, group,
-            backend: Optional[str]) -> tuple[str, str]:
-    """ops' dispatch decision as (path, reason), taken once per shape and kept (the op then finds its own
-    decision kept under the same shape). It depends only on static facts (op, shape, dtype, device, group,
-    settings), so torch.compile takes it as a constant instead of tracing the dispatcher."""
-    choice = _dispatch.choice(op, device, dtype, (m, k, n), group, backend)
-    return choice.path, choice.reason
+def _choose(op: str, device: torch.device, dtype: torch.dtype, x_shape: tuple[int, int], w_shape: tuple[int, int],
+            weight_layout: str, group, backend: Optional[str]) -> tuple[str, str]:
+    """ops' decision (``ops.decide``) for a call of ``op`` with an input of ``x_shape`` and a weight of ``w_shape``,
+    as (path, reason): decided once per shape and kept. It depends only on static facts (op, shapes, dtype, device,
+    group, settings), so torch.compile takes it as a constant instead of tracing the dispatcher."""
+    decision = ops.decide(op, x_shape, w_shape, group=group, weight_layout=weight_layout, backend=backend,
+                          dtype=dtype, device=device)
+    return decision.path, decision.reason
 
 
 def _divide(name: str, value: int, tp: int) -> int:
@@ -160,21 +162,23 @@ class _ParallelLinear(torch.nn.Module):
                                f"weight.main_grad (allocated by megatron's DistributedDataParallel); the weight "
                                f"has none")
 
-    def _plan(self, op: str, x: torch.Tensor, mkn: tuple[int, int, int], dgrad: bool = False
-              ) -> tuple[Choice, tuple[str, tuple[int, int, int]] | None]:
-        """The path of one sequence-parallel GEMM (``mkn`` the per-rank GEMM, as ``ops.plan`` counts it: M the
-        gathered rows) and what it was decided under ((op, mkn), None where undecided): the reference path where
-        this layer's overlap switch is off, else what ops' dispatch decides. ``dgrad``: the column dgrad's GEMM+RS,
-        which has its own switch."""
+    def _plan(self, op: str, x: torch.Tensor, rows: int, k: int, n: int, weight_layout: str,
+              dgrad: bool = False) -> tuple[Choice, tuple[str, tuple[int, int, int]] | None]:
+        """The path of one sequence-parallel GEMM, a call of ``op`` with an input [rows, k] (``x``'s dtype and
+        device) and an [n, k] ('nt') or [k, n] ('nn') weight, and what it was decided under ((op, the per-rank GEMM
+        the tuning table is keyed by), None where undecided): the reference path where this layer's overlap switch
+        is off, else what ops decides. ``dgrad``: the column dgrad's GEMM+RS, which has its own switch."""
         kind = "gemm_rs_dgrad" if dgrad else op
         switch = self.overlap.off_switch(kind)
         if switch is not None:
             return Choice("reference", f"overlap switch {switch}=False"), None
         # NOTE: the path may depend on the shape (tuning table), so under torch.compile with dynamic shapes
-        # guard_scalar specialises M, K, N: one graph per shape, each with its own path.
-        m, k, n = (guard_scalar(d) for d in mkn)
-        choice = Choice(*_choose(op, x.device, x.dtype, m, k, n, self.tp_group, self.overlap.backend_for(kind)))
-        return choice, (op, (m, k, n))
+        # guard_scalar specialises the sizes: one graph per shape, each with its own path.
+        rows, k, n = (guard_scalar(d) for d in (rows, k, n))
+        w_shape = (n, k) if weight_layout == "nt" else (k, n)
+        choice = Choice(*_choose(op, x.device, x.dtype, (rows, k), w_shape, weight_layout, self.tp_group,
+                                 self.overlap.backend_for(kind)))
+        return choice, (op, tuning.table_key(op, rows, k, n, self.tp_size))
 
     def _local_paths(self, reason: str) -> None:
         local = Choice("local", reason)
@@ -283,8 +287,8 @@ class ColumnParallelLinear(_ParallelLinear):
     def _all_gather_linear(self, input_, weight, bias):
         x_shard_m = input_.reshape(-1, input_.shape[-1])
         m, k, n = x_shard_m.shape[0] * self.tp_size, self.input_size, self.output_size_per_partition
-        fprop, fprop_gemm = self._plan("ag_gemm", x_shard_m, (m, k, n))   # AG(x) [M, K] @ W^T -> [M, N/tp]
-        dgrad, dgrad_gemm = self._plan("gemm_rs", x_shard_m, (m, n, k), dgrad=True)  # dY [M, N/tp] @ W -> RS
+        fprop, fprop_gemm = self._plan("ag_gemm", x_shard_m, m // self.tp_size, k, n, "nt")  # AG(x) @ W^T
+        dgrad, dgrad_gemm = self._plan("gemm_rs", x_shard_m, m, n, k, "nn", dgrad=True)  # dY [M, N/tp] @ W -> RS
         self.last_gemms = {"fprop": fprop_gemm, "dgrad": dgrad_gemm}
         if dgrad.path == "reference":
             dgrad = Choice("reference", dgrad.reason + "; NCCL reduce-scatter under the wgrad GEMM")
@@ -382,8 +386,8 @@ class RowParallelLinear(_ParallelLinear):
                              f"({x.shape[0]}) is not divisible by the tensor-parallel size {self.tp_size}")
         x_shard_k = x.reshape(-1, x.shape[-1])
         m, k, n = x_shard_k.shape[0], self.input_size_per_partition, self.output_size
-        fprop, fprop_gemm = self._plan("gemm_rs", x_shard_k, (m, k, n))   # x [M, K/tp] @ W^T -> RS -> [M/tp, N]
-        dgrad, dgrad_gemm = self._plan("ag_gemm", x_shard_k, (m, n, k))   # AG(dY) [M, N] @ W -> [M, K/tp]
+        fprop, fprop_gemm = self._plan("gemm_rs", x_shard_k, m, k, n, "nt")  # x [M, K/tp] @ W^T -> RS -> [M/tp, N]
+        dgrad, dgrad_gemm = self._plan("ag_gemm", x_shard_k, m // self.tp_size, n, k, "nn")  # AG(dY) @ W
         self.last_gemms = {"fprop": fprop_gemm, "dgrad": dgrad_gemm}
         self.last_paths = {"fprop": fprop, "dgrad": dgrad, "wgrad": Choice("local", "AG(dY)^T @ x, AG(dY) from dgrad")}
         y_shard_m = ReduceScatterLinear.apply(x_shard_k, self.weight, bias, self.tp_group, fprop.path, dgrad.path,

@@ -12,10 +12,11 @@ dequantization scales, tensor-wise or row-wise; for ``ag_gemm`` x_scale is this 
 their scales): see :mod:`flux_layers.ops.fp8`.
 
 Every op takes ``backend=`` ('auto' | 'fused' | 'reference', default from ``FLUX_LAYERS_BACKEND``); see
-:mod:`flux_layers.ops.backend`. ``plan()`` says which path a call with those arguments would take. Each distinct
-call (shapes, dtype, layout, group, backend) is decided once and the decision kept (:mod:`flux_layers.ops._dispatch`),
-so a repeated call costs a dict lookup and the op; ``refresh_settings()`` makes changed settings count. Under
-torch.compile each call is one opaque graph node (:mod:`flux_layers.ops._traceable`), dispatch included.
+:mod:`flux_layers.ops.backend`. Each distinct call (shapes, dtype, layout, group, backend) is decided once and the
+:class:`Decision` kept: :func:`decide` returns it (path, reason, and on the fused path the transport and the call
+plan the op library runs), :func:`plan` its :class:`Choice`; a repeated call costs a dict lookup and the decided
+call (on the fused path a direct call into the op library); ``refresh_settings()`` makes changed settings count.
+Under torch.compile each call is one opaque graph node (:mod:`flux_layers.ops._traceable`), dispatch included.
 """
 from __future__ import annotations
 
@@ -23,11 +24,17 @@ import torch
 import torch.distributed as dist
 
 from flux_layers.ops import _dispatch, _traceable, reference
-from flux_layers.ops._checks import check_matmul_args
-from flux_layers.ops.backend import Choice, choose
+from flux_layers.ops._dispatch import Decision
+from flux_layers.ops.backend import Choice
 from flux_layers.ops.fp8 import FP8_DTYPES, ScaledTensor
+from flux_layers.runtime.workspace import NoGraphTwin
 
-__all__ = ["gemm", "ag_gemm", "gemm_rs", "plan", "refresh_settings", "Choice", "ScaledTensor", "reference"]
+__all__ = ["gemm", "ag_gemm", "gemm_rs", "decide", "plan", "refresh_settings", "Choice", "Decision", "ScaledTensor",
+           "reference"]
+
+_compiling = torch.compiler.is_compiling
+# The decisions, by _dispatch.call_key (built inline below: a repeated call costs this lookup and the decided call).
+_decisions = _dispatch._decisions
 
 
 def _tp(group) -> int:
@@ -36,73 +43,101 @@ def _tp(group) -> int:
     return group.size() if torch.compiler.is_compiling() else dist.get_world_size(group)
 
 
+def decide(op: str, x, weight, *, group=None, weight_layout: str = "nt", backend: str | None = None,
+           dtype: torch.dtype | None = None, device: torch.device | None = None,
+           fast_accum: bool = False) -> Decision:
+    """How a call of ``op`` ('gemm', 'ag_gemm', 'gemm_rs') with these arguments runs (decided once, and kept: the
+    call then runs exactly this). ``x``, ``weight``: the call's tensors, or their shapes with ``dtype`` and
+    ``device`` (a call decided before its tensors exist). Under CUDA-graph capture: what a captured call runs. FP8
+    tensors: the FP8 call's decision (``fast_accum`` its accumulation)."""
+    if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.dtype in FP8_DTYPES:
+        return _dispatch.fp8_decided(op, x, weight, group, weight_layout, fast_accum, backend)
+    return _dispatch.decide(op, x, weight, group, weight_layout, backend, dtype=dtype, device=device)
+
+
 def plan(op: str, x: torch.Tensor, weight: torch.Tensor, *, group=None, weight_layout: str = "nt",
          backend: str | None = None) -> Choice:
-    """Which path ``op`` ('gemm', 'ag_gemm', 'gemm_rs') would take for these arguments, and why."""
-    from flux_layers.runtime import tuning
-    rows, k, n = check_matmul_args(op, x, weight, None, weight_layout)
-    return choose(op, device=x.device, dtype=x.dtype, mkn=tuning.table_key(op, rows, k, n, _tp(group)), group=group,
-                  backend=backend)
-
-
-def _fp8_call(x, weight, x_scale, w_scale) -> bool:
-    return x_scale is not None or w_scale is not None or x.dtype in FP8_DTYPES or weight.dtype in FP8_DTYPES
+    """Which path ``op`` ('gemm', 'ag_gemm', 'gemm_rs') would take for these arguments, and why
+    (``decide(...).choice``)."""
+    return decide(op, x, weight, group=group, weight_layout=weight_layout, backend=backend).choice
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_layout: str = "nt",
          x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None, fast_accum: bool = False,
          backend: str | None = None) -> torch.Tensor:
-    if _fp8_call(x, weight, x_scale, w_scale):
-        if torch.compiler.is_compiling():
+    if x_scale is not None or w_scale is not None or x.dtype in FP8_DTYPES:
+        if _compiling():
             return _traceable.op_gemm_fp8(x, weight, bias, x_scale, w_scale, weight_layout, fast_accum, backend)
-        return _dispatch.fp8_gemm_call(x, weight, weight_layout, fast_accum, backend)(x, weight, bias, x_scale,
-                                                                                      w_scale)
-    if torch.compiler.is_compiling():
+        return _dispatch.fp8_decided("gemm", x, weight, None, weight_layout, fast_accum, backend).run(
+            x, weight, bias, x_scale, w_scale)
+    if _compiling():
         return _traceable.op_gemm(x, weight, bias, weight_layout, backend)
-    return _dispatch.gemm_call(x, weight, weight_layout, backend)(x, weight, bias)
+    decision = _decisions.get(("gemm", None, x.shape, weight.shape, x.dtype, x.get_device(), weight_layout, backend))
+    if decision is None:
+        decision = _dispatch.decided("gemm", x, weight, None, weight_layout, backend)
+    return decision.run(x, weight, bias)
 
 
 def ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group,
             weight_layout: str = "nt", return_gathered: bool = False, x_scale: torch.Tensor | None = None,
             w_scale: torch.Tensor | None = None, fast_accum: bool = False, backend: str | None = None):
-    if _fp8_call(x_shard_m, weight, x_scale, w_scale):
-        if torch.compiler.is_compiling():
+    if x_scale is not None or w_scale is not None or x_shard_m.dtype in FP8_DTYPES:
+        if _compiling():
             out, data, scale = _traceable.op_ag_gemm_fp8(x_shard_m, weight, bias, x_scale, w_scale,
                                                          group.group_name if group is not None else "",
                                                          weight_layout, return_gathered, fast_accum, backend)
             return (out, ScaledTensor(data, scale)) if return_gathered else out
-        call = _dispatch.fp8_ag_gemm_call(x_shard_m, weight, group, weight_layout, fast_accum, backend)
-        return call(x_shard_m, weight, bias, x_scale, w_scale, return_gathered)
-    if torch.compiler.is_compiling():
+        decision = _dispatch.fp8_decided("ag_gemm", x_shard_m, weight, group, weight_layout, fast_accum, backend)
+        return _dispatch.run_fp8(decision, x_shard_m, weight, bias, x_scale, w_scale, return_gathered)
+    if _compiling():
         if _tp(group) == 1:
             out = gemm(x_shard_m, weight, bias, weight_layout=weight_layout, backend=backend)
             return (out, x_shard_m) if return_gathered else out
         out, gathered = _traceable.op_ag_gemm(x_shard_m, weight, bias, group.group_name, weight_layout,
                                               return_gathered, backend)
         return (out, gathered) if return_gathered else out
-    call = _dispatch.ag_gemm_call(x_shard_m, weight, group, weight_layout, backend)
-    return call(x_shard_m, weight, bias, return_gathered)
+    decision = _decisions.get(("ag_gemm", group, x_shard_m.shape, weight.shape, x_shard_m.dtype,
+                               x_shard_m.get_device(), weight_layout, backend))
+    if decision is None:
+        decision = _dispatch.decided("ag_gemm", x_shard_m, weight, group, weight_layout, backend)
+    try:
+        out = decision.run(x_shard_m, weight, bias, return_gathered)
+        if out is NotImplemented:
+            out = decision.fallback(x_shard_m, weight, bias, return_gathered)
+    except NoGraphTwin as exc:  # captured, and this call's path under capture differs (_dispatch.under_capture)
+        out = _dispatch.under_capture(decision, exc).run(x_shard_m, weight, bias, return_gathered)
+    return out
 
 
 def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group,
             weight_layout: str = "nt", x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
             fast_accum: bool = False, backend: str | None = None) -> torch.Tensor:
-    if _fp8_call(x, weight, x_scale, w_scale):
-        if torch.compiler.is_compiling():
+    if x_scale is not None or w_scale is not None or x.dtype in FP8_DTYPES:
+        if _compiling():
             return _traceable.op_gemm_rs_fp8(x, weight, bias, x_scale, w_scale,
                                              group.group_name if group is not None else "", weight_layout,
                                              fast_accum, backend)
-        return _dispatch.fp8_gemm_rs_call(x, weight, group, weight_layout, fast_accum, backend)(x, weight, bias,
-                                                                                               x_scale, w_scale)
-    if torch.compiler.is_compiling():
+        decision = _dispatch.fp8_decided("gemm_rs", x, weight, group, weight_layout, fast_accum, backend)
+        return _dispatch.run_fp8(decision, x, weight, bias, x_scale, w_scale)
+    if _compiling():
         if _tp(group) == 1:
             return gemm(x, weight, bias, weight_layout=weight_layout, backend=backend)
         return _traceable.op_gemm_rs(x, weight, bias, group.group_name, weight_layout, backend)
-    return _dispatch.gemm_rs_call(x, weight, group, weight_layout, backend)(x, weight, bias)
+    decision = _decisions.get(("gemm_rs", group, x.shape, weight.shape, x.dtype, x.get_device(), weight_layout,
+                               backend))
+    if decision is None:
+        decision = _dispatch.decided("gemm_rs", x, weight, group, weight_layout, backend)
+    try:
+        out = decision.run(x, weight, bias)
+        if out is NotImplemented:
+            out = decision.fallback(x, weight, bias)
+    except NoGraphTwin as exc:
+        out = _dispatch.under_capture(decision, exc).run(x, weight, bias)
+    return out
 
 
 def refresh_settings() -> None:
     """Make the next calls read the ``FLUX_LAYERS_*`` settings and the tuning table again (each distinct call is
-    otherwise decided once, when first made; see :mod:`flux_layers.ops._dispatch`). Workspaces keep the settings
-    they were made with (FLUX_LAYERS_TIMEOUT_S, FLUX_LAYERS_POISON_OUTPUTS)."""
+    otherwise decided once, when first made; see :func:`decide`). Workspaces keep the settings they were made with
+    (FLUX_LAYERS_TIMEOUT_S, FLUX_LAYERS_POISON_OUTPUTS)."""
     _dispatch.refresh()

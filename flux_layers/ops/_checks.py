@@ -17,10 +17,14 @@ def check_layout(weight_layout: str) -> None:
 
 def weight_in_out(weight: torch.Tensor, weight_layout: str) -> tuple[int, int]:
     """(K, N) of a weight in the given layout."""
+    return _weight_in_out(tuple(weight.shape), weight_layout)
+
+
+def _weight_in_out(w_shape: tuple, weight_layout: str) -> tuple[int, int]:
     check_layout(weight_layout)
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D, got shape {tuple(weight.shape)}")
-    n, k = weight.shape if weight_layout == "nt" else (weight.shape[1], weight.shape[0])
+    if len(w_shape) != 2:
+        raise ValueError(f"weight must be 2-D, got shape {tuple(w_shape)}")
+    n, k = w_shape if weight_layout == "nt" else (w_shape[1], w_shape[0])
     return k, n
 
 
@@ -37,13 +41,7 @@ def check_matmul_args(name: str, x: torch.Tensor, weight: torch.Tensor, bias: to
     """Validate x [M, K] against weight (layout) and bias [N]; returns (M, K, N)."""
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError(f"{name}: x and weight must be tensors")
-    if x.dim() != 2:
-        raise ValueError(f"{name}: x must be 2-D [M, K], got shape {tuple(x.shape)}")
-    k_w, n = weight_in_out(weight, weight_layout)
-    m, k = x.shape
-    if k != k_w:
-        raise ValueError(f"{name}: x {tuple(x.shape)} and weight {tuple(weight.shape)} (layout "
-                         f"{weight_layout!r}) disagree on K: {k} vs {k_w}")
+    m, k, n = check_matmul_shapes(name, x.shape, weight.shape, weight_layout)
     fp8 = x.dtype in FP8_DTYPES and weight.dtype in FP8_DTYPES  # a pair of formats (flux_layers/ops/fp8.py)
     if x.dtype != weight.dtype and not fp8:
         raise ValueError(f"{name}: x dtype {x.dtype} != weight dtype {weight.dtype}; x and weight must have the "
@@ -58,6 +56,18 @@ def check_matmul_args(name: str, x: torch.Tensor, weight: torch.Tensor, bias: to
         if bias.dtype != out_dtype or bias.device != x.device:
             raise ValueError(f"{name}: bias is {bias.dtype} on {bias.device}; expected {out_dtype} on {x.device} "
                              "(the dtype and device of x; bfloat16 for FP8 operands)")
+    return m, k, n
+
+
+def check_matmul_shapes(name: str, x_shape, w_shape, weight_layout: str) -> tuple[int, int, int]:
+    """:func:`check_matmul_args`' checks of the shapes alone (x [M, K], the weight in its layout); (M, K, N)."""
+    if len(x_shape) != 2:
+        raise ValueError(f"{name}: x must be 2-D [M, K], got shape {tuple(x_shape)}")
+    k_w, n = _weight_in_out(tuple(w_shape), weight_layout)
+    m, k = x_shape
+    if k != k_w:
+        raise ValueError(f"{name}: x {tuple(x_shape)} and weight {tuple(w_shape)} (layout "
+                         f"{weight_layout!r}) disagree on K: {k} vs {k_w}")
     return m, k, n
 
 

@@ -1,43 +1,101 @@
-"""Calls of ``ops.gemm`` / ``ops.ag_gemm`` / ``ops.gemm_rs`` decided once.
+"""The one cache of decisions: how a call of ``ops.gemm`` / ``ops.ag_gemm`` / ``ops.gemm_rs`` with given arguments
+runs, decided once (``ops.decide`` is its public entry).
 
-A call is identified by (op, group, shapes, dtype, device index (-1 off the GPU), weight layout, requested
-backend, whether the current stream is being captured). The first call with such a key validates the arguments,
-asks the dispatcher (:func:`flux_layers.ops.backend.choose`), finds the workspace and registers the
-kernel/transfer plan; the decision is kept, so every later call with the key costs one dict lookup and the op
-(which checks the tensors themselves, strides and alignment, before anything is enqueued). Settings
-(``FLUX_LAYERS_*``) and the tuning table are read when a decision is made: after changing them in a running
-process, call :func:`refresh`.
+A call is identified by :func:`call_key` (op, group, x's and the weight's shapes, dtype, device index (-1 off the
+GPU), weight layout, requested backend). The first call with a key validates the arguments, asks the dispatcher
+(:func:`flux_layers.ops.backend.choose`) and, on the fused path, checks the call across ranks, finds the workspace
+and registers the call plan with it: the :class:`Decision` kept then says what every later call runs (path, reason,
+transport, plan) and holds ``run``, for the fused copy-engine path the op library's direct call with the workspace
+and plan bound (flux_layers/ops/_opcalls.py), so a repeated call costs a dict lookup and that call, which checks the
+tensors themselves before anything is enqueued. A decision asked for before its call (``ops.decide``, as the layers
+decide their backward GEMMs at fprop) is kept with its choice only and binds its workspace at its first call.
+
+Capture. A call with backend 'auto' (or None) may take another path while the current stream is being captured
+into a CUDA graph (``choose`` refuses the fused path where the workspaces have no CUDA-graph twins, and the NCCL
+transport's always). The capture state is not part of the key, so that an eager call does not ask for it: the
+fused call finds out itself (the op library asks the stream once, to pick the twin) and raises ``NoGraphTwin``
+where there is none, and the call then takes the decision made for calls under capture (:func:`under_capture`),
+kept beside it. ``ops.decide`` asks for the state and returns the decision that applies.
+
+Settings (``FLUX_LAYERS_*``) and the tuning table are read when a decision is made: after changing them in a
+running process, call :func:`refresh`. A workspace outgrown by a larger call, or reset, drops the decisions bound
+to it (workspace.on_retire).
 """
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from flux_layers.ops import _opcalls, reference
-from flux_layers.ops._checks import check_fused_tensor, check_matmul_args
+from flux_layers.ops._checks import check_fused_tensor, check_matmul_args, check_matmul_shapes
 from flux_layers.ops.backend import Choice, choose
+from flux_layers.runtime import workspace
+from flux_layers.runtime.call_plan import AgCallPlan, RsCallPlan
+from flux_layers.runtime.tuning import KernelChoice
 
-_decisions: dict[tuple, object] = {}
-_choices: dict[tuple, Choice] = {}
+_decisions: dict[tuple, Decision] = {}
 _lock = threading.Lock()
+_UNDER_CAPTURE = "under capture"  # the key suffix of the decisions for calls under CUDA-graph capture
 
 
-def _drop_calls_on(ws) -> None:
-    """A workspace was replaced by a larger one: forget the calls bound to it, so that nothing keeps it alive."""
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What a call of ``op`` with these arguments runs: ``choice`` (path 'fused' or 'reference', and why); on the fused
+    path ``transport`` ('copy_engine' or 'nccl' for ag_gemm; 'direct', 'copy_engine' or 'nccl' for gemm_rs) and
+    ``plan``, what the op library runs: the call plan registered with the workspace (ag_gemm: mode push / pull /
+    external, order, rows per chunk; gemm_rs: transport, chunk columns; both the tile, swizzle, stream-K fill and SM
+    count), or the kernel configuration of a plain GEMM. A fused decision made before its first call
+    (``ops.decide``) has no plan yet (``bound`` False).
+
+    ``run(x, weight, bias[, return_gathered])`` makes the call (it may answer NotImplemented: then ``fallback``, the
+    registered op's call, makes it); ``workspace`` is the workspace it runs on."""
+    op: str
+    choice: Choice
+    transport: str | None = None
+    plan: AgCallPlan | RsCallPlan | KernelChoice | None = None
+    bound: bool = True
+    workspace: workspace.Workspace | None = field(default=None, compare=False, repr=False)
+    run: Callable = field(default=None, compare=False, repr=False)
+    fallback: Callable = field(default=None, compare=False, repr=False)
+    key: tuple = field(default=(), compare=False, repr=False)
+
+    @property
+    def path(self) -> str:
+        return self.choice.path
+
+    @property
+    def reason(self) -> str:
+        return self.choice.reason
+
+
+def call_key(op: str, group, x_shape, w_shape, dtype: torch.dtype, device_index: int, weight_layout: str,
+             backend: str | None) -> tuple:
+    """The key of a call's decision (ops/__init__.py builds the same tuple inline on every call)."""
+    return (op, group, x_shape, w_shape, dtype, device_index, weight_layout, backend)
+
+
+def _capture_sensitive(key: tuple) -> bool:
+    """Whether a call may take another path under CUDA-graph capture: a requested path is taken either way (the op
+    runs a captured call on the workspace's twin, or says that there is none)."""
+    return key[0] != "gemm" and key[1] is not None and key[7] not in ("fused", "reference")
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _drop_decisions_on(ws) -> None:
+    """A workspace was retired: forget the decisions bound to it, so that nothing keeps it alive."""
     with _lock:
-        for key in [k for k, call in _decisions.items() if getattr(call, "ws", None) is ws]:
+        for key in [k for k, d in _decisions.items() if d.workspace is ws]:
             del _decisions[key]
 
 
-def _register() -> None:
-    from flux_layers.runtime import workspace
-    if _drop_calls_on not in workspace._on_retire:
-        workspace._on_retire.append(_drop_calls_on)
-
-
-_register()
+workspace.on_retire(_drop_decisions_on)
 
 
 def refresh() -> None:
@@ -45,59 +103,150 @@ def refresh() -> None:
     from flux_layers.runtime import tuning
     with _lock:
         _decisions.clear()
-        _choices.clear()
-    tuning._load_tables.cache_clear()
+    tuning.reload()
+
+
+def _keep(decision: Decision) -> Decision:
+    with _lock:
+        return _decisions.setdefault(decision.key, decision)
 
 
 def _tp(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _capturing(x: torch.Tensor, backend: str | None) -> bool:
-    """Part of a call's key only where it can change the decision: with the path left to the dispatcher (a capture
-    without CUDA-graph twins takes the reference path). A requested path is taken either way; the op itself runs a
-    captured call on the workspace's twin, or says that there is none."""
-    return backend not in ("fused", "reference") and x.is_cuda and torch.cuda.is_current_stream_capturing()
+# ---------------------------------------------------------------- deciding
 
 
-def choice(op: str, device: torch.device, dtype: torch.dtype, mkn: tuple[int, int, int], group,
-           backend: str | None) -> Choice:
-    """:func:`choose`, decided once per (op, device, dtype, shape, group, backend, capture state)."""
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    key = (op, device, dtype, mkn, group, backend, capturing)
-    found = _choices.get(key)
-    if found is None:
-        found = choose(op, device=device, dtype=dtype, mkn=mkn, group=group, backend=backend)
-        _choices[key] = found
-    return found
+def decide(op: str, x, weight, group, weight_layout: str, backend: str | None, *, dtype=None,
+           device=None) -> Decision:
+    """``ops.decide``: the decision for a call of ``op`` with these arguments (tensors, or shapes with ``dtype`` and
+    ``device``), as the call would take it now (under CUDA-graph capture: the decision for captured calls)."""
+    tensors = isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
+    if tensors:
+        check_matmul_args(op, x, weight, None, weight_layout)
+        x_shape, w_shape, dtype, device = x.shape, weight.shape, x.dtype, x.device
+    else:
+        if dtype is None or device is None:
+            raise TypeError(f"decide: {op}'s x and weight are tensors, or shapes with dtype= and device=")
+        x_shape, w_shape, device = tuple(x), tuple(weight), torch.device(device)
+        check_matmul_shapes(op, x_shape, w_shape, weight_layout)
+    index = device.index if device.type == "cuda" and device.index is not None else -1
+    key = call_key(op, group, x_shape, w_shape, dtype, index, weight_layout, backend)
+    if _capture_sensitive(key) and device.type == "cuda" and _capturing():
+        key += (_UNDER_CAPTURE,)
+    found = _decisions.get(key)
+    if found is not None:
+        return found
+    return _keep(_chosen(key, x_shape, w_shape, dtype, device))
 
 
-class _FusedGemm:
-    __slots__ = ("kernel", "weight_nn", "poison", "fast_accum")
-
-    def __init__(self, x, weight, weight_layout, fast_accum=None):
-        from flux_layers import _env
-        from flux_layers.runtime import tuning
-        m, k, n = check_matmul_args("gemm", x, weight, None, weight_layout)
-        check_fused_tensor("gemm", "x", x)
-        check_fused_tensor("gemm", "weight", weight)
-        self.kernel = tuning.resolve_kernel("gemm", dtype=x.dtype, tp=1, mkn=(m, k, n), fast_accum=fast_accum)
-        self.weight_nn = weight_layout == "nn"
-        self.poison = _env.get("POISON_OUTPUTS") == "1"
-        self.fast_accum = bool(fast_accum)
-
-    def __call__(self, x, weight, bias, x_scale=None, w_scale=None):
-        from flux_layers.ops import fused_gemm
-        return fused_gemm.run(x, weight, bias, self.weight_nn, self.kernel, self.poison, x_scale, w_scale,
-                              self.fast_accum)
+def decided(op: str, x: torch.Tensor, weight: torch.Tensor, group, weight_layout: str,
+            backend: str | None) -> Decision:
+    """The bound decision for a call with these arguments, made and kept where there is none yet (ops/__init__.py
+    calls it where its own lookup missed); a call under capture that may take another path gets the decision for
+    captured calls."""
+    check_matmul_args(op, x, weight, None, weight_layout)
+    key = call_key(op, group, x.shape, weight.shape, x.dtype, x.get_device(), weight_layout, backend)
+    if _capture_sensitive(key) and x.is_cuda and _capturing():
+        key += (_UNDER_CAPTURE,)
+    found = _decisions.get(key)
+    if found is not None:
+        return _bind(found, x, weight)
+    chosen = _chosen(key, x.shape, weight.shape, x.dtype, x.device)
+    return _keep(chosen) if chosen.bound else _bind(chosen, x, weight)
 
 
-def _raise_workspace_error(exc: RuntimeError):
-    from flux_layers.runtime import workspace
-    failed = workspace.workspace_error(exc)
-    if failed is None:
+def under_capture(decision: Decision, exc: workspace.NoGraphTwin) -> Decision:
+    """The decision for a call that raised ``exc`` because its stream is being captured: the one for captured
+    calls where that differs (the reference path), else ``exc`` again."""
+    if not _capture_sensitive(decision.key):
         raise exc
-    raise failed from None
+    key = decision.key + (_UNDER_CAPTURE,)
+    captured = _decisions.get(key)
+    if captured is None:
+        op, group, x_shape, w_shape, dtype, index, _, _ = decision.key
+        captured = _keep(_chosen(key, x_shape, w_shape, dtype, torch.device("cuda", index)))
+    if captured.path == "fused":
+        raise exc
+    return captured
+
+
+def _chosen(key: tuple, x_shape, w_shape, dtype: torch.dtype, device: torch.device) -> Decision:
+    """A decision with its choice made (and, off the fused path, its call): not yet bound to a workspace."""
+    op, group, _, _, _, _, weight_layout, backend = key[:8]
+    m, k, n = check_matmul_shapes(op, x_shape, w_shape, weight_layout)
+    tp = _tp(group)
+    if op != "gemm" and tp == 1:  # no communication: the plain GEMM's choice, bound to it at the first call
+        gemm = decide("gemm", x_shape, w_shape, None, weight_layout, backend, dtype=dtype, device=device)
+        decision = Decision(op, gemm.choice, key=key, bound=False)
+        return replace(decision, run=_binding_run(decision))
+    choice = choose(op, device=device, dtype=dtype, mkn=(m * tp if op == "ag_gemm" else m, k, n), group=group,
+                    backend=backend)
+    decision = Decision(op, choice, key=key, bound=False)
+    if choice.path == "reference":
+        return _bound(decision, _reference(op, group, weight_layout))
+    return replace(decision, run=_binding_run(decision))
+
+
+def _binding_run(decision: Decision) -> Callable:
+    """A chosen decision's ``run``: binds it (with the tensors of its first call), then makes the call."""
+    def run(x, weight, bias, *return_gathered):
+        bound = _bind(decision, x, weight)
+        out = bound.run(x, weight, bias, *return_gathered)
+        return bound.fallback(x, weight, bias, *return_gathered) if out is NotImplemented else out
+    return run
+
+
+def _bound(decision: Decision, run: Callable, fallback: Callable | None = None, **fields) -> Decision:
+    return replace(decision, bound=True, run=run, fallback=fallback or run, **fields)
+
+
+def _bind(decision: Decision, x: torch.Tensor, weight: torch.Tensor) -> Decision:
+    """``decision`` bound to its call: on the fused path the arguments checked as the fused kernels need them, the
+    call checked across ranks, the workspace found (or grown) and the plan registered; kept in the cache."""
+    if decision.bound:
+        return decision
+    op, group, _, _, _, _, weight_layout, backend = decision.key[:8]
+    if op != "gemm" and _tp(group) == 1:
+        gemm = decided("gemm", x, weight, None, weight_layout, backend)
+        run = gemm.run if op == "gemm_rs" else _with_input(gemm.run)
+        bound = replace(gemm, op=op, key=decision.key, run=run, fallback=run)  # never NotImplemented
+    elif op == "gemm":
+        bound = _fused_gemm(decision, x, weight, weight_layout)
+    elif op == "ag_gemm":
+        bound = _fused_ag_gemm(decision, x, weight, group, weight_layout)
+    else:
+        bound = _fused_gemm_rs(decision, x, weight, group, weight_layout)
+    with _lock:
+        _decisions[decision.key] = bound
+    return bound
+
+
+def _with_input(gemm_run: Callable) -> Callable:
+    """ag_gemm on a group of one: the plain GEMM, and x itself as the gathered input."""
+    def run(x, weight, bias, return_gathered):
+        out = gemm_run(x, weight, bias)
+        return (out, x) if return_gathered else out
+    return run
+
+
+def _reference(op: str, group, weight_layout: str) -> Callable:
+    if op == "gemm":
+        def run(x, weight, bias):
+            check_matmul_args("gemm", x, weight, bias, weight_layout)
+            return reference.linear(x, weight, bias, weight_layout)
+    elif op == "ag_gemm":
+        def run(x_shard_m, weight, bias, return_gathered):
+            return reference.ag_gemm(x_shard_m, weight, bias, group=group, weight_layout=weight_layout,
+                                     return_gathered=return_gathered)
+    else:
+        def run(x, weight, bias):
+            return reference.gemm_rs(x, weight, bias, group=group, weight_layout=weight_layout)
+    return run
+
+
+# ---------------------------------------------------------------- the fused paths
 
 
 def call_signature(op: str, m: int, k: int, n: int, dtype: torch.dtype, weight_layout: str,
@@ -115,7 +264,7 @@ def check_same_call(group, signature: tuple) -> None:
     that ranks calling with different shapes, dtypes, layouts or transports, or in a different order, stop here
     instead of timing out in the op or hanging in the workspace's collective. Not under CUDA-graph capture (a
     collective cannot be captured; the eager warm-up checked the same calls)."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if _capturing():
         return
     signatures = [None] * dist.get_world_size(group)
     dist.all_gather_object(signatures, signature, group=group)
@@ -125,246 +274,152 @@ def check_same_call(group, signature: tuple) -> None:
                          "same calls in the same order")
 
 
-class _FusedAgGemm:
-    """ops.ag_gemm on the fused path: the op, the workspace (kept alive here) and the plan registered with it. A
-    workspace outgrown by a larger call drops the calls bound to it (_drop_calls_on): they are decided anew."""
-    __slots__ = ("ws", "handle", "plan", "weight_nn", "op")
+def _fused_gemm(decision: Decision, x, weight, weight_layout: str) -> Decision:
+    from flux_layers import _env
+    from flux_layers.ops import fused_gemm
+    from flux_layers.runtime import tuning
+    m, k, n = check_matmul_args("gemm", x, weight, None, weight_layout)
+    check_fused_tensor("gemm", "x", x)
+    check_fused_tensor("gemm", "weight", weight)
+    kernel = tuning.resolve_kernel("gemm", dtype=x.dtype, tp=1, mkn=(m, k, n))
+    weight_nn, poison = weight_layout == "nn", _env.get("POISON_OUTPUTS") == "1"
 
-    def __init__(self, x_shard_m, weight, group, weight_layout):
-        from flux_layers.ops import fused_ag_gemm
-        from flux_layers.runtime import workspace
-        m, k, n = fused_ag_gemm.check_args(x_shard_m, weight, None, weight_layout, group)
-        check_same_call(group, call_signature("ag_gemm", m, k, n, x_shard_m.dtype, weight_layout, "copy_engine"))
-        self.ws = workspace.get_ag_workspace(group, x_shard_m.dtype, m, k)
-        self.handle, self.plan = self.ws.handle, fused_ag_gemm.plan_call(self.ws, m=m, k=k, n=n)
-        self.weight_nn = weight_layout == "nn"
-        self.op = _opcalls.ag_gemm()
-
-    def __call__(self, x_shard_m, weight, bias, return_gathered):
-        try:
-            out, gathered = self.op(x_shard_m, weight, bias, self.handle, self.plan, self.weight_nn, return_gathered,
-                                    True)
-        except RuntimeError as exc:
-            _raise_workspace_error(exc)
-        return (out, gathered) if return_gathered else out
+    def run(x, weight, bias):
+        return fused_gemm.run(x, weight, bias, weight_nn, kernel, poison)
+    return _bound(decision, run, plan=kernel)
 
 
-class _FusedAgGemmNccl:
-    """ops.ag_gemm on the fused path with the NCCL transport (flux_layers/runtime/nccl_transport.py): the workspace
-    in local memory, the call plan and this rank's NCCL batches, as :class:`_FusedAgGemm`."""
-    __slots__ = ("ws", "call", "weight_nn", "run")
+def _fused_ag_gemm(decision: Decision, x_shard_m, weight, group, weight_layout: str) -> Decision:
+    from flux_layers.ops import fused_ag_gemm
+    from flux_layers.ops.backend import ag_transport
+    transport = ag_transport(group)
+    m, k, n = fused_ag_gemm.check_args(x_shard_m, weight, None, weight_layout, group)
+    check_same_call(group, call_signature("ag_gemm", m, k, n, x_shard_m.dtype, weight_layout, transport))
+    ws = workspace.get_ag_workspace(group, x_shard_m.dtype, m, k, transport)
+    weight_nn = weight_layout == "nn"
+    if transport == "nccl":
+        call = fused_ag_gemm.plan_nccl_call(ws, m=m, k=k, n=n)
 
-    def __init__(self, x_shard_m, weight, group, weight_layout):
-        from flux_layers.ops import fused_ag_gemm
-        from flux_layers.runtime import workspace
-        m, k, n = fused_ag_gemm.check_args(x_shard_m, weight, None, weight_layout, group)
-        check_same_call(group, call_signature("ag_gemm", m, k, n, x_shard_m.dtype, weight_layout, "nccl"))
-        self.ws = workspace.get_ag_workspace(group, x_shard_m.dtype, m, k, "nccl")
-        self.call = fused_ag_gemm.plan_nccl_call(self.ws, m=m, k=k, n=n)
-        self.weight_nn = weight_layout == "nn"
-        self.run = fused_ag_gemm.run_nccl
-
-    def __call__(self, x_shard_m, weight, bias, return_gathered):
-        out, gathered = self.run(self.ws, self.call, x_shard_m, weight, bias, self.weight_nn, return_gathered)
-        return (out, gathered) if return_gathered else out
+        def run(x_shard_m, weight, bias, return_gathered):
+            return fused_ag_gemm.run_nccl(ws, call, x_shard_m, weight, bias, weight_nn, return_gathered)
+        return _bound(decision, run, transport=transport, plan=call.plan, workspace=ws)
+    plan = fused_ag_gemm.plan_call(ws, m=m, k=k, n=n)
+    op = _opcalls.ag_gemm(ws, ws.plan_index(plan), weight_nn)
+    return _bound(decision, op.direct or op.registered, op.registered, transport=transport, plan=plan, workspace=ws)
 
 
-class _FusedGemmRsNccl:
-    """ops.gemm_rs on the fused path with the NCCL transport (flux_layers/runtime/nccl_rs_transport.py): the workspace
-    in local memory, the call plan and this rank's NCCL batches, as :class:`_FusedGemmRs`."""
-    __slots__ = ("ws", "call", "weight_nn", "run")
-
-    def __init__(self, x, weight, group, weight_layout):
-        from flux_layers.ops import fused_gemm_rs
-        from flux_layers.runtime import workspace
-        m, k, n = fused_gemm_rs.check_args(x, weight, None, weight_layout, group)
+def _fused_gemm_rs(decision: Decision, x, weight, group, weight_layout: str) -> Decision:
+    from flux_layers.ops import fused_gemm_rs
+    from flux_layers.ops.backend import transport as op_transport
+    from flux_layers.runtime import tuning
+    m, k, n = fused_gemm_rs.check_args(x, weight, None, weight_layout, group)
+    weight_nn = weight_layout == "nn"
+    if op_transport("gemm_rs", group) == "nccl":
         check_same_call(group, call_signature("gemm_rs", m, k, n, x.dtype, weight_layout, "nccl"))
-        self.ws = workspace.get_rs_workspace(group, x.dtype, m, n, nccl=True)
-        self.call = fused_gemm_rs.plan_nccl_call(self.ws, m=m, k=k, n=n)
-        self.weight_nn = weight_layout == "nn"
-        self.run = fused_gemm_rs.run_nccl
+        ws = workspace.get_rs_workspace(group, x.dtype, m, n, nccl=True)
+        call = fused_gemm_rs.plan_nccl_call(ws, m=m, k=k, n=n)
 
-    def __call__(self, x, weight, bias):
-        return self.run(self.ws, self.call, x, weight, bias, self.weight_nn)
-
-
-class _FusedGemmRs:
-    """ops.gemm_rs on the fused path: as :class:`_FusedAgGemm`."""
-    __slots__ = ("ws", "handle", "plan", "weight_nn", "op")
-
-    def __init__(self, x, weight, group, weight_layout):
-        from flux_layers.ops import fused_gemm_rs
-        from flux_layers.runtime import tuning, workspace
-        m, k, n = fused_gemm_rs.check_args(x, weight, None, weight_layout, group)
-        transport = tuning.rs_transport(dtype=x.dtype, tp=dist.get_world_size(group), mkn=(m, k, n))
-        check_same_call(group, call_signature("gemm_rs", m, k, n, x.dtype, weight_layout, transport))
-        self.ws = workspace.get_rs_workspace(group, x.dtype, m, n)
-        self.handle, self.plan = self.ws.handle, fused_gemm_rs.plan_call(self.ws, m=m, k=k, n=n)
-        self.weight_nn = weight_layout == "nn"
-        self.op = _opcalls.gemm_rs()
-
-    def __call__(self, x, weight, bias):
-        try:
-            return self.op(x, weight, bias, self.handle, self.plan, self.weight_nn)
-        except RuntimeError as exc:
-            _raise_workspace_error(exc)
+        def run(x, weight, bias):
+            return fused_gemm_rs.run_nccl(ws, call, x, weight, bias, weight_nn)
+        return _bound(decision, run, transport="nccl", plan=call.plan, workspace=ws)
+    transport = tuning.rs_transport(dtype=x.dtype, tp=dist.get_world_size(group), mkn=(m, k, n))
+    check_same_call(group, call_signature("gemm_rs", m, k, n, x.dtype, weight_layout, transport))
+    ws = workspace.get_rs_workspace(group, x.dtype, m, n)
+    plan = fused_gemm_rs.plan_call(ws, m=m, k=k, n=n, transport=transport)
+    op = _opcalls.gemm_rs(ws, ws.plan_index(plan), weight_nn)
+    return _bound(decision, op.direct or op.registered, op.registered, transport=transport, plan=plan, workspace=ws)
 
 
-def _reference_gemm(weight_layout):
-    def call(x, weight, bias):
-        check_matmul_args("gemm", x, weight, bias, weight_layout)
-        return reference.linear(x, weight, bias, weight_layout)
-    return call
+# ---------------------------------------------------------------- FP8 operands
+# FP8 calls (flux_layers/ops/fp8.py) are keyed by both operand formats and the accumulation in the dtype slot; their
+# ``run`` takes the scales after the bias: ``run(x, weight, bias, x_scale, w_scale[, return_gathered])``. The scales
+# are per-call tensors: the op checks them (their modes do not change the decision).
 
 
-def _reference_ag_gemm(group, weight_layout):
-    def call(x_shard_m, weight, bias, return_gathered):
-        return reference.ag_gemm(x_shard_m, weight, bias, group=group, weight_layout=weight_layout,
-                                 return_gathered=return_gathered)
-    return call
+def fp8_key(op: str, group, x: torch.Tensor, weight: torch.Tensor, weight_layout: str, fast_accum: bool,
+            backend: str | None) -> tuple:
+    return (op, group, x.shape, weight.shape, (x.dtype, weight.dtype, bool(fast_accum)), x.get_device(),
+            weight_layout, backend)
 
 
-def _reference_gemm_rs(group, weight_layout):
-    def call(x, weight, bias):
-        return reference.gemm_rs(x, weight, bias, group=group, weight_layout=weight_layout)
-    return call
-
-
-def _decide(key, make):
-    call = make()
-    with _lock:
-        return _decisions.setdefault(key, call)
-
-
-def gemm_call(x: torch.Tensor, weight: torch.Tensor, weight_layout: str, backend: str | None):
-    """The callable ``(x, weight, bias) -> out`` that ``ops.gemm`` runs for these arguments."""
-    key = ("gemm", x.shape, weight.shape, x.dtype, x.get_device(), weight_layout, backend, _capturing(x, backend))
-    call = _decisions.get(key)
-    if call is not None:
-        return call
-
-    def make():
-        m, k, n = check_matmul_args("gemm", x, weight, None, weight_layout)
-        if choose("gemm", device=x.device, dtype=x.dtype, mkn=(m, k, n), group=None, backend=backend).path == "fused":
-            return _FusedGemm(x, weight, weight_layout)
-        return _reference_gemm(weight_layout)
-    return _decide(key, make)
-
-
-def ag_gemm_call(x_shard_m: torch.Tensor, weight: torch.Tensor, group, weight_layout: str, backend: str | None):
-    """The callable ``(x_shard_m, weight, bias, return_gathered)`` that ``ops.ag_gemm`` runs for these arguments."""
-    key = ("ag_gemm", group, x_shard_m.shape, weight.shape, x_shard_m.dtype, x_shard_m.get_device(), weight_layout,
-           backend, _capturing(x_shard_m, backend))
-    call = _decisions.get(key)
-    if call is not None:
-        return call
-
-    def make():
-        rows, k, n = check_matmul_args("ag_gemm", x_shard_m, weight, None, weight_layout)
-        tp = _tp(group)
-        if tp == 1:
-            gemm = gemm_call(x_shard_m, weight, weight_layout, backend)
-            return lambda x, w, b, return_gathered: (gemm(x, w, b), x) if return_gathered else gemm(x, w, b)
-        path = choose("ag_gemm", device=x_shard_m.device, dtype=x_shard_m.dtype, mkn=(rows * tp, k, n), group=group,
-                      backend=backend).path
-        if path == "fused":
-            from flux_layers.ops.backend import ag_transport
-            fused = _FusedAgGemmNccl if ag_transport(group) == "nccl" else _FusedAgGemm
-            return fused(x_shard_m, weight, group, weight_layout)
-        return _reference_ag_gemm(group, weight_layout)
-    return _decide(key, make)
-
-
-def gemm_rs_call(x: torch.Tensor, weight: torch.Tensor, group, weight_layout: str, backend: str | None):
-    """The callable ``(x, weight, bias) -> out`` that ``ops.gemm_rs`` runs for these arguments."""
-    key = ("gemm_rs", group, x.shape, weight.shape, x.dtype, x.get_device(), weight_layout, backend,
-           _capturing(x, backend))
-    call = _decisions.get(key)
-    if call is not None:
-        return call
-
-    def make():
-        m, k, n = check_matmul_args("gemm_rs", x, weight, None, weight_layout)
-        if _tp(group) == 1:
-            return gemm_call(x, weight, weight_layout, backend)
-        path = choose("gemm_rs", device=x.device, dtype=x.dtype, mkn=(m, k, n), group=group, backend=backend).path
-        if path == "fused":
-            from flux_layers.ops.backend import transport
-            fused = _FusedGemmRsNccl if transport("gemm_rs", group) == "nccl" else _FusedGemmRs
-            return fused(x, weight, group, weight_layout)
-        return _reference_gemm_rs(group, weight_layout)
-    return _decide(key, make)
-
-
-# ---- FP8 operands (flux_layers/ops/fp8.py): calls keyed by both operand dtypes and the accumulation as well; the
-# scales are per-call tensors (their modes are checked per call, they do not change the decision).
-def _fp8_key(op, x, weight, group, weight_layout, fast_accum, backend):
-    return (op + "_fp8", group, x.shape, weight.shape, x.dtype, weight.dtype, x.get_device(), weight_layout,
-            bool(fast_accum), backend, _capturing(x, backend))
-
-
-def fp8_gemm_call(x, weight, weight_layout: str, fast_accum: bool, backend: str | None):
-    """The callable ``(x, weight, bias, x_scale, w_scale) -> out`` that ``ops.gemm`` runs for FP8 operands."""
-    key = _fp8_key("gemm", x, weight, None, weight_layout, fast_accum, backend)
-    call = _decisions.get(key)
-    if call is not None:
-        return call
-
-    def make():
-        m, k, n = check_matmul_args("gemm", x, weight, None, weight_layout)
-        if choose("gemm", device=x.device, dtype=x.dtype, mkn=(m, k, n), group=None, backend=backend).path == "fused":
-            fused = _FusedGemm(x, weight, weight_layout, fast_accum)
-            return lambda x, w, b, xs, ws: fused(x, w, b, *_checked_scales(x, w, b, xs, ws, weight_layout))
-        return lambda x, w, b, xs, ws: reference.gemm(x, w, b, weight_layout=weight_layout, x_scale=xs, w_scale=ws,
-                                                      fast_accum=fast_accum)
-    return _decide(key, make)
-
-
-def _checked_scales(x, weight, bias, x_scale, w_scale, weight_layout):
+def fp8_decided(op: str, x: torch.Tensor, weight: torch.Tensor, group, weight_layout: str, fast_accum: bool,
+                backend: str | None) -> Decision:
+    """The decision of an FP8 call of ``op``, made and kept at its first call."""
+    key = fp8_key(op, group, x, weight, weight_layout, fast_accum, backend)
+    found = _decisions.get(key)
+    if found is not None:
+        return found
     from flux_layers.ops.fp8 import check_fp8_args
-    check_fp8_args("gemm", x, weight, bias, x_scale, w_scale, weight_layout, weight.shape[0])
-    return x_scale, w_scale
+    _, _, n = check_matmul_args(op, x, weight, None, weight_layout)
+    check_fp8_args(op, x, weight, None, None, None, weight_layout, n, scales=False)
+    return _keep(_fp8_chosen(key, x, weight, group, weight_layout, bool(fast_accum), backend))
 
 
-def fp8_ag_gemm_call(x_shard_m, weight, group, weight_layout: str, fast_accum: bool, backend: str | None):
-    """The callable ``(x_shard_m, weight, bias, x_scale, w_scale, return_gathered)`` of ``ops.ag_gemm`` with FP8
-    operands (the reference path: the fused FP8 all-gather is not built yet)."""
-    key = _fp8_key("ag_gemm", x_shard_m, weight, group, weight_layout, fast_accum, backend)
-    call = _decisions.get(key)
-    if call is not None:
-        return call
-
-    def make():
-        rows, k, n = check_matmul_args("ag_gemm", x_shard_m, weight, None, weight_layout)
-        if _tp(group) == 1:
-            from flux_layers.ops.fp8 import ScaledTensor
-            gemm = fp8_gemm_call(x_shard_m, weight, weight_layout, fast_accum, backend)
-
-            def local(x, w, b, xs, ws, return_gathered):
-                out = gemm(x, w, b, xs, ws)
-                return (out, ScaledTensor(x, xs.reshape(1) if xs.numel() == 1 else xs)) if return_gathered else out
-            return local
-        choose("ag_gemm", device=x_shard_m.device, dtype=x_shard_m.dtype, mkn=(rows * _tp(group), k, n),
-               group=group, backend=backend)  # raises where the fused path is requested and cannot run
-        return lambda x, w, b, xs, ws, return_gathered: reference.ag_gemm(
-            x, w, b, group=group, weight_layout=weight_layout, return_gathered=return_gathered, x_scale=xs,
-            w_scale=ws, fast_accum=fast_accum)
-    return _decide(key, make)
+def run_fp8(decision: Decision, x, weight, bias, x_scale, w_scale, *return_gathered):
+    """An FP8 call on its decision; a captured call whose fused path has no CUDA-graph twin takes the reference
+    path (as a 16-bit call's decision for captured calls does), unless the fused path was requested."""
+    try:
+        return decision.run(x, weight, bias, x_scale, w_scale, *return_gathered)
+    except workspace.NoGraphTwin:
+        if decision.key[7] == "fused":
+            raise
+        op, group, _, _, (_, _, fast_accum), _, weight_layout, _ = decision.key
+        return _fp8_reference(op, group, weight_layout, fast_accum)(x, weight, bias, x_scale, w_scale,
+                                                                    *return_gathered)
 
 
-def fp8_gemm_rs_call(x, weight, group, weight_layout: str, fast_accum: bool, backend: str | None):
-    """The callable ``(x, weight, bias, x_scale, w_scale) -> out`` of ``ops.gemm_rs`` with FP8 operands (the
-    reference path: the fused FP8 reduce-scatter is not built yet)."""
-    key = _fp8_key("gemm_rs", x, weight, group, weight_layout, fast_accum, backend)
-    call = _decisions.get(key)
-    if call is not None:
-        return call
+def _fp8_chosen(key: tuple, x, weight, group, weight_layout: str, fast_accum: bool, backend) -> Decision:
+    op = key[0]
+    m, k, n = check_matmul_args(op, x, weight, None, weight_layout)
+    tp = _tp(group)
+    if op != "gemm" and tp == 1:  # no communication: the FP8 GEMM
+        gemm = fp8_decided("gemm", x, weight, None, weight_layout, fast_accum, backend)
+        if op == "gemm_rs":
+            return replace(gemm, op=op, key=key)
+        from flux_layers.ops.fp8 import ScaledTensor
 
-    def make():
-        m, k, n = check_matmul_args("gemm_rs", x, weight, None, weight_layout)
-        if _tp(group) == 1:
-            return fp8_gemm_call(x, weight, weight_layout, fast_accum, backend)
-        choose("gemm_rs", device=x.device, dtype=x.dtype, mkn=(m, k, n), group=group, backend=backend)
-        return lambda x, w, b, xs, ws: reference.gemm_rs(x, w, b, group=group, weight_layout=weight_layout,
-                                                         x_scale=xs, w_scale=ws, fast_accum=fast_accum)
-    return _decide(key, make)
+        def local(x, weight, bias, x_scale, w_scale, return_gathered):
+            out = gemm.run(x, weight, bias, x_scale, w_scale)
+            scale = x_scale.reshape(1) if x_scale.numel() == 1 else x_scale
+            return (out, ScaledTensor(x, scale)) if return_gathered else out
+        return _bound(replace(gemm, op=op, key=key), local)
+    choice = choose(op, device=x.device, dtype=x.dtype, mkn=(m * tp if op == "ag_gemm" else m, k, n), group=group,
+                    backend=backend)
+    decision = Decision(op, choice, key=key, bound=False)
+    if choice.path == "reference":
+        return _bound(decision, _fp8_reference(op, group, weight_layout, fast_accum))
+    if op == "gemm":
+        return _fused_fp8_gemm(decision, x, weight, fast_accum)
+    raise AssertionError(f"{op}: FP8 operands have no fused path, the dispatcher chose one")  # backend.choose
+
+
+def _fp8_reference(op: str, group, weight_layout: str, fast_accum: bool) -> Callable:
+    if op == "gemm":
+        def run(x, weight, bias, x_scale, w_scale):
+            return reference.gemm(x, weight, bias, weight_layout=weight_layout, x_scale=x_scale, w_scale=w_scale,
+                                  fast_accum=fast_accum)
+    elif op == "ag_gemm":
+        def run(x_shard_m, weight, bias, x_scale, w_scale, return_gathered):
+            return reference.ag_gemm(x_shard_m, weight, bias, group=group, weight_layout=weight_layout,
+                                     return_gathered=return_gathered, x_scale=x_scale, w_scale=w_scale,
+                                     fast_accum=fast_accum)
+    else:
+        def run(x, weight, bias, x_scale, w_scale):
+            return reference.gemm_rs(x, weight, bias, group=group, weight_layout=weight_layout, x_scale=x_scale,
+                                     w_scale=w_scale, fast_accum=fast_accum)
+    return run
+
+
+def _fused_fp8_gemm(decision: Decision, x, weight, fast_accum: bool) -> Decision:
+    from flux_layers import _env
+    from flux_layers.ops import fused_gemm
+    from flux_layers.runtime import tuning
+    m, k, n = check_matmul_args("gemm", x, weight, None, "nt")
+    check_fused_tensor("gemm", "x", x)
+    check_fused_tensor("gemm", "weight", weight)
+    kernel = tuning.resolve_kernel("gemm", dtype=x.dtype, tp=1, mkn=(m, k, n), fast_accum=fast_accum)
+    poison = _env.get("POISON_OUTPUTS") == "1"
+
+    def run(x, weight, bias, x_scale, w_scale):  # the op checks the scales and operand types
+        return fused_gemm.run(x, weight, bias, False, kernel, poison, x_scale, w_scale, fast_accum)
+    return _bound(decision, run, plan=kernel)

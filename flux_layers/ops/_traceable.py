@@ -2,9 +2,10 @@
 
 Dynamo cannot trace the operators' Python dispatch (tuning-table files, the workspace registry and its lock,
 loading the op library, host-side epochs), so under torch.compile ``ops.gemm`` / ``ag_gemm`` / ``gemm_rs``
-each become one custom op here. Its implementation is the same eager call, dispatch included, which reaches the op
-library's implementation by its direct call (flux_layers/ops/_opcalls.py), not by a second, nested op; its fake
-implementation only gives the output shapes. Eager calls never come through here.
+each become one custom op here. Its implementation is the same eager call (``ops.ag_gemm`` ..., run outside the
+trace), decision included, which reaches the op library's implementation by its direct call
+(flux_layers/ops/_opcalls.py), not by a second, nested op; its fake implementation only gives the output shapes.
+Eager calls never come through here.
 
 The process group travels by name (``ProcessGroup.group_name``) and is resolved when the op runs.
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from flux_layers.ops import _dispatch
 from flux_layers.ops._checks import output_shape
 from flux_layers.ops.fp8 import OUT_DTYPE
 
@@ -21,7 +21,8 @@ from flux_layers.ops.fp8 import OUT_DTYPE
 @torch.library.custom_op("flux::op_gemm", mutates_args=())
 def op_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_layout: str,
             backend: str | None) -> torch.Tensor:
-    return _dispatch.gemm_call(x, weight, weight_layout, backend)(x, weight, bias)
+    from flux_layers import ops
+    return ops.gemm(x, weight, bias, weight_layout=weight_layout, backend=backend)
 
 
 @op_gemm.register_fake
@@ -33,11 +34,11 @@ def _(x, weight, bias, weight_layout, backend):
 def op_ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group_name: str,
                weight_layout: str, return_gathered: bool, backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, gathered); gathered is [0, K] unless ``return_gathered`` (an op's outputs have a fixed arity)."""
+    from flux_layers import ops
     group = _resolve_process_group(group_name)
-    call = _dispatch.ag_gemm_call(x_shard_m, weight, group, weight_layout, backend)
-    if return_gathered:
-        return call(x_shard_m, weight, bias, True)
-    return call(x_shard_m, weight, bias, False), x_shard_m.new_empty((0, x_shard_m.shape[1]))
+    out = ops.ag_gemm(x_shard_m, weight, bias, group=group, weight_layout=weight_layout,
+                      return_gathered=return_gathered, backend=backend)
+    return out if return_gathered else (out, x_shard_m.new_empty((0, x_shard_m.shape[1])))
 
 
 @op_ag_gemm.register_fake
@@ -50,8 +51,9 @@ def _(x_shard_m, weight, bias, group_name, weight_layout, return_gathered, backe
 @torch.library.custom_op("flux::op_gemm_rs", mutates_args=())
 def op_gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group_name: str,
                weight_layout: str, backend: str | None) -> torch.Tensor:
-    group = _resolve_process_group(group_name)
-    return _dispatch.gemm_rs_call(x, weight, group, weight_layout, backend)(x, weight, bias)
+    from flux_layers import ops
+    return ops.gemm_rs(x, weight, bias, group=_resolve_process_group(group_name), weight_layout=weight_layout,
+                       backend=backend)
 
 
 @op_gemm_rs.register_fake
@@ -70,7 +72,9 @@ def _group(group_name: str):
 def op_gemm_fp8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x_scale: torch.Tensor | None,
                 w_scale: torch.Tensor | None, weight_layout: str, fast_accum: bool,
                 backend: str | None) -> torch.Tensor:
-    return _dispatch.fp8_gemm_call(x, weight, weight_layout, fast_accum, backend)(x, weight, bias, x_scale, w_scale)
+    from flux_layers import ops
+    return ops.gemm(x, weight, bias, weight_layout=weight_layout, x_scale=x_scale, w_scale=w_scale,
+                    fast_accum=fast_accum, backend=backend)
 
 
 @op_gemm_fp8.register_fake
@@ -84,11 +88,12 @@ def op_ag_gemm_fp8(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                    return_gathered: bool, fast_accum: bool,
                    backend: str | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, gathered FP8 rows, their scales); the last two empty unless ``return_gathered``."""
-    call = _dispatch.fp8_ag_gemm_call(x_shard_m, weight, _group(group_name), weight_layout, fast_accum, backend)
+    from flux_layers import ops
+    out = ops.ag_gemm(x_shard_m, weight, bias, group=_group(group_name), weight_layout=weight_layout,
+                      return_gathered=return_gathered, x_scale=x_scale, w_scale=w_scale, fast_accum=fast_accum,
+                      backend=backend)
     if return_gathered:
-        out, gathered = call(x_shard_m, weight, bias, x_scale, w_scale, True)
-        return out, gathered.data, gathered.scale
-    out = call(x_shard_m, weight, bias, x_scale, w_scale, False)
+        return out[0], out[1].data, out[1].scale
     return out, x_shard_m.new_empty((0, x_shard_m.shape[1])), x_scale.new_empty((0,))
 
 
@@ -107,8 +112,9 @@ def _(x_shard_m, weight, bias, x_scale, w_scale, group_name, weight_layout, retu
 def op_gemm_rs_fp8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x_scale: torch.Tensor | None,
                    w_scale: torch.Tensor | None, group_name: str, weight_layout: str, fast_accum: bool,
                    backend: str | None) -> torch.Tensor:
-    call = _dispatch.fp8_gemm_rs_call(x, weight, _group(group_name), weight_layout, fast_accum, backend)
-    return call(x, weight, bias, x_scale, w_scale)
+    from flux_layers import ops
+    return ops.gemm_rs(x, weight, bias, group=_group(group_name), weight_layout=weight_layout, x_scale=x_scale,
+                       w_scale=w_scale, fast_accum=fast_accum, backend=backend)
 
 
 @op_gemm_rs_fp8.register_fake

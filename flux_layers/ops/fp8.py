@@ -62,9 +62,10 @@ def scale_mode(name: str, what: str, scale: torch.Tensor, rows: int, like: torch
 
 def check_fp8_args(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    x_scale: torch.Tensor | None, w_scale: torch.Tensor | None, weight_layout: str,
-                   n: int) -> tuple[str, str] | None:
+                   n: int, scales: bool = True) -> tuple[str, str] | None:
     """The FP8 rules of a call (module docstring): None for 16-bit operands without scales, else the scale modes
-    (x's, w's), each 'tensor' or 'row'. Raises ValueError/TypeError before anything runs."""
+    (x's, w's), each 'tensor' or 'row'. Raises ValueError/TypeError before anything runs. ``scales`` False: the
+    operands' rules only (a call decided before its scales are seen)."""
     fp8_x, fp8_w = is_fp8(x), is_fp8(weight)
     if not fp8_x and not fp8_w:
         if x_scale is not None or w_scale is not None:
@@ -82,6 +83,8 @@ def check_fp8_args(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch
         raise ValueError(f"{name}: FP8 GEMMs need K and N multiples of 16, got K={k}, N={n}")
     if bias is not None and bias.dtype != OUT_DTYPE:
         raise ValueError(f"{name}: FP8 GEMMs take a {OUT_DTYPE} bias (they write {OUT_DTYPE}), got {bias.dtype}")
+    if not scales:
+        return None
     if x_scale is None or w_scale is None:
         raise ValueError(f"{name}: FP8 operands need x_scale and w_scale (float32 dequantization scales)")
     rows = x.shape[0]

@@ -12,7 +12,8 @@ The copy engines move the peers' shards in chunks (csrc/runtime/ag_gemm.cpp), ea
 persistent GEMM starts on its own shard at once and, per tile, waits on the flag of the chunk its A tile reads.
 Direction (pull/push) from ``mode`` or FLUX_LAYERS_AG_MODE, order (mesh/ring) from ``order``, the topology or
 FLUX_LAYERS_AG_ORDER, chunk rows from ``chunk_rows``, FLUX_LAYERS_CHUNK_ROWS or schedules.default_rows_per_chunk.
-These are fixed in a call plan registered with the workspace (:func:`plan_call`); :func:`run` makes the call.
+These are fixed in a call plan (runtime/call_plan.py) registered with the workspace (:func:`plan_call`); :func:`run`
+makes the call.
 
 Transport ``nccl`` (a group whose GPUs cannot map each other's memory, one that spans nodes, or
 FLUX_LAYERS_TRANSPORT=nccl): the workspace is local memory, the chunks arrive by NCCL send/recv driven from the
@@ -31,10 +32,10 @@ from flux_layers import _env, _library
 from flux_layers.ops import _opcalls
 from flux_layers.ops._checks import check_fused_dims, check_fused_tensor, check_matmul_args
 from flux_layers.runtime import nccl_transport, schedules, tuning, workspace
+from flux_layers.runtime.call_plan import AgCallPlan
 
-_MODES = {"pull": 0, "push": 1}
-_EXTERNAL = 2  # AgMode::kExternal: the caller moves the chunks (the NCCL transport)
-_ORDERS = {"mesh": 0, "ring": 1}
+DIRECTIONS = ("pull", "push")  # the copy engine's (the plan's third mode, 'external', is the NCCL transport's)
+ORDERS = ("mesh", "ring")
 
 
 def _rows_per_chunk(ws: workspace.AgWorkspace, rows_per_shard: int, row_bytes: int, chunk_rows: int | None) -> int:
@@ -62,30 +63,33 @@ def check_args(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 def plan_call(ws: workspace.AgWorkspace, *, m: int, k: int, n: int, tile: int | None = None,
               swizzle: int | None = None, stream_k: bool | int | None = None, sm_count: int = 0,
-              mode: str | None = None, order: str | None = None, chunk_rows: int | None = None) -> int:
-    """The index of the call plan for an [M, K] x [K, N] call on ``ws`` (registered once per distinct plan):
-    kernel configuration from the arguments or the tuning table, transfer direction, order and chunking."""
+              mode: str | None = None, order: str | None = None, chunk_rows: int | None = None) -> AgCallPlan:
+    """The call plan for an [M, K] x [K, N] call on ``ws``: kernel configuration from the arguments or the tuning
+    table, transfer direction, order and chunking (registered with ``ws`` by :func:`run`, once per distinct plan)."""
     mode = _env.get("AG_MODE") if mode is None else mode
     order = ws.order if order is None else order
-    if mode not in _MODES:
+    if mode not in DIRECTIONS:
         raise ValueError(f"ag_gemm: mode must be 'pull' or 'push', got {mode!r}")
-    if order not in _ORDERS:
+    if order not in ORDERS:
         raise ValueError(f"ag_gemm: order must be 'mesh' or 'ring', got {order!r}")
     kc = tuning.resolve_kernel("ag_gemm", dtype=ws.dtype, tp=ws.tp, mkn=(m, k, n), tile=tile, swizzle=swizzle,
                                stream_k=stream_k, sm_count=sm_count)
     elem = torch.tensor([], dtype=ws.dtype).element_size()
     rows_per_chunk = _rows_per_chunk(ws, m // ws.tp, k * elem, chunk_rows)
-    return ws.plan_index((kc.tile, kc.swizzle, kc.stream_k_fill, kc.sm_count, _MODES[mode], _ORDERS[order],
-                          rows_per_chunk, False, 0, ()))
+    return AgCallPlan(tile=kc.tile, swizzle=kc.swizzle, stream_k_fill=kc.stream_k_fill, sm_count=kc.sm_count,
+                      mode=mode, order=order, rows_per_chunk=rows_per_chunk)
 
 
 @dataclass(frozen=True)
 class NcclCall:
     """A call's plan on a workspace of the NCCL transport: the op's call plan (external transfers, the GEMM's
-    shard order, the SMs it may hold), the chunking and this rank's part of the transfer plan."""
-    plan: int
+    shard order, the SMs it may hold) and its index in the workspace, the chunking, this rank's part of the transfer
+    plan, and the index in the workspace's flags of each chunk's flag, ``chunk_flags[shard][chunk]``."""
+    plan: AgCallPlan
+    index: int
     rows_per_chunk: int
     executor: nccl_transport.AgExecutor
+    chunk_flags: tuple[tuple[int, ...], ...]
 
 
 def plan_nccl_call(ws: workspace.AgWorkspace, *, m: int, k: int, n: int, tile: int | None = None,
@@ -100,34 +104,36 @@ def plan_nccl_call(ws: workspace.AgWorkspace, *, m: int, k: int, n: int, tile: i
     elem = torch.tensor([], dtype=ws.dtype).element_size()
     rows = m // ws.tp
     rows_per_chunk = _rows_per_chunk(ws, rows, k * elem, chunk_rows)
-    plan = nccl_transport.nccl_plan(ws.layout, max(1, schedules.chunk_count(rows, rows_per_chunk)), order)
-    executor = nccl_transport.AgExecutor(plan, ws.rank, ws.group)
+    chunks = max(1, schedules.chunk_count(rows, rows_per_chunk))
+    transfers = nccl_transport.nccl_plan(ws.layout, chunks, order)
+    executor = nccl_transport.AgExecutor(transfers, ws.rank, ws.group)
     kc = tuning.resolve_kernel("ag_gemm", dtype=ws.dtype, tp=ws.tp, mkn=(m, k, n), tile=tile, swizzle=swizzle,
                                stream_k=stream_k, sm_count=sm_count or nccl_transport.gemm_sms_beside_nccl(ws.device))
-    index = ws.plan_index((kc.tile, kc.swizzle, kc.stream_k_fill, kc.sm_count, _EXTERNAL, 0, rows_per_chunk, False,
-                           0, executor.gemm_order))
-    return NcclCall(index, rows_per_chunk, executor)
+    plan = AgCallPlan(tile=kc.tile, swizzle=kc.swizzle, stream_k_fill=kc.stream_k_fill, sm_count=kc.sm_count,
+                      mode="external", order="mesh", rows_per_chunk=rows_per_chunk,
+                      group_order=tuple(executor.gemm_order))
+    chunk_flags = tuple(tuple(ws.flag_index("chunk", g, c) for c in range(chunks)) for g in range(ws.tp))
+    return NcclCall(plan, ws.plan_index(plan), rows_per_chunk, executor, chunk_flags)
 
 
 def run_nccl(ws: workspace.AgWorkspace, call: NcclCall, x_shard_m: torch.Tensor, weight: torch.Tensor,
-             bias: torch.Tensor | None, weight_nn: bool, return_gathered: bool,
-             run_gemm: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+             bias: torch.Tensor | None, weight_nn: bool, return_gathered: bool, run_gemm: bool = True):
     """One call on a workspace of the NCCL transport (module docstring): fork the transfer stream from the compute
     stream, enqueue the GEMM (it waits per chunk on this rank's flags), then this rank's NCCL batches on the
     transfer stream, each received chunk's flag set to the call's epoch after it, the gathered input copied out
-    there if asked for, and join. Returns (out, gathered or the op's [0, K] tensor). ``run_gemm`` False: the
-    transfers alone (benchmarks)."""
+    there if asked for, and join. Returns out, or (out, gathered) if ``return_gathered``. ``run_gemm`` False: the
+    transfers alone (benchmarks). A call under CUDA-graph capture raises NoGraphTwin (the transport has none)."""
     if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"ag_gemm: {nccl_transport.CAPTURE_REFUSAL}")
+        raise workspace.NoGraphTwin(f"ag_gemm: {nccl_transport.CAPTURE_REFUSAL}")
     x = x_shard_m if x_shard_m.is_contiguous() else x_shard_m.contiguous()  # NCCL sends contiguous memory
     rows, tp, rpc = x.shape[0], ws.tp, call.rows_per_chunk
     compute, stream = torch.cuda.current_stream(), ws.transfer_stream
     stream.wait_stream(compute)  # fork before the GEMM: the transfers never wait on the GEMM they feed
-    out, gathered = run(ws, call.plan, x, weight, bias, weight_nn, False, run_gemm)
+    out = _opcalls.ag_gemm(ws, call.index, weight_nn, run_gemm)(x, weight, bias, False)
     if rows == 0:
-        return out, (x.new_empty((0, x.shape[1])) if return_gathered else gathered)
+        return (out, x.new_empty((0, x.shape[1]))) if return_gathered else out
     epoch = ws.epoch  # the value this call's GEMM waits for
-    buffer, flags, capacity = ws.buffer[:rows * tp], ws.flags, ws.chunk_capacity
+    buffer, flags, chunk_flags = ws.buffer[:rows * tp], ws.flags, call.chunk_flags
     write_flag = torch.ops.flux_layers.write_flag.default
 
     def region(g: int, c: int) -> torch.Tensor:
@@ -135,29 +141,24 @@ def run_nccl(ws: workspace.AgWorkspace, call: NcclCall, x_shard_m: torch.Tensor,
 
     with torch.cuda.stream(stream):
         call.executor.run(lambda c: x[c * rpc:(c + 1) * rpc], region,
-                          lambda g, c: write_flag(flags, g * capacity + c, epoch))
+                          lambda g, c: write_flag(flags, chunk_flags[g][c], epoch))
         if return_gathered:
             gathered = torch.empty((rows * tp, x.shape[1]), dtype=x.dtype, device=x.device)
             gathered.copy_(buffer)
             gathered[ws.rank * rows:(ws.rank + 1) * rows].copy_(x)
     compute.wait_stream(stream)
-    if return_gathered:
-        gathered.record_stream(compute)
+    if not return_gathered:
+        return out
+    gathered.record_stream(compute)
     return out, gathered
 
 
-def run(ws: workspace.AgWorkspace, plan: int, x_shard_m: torch.Tensor, weight: torch.Tensor,
-        bias: torch.Tensor | None, weight_nn: bool, return_gathered: bool,
-        run_gemm: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """One call of the op library's ag_gemm: (out [M, N], gathered [M, K], or [0, K] unless ``return_gathered``).
-    The op checks the tensors against the workspace before anything is enqueued."""
-    try:
-        return _opcalls.ag_gemm()(x_shard_m, weight, bias, ws.handle, plan, weight_nn, return_gathered, run_gemm)
-    except RuntimeError as exc:
-        failed = workspace.workspace_error(exc)
-        if failed is None:
-            raise
-        raise failed from None
+def run(ws: workspace.AgWorkspace, plan: AgCallPlan, x_shard_m: torch.Tensor, weight: torch.Tensor,
+        bias: torch.Tensor | None, weight_nn: bool, return_gathered: bool, run_gemm: bool = True):
+    """One call of the op library's ag_gemm with ``plan`` (registered with ``ws`` once): out [M, N], or (out,
+    gathered [M, K]) if ``return_gathered``. The op checks the tensors against the workspace before anything is
+    enqueued."""
+    return _opcalls.ag_gemm(ws, ws.plan_index(plan), weight_nn, run_gemm)(x_shard_m, weight, bias, return_gathered)
 
 
 def ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group,
@@ -185,12 +186,10 @@ def ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if transport == "nccl":
         call = plan_nccl_call(ws, m=m, k=k, n=n, tile=tile, swizzle=swizzle, stream_k=stream_k, sm_count=sm_count,
                               order=order, chunk_rows=chunk_rows)
-        out, gathered = run_nccl(ws, call, x_shard_m, weight, bias, weight_layout == "nn", return_gathered)
-        return (out, gathered) if return_gathered else out
+        return run_nccl(ws, call, x_shard_m, weight, bias, weight_layout == "nn", return_gathered)
     plan = plan_call(ws, m=m, k=k, n=n, tile=tile, swizzle=swizzle, stream_k=stream_k, sm_count=sm_count,
                      mode=mode, order=order, chunk_rows=chunk_rows)
-    out, gathered = run(ws, plan, x_shard_m, weight, bias, weight_layout == "nn", return_gathered)
-    return (out, gathered) if return_gathered else out
+    return run(ws, plan, x_shard_m, weight, bias, weight_layout == "nn", return_gathered)
 
 
 def copy_engine_all_gather(x_shard_m: torch.Tensor, *, group, ws: workspace.AgWorkspace | None = None

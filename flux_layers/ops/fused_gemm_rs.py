@@ -12,7 +12,7 @@ transports: ``direct``, the GEMM epilogue stores the tile into the peer's memory
 the epilogue stores it locally and a copy engine moves each finished chunk (a panel of tiles x a strip of
 columns), so the SMs never wait on NVLink. Partials travel in the input dtype (as with NCCL's reduce-scatter of
 bf16 data); the sum is accumulated in fp32. Kernel configuration and transport are fixed in a call plan
-registered with the workspace (:func:`plan_call`); :func:`run` makes the call.
+(runtime/call_plan.py) registered with the workspace (:func:`plan_call`); :func:`run` makes the call.
 
 Transport ``nccl`` (``transport='nccl'`` here, FLUX_LAYERS_TRANSPORT=nccl for ``ops.gemm_rs``): the workspace is
 local memory, the kernel stages every peer's partial locally and counts it per full-width chunk as with the copy
@@ -32,8 +32,7 @@ from flux_layers import _env, _library
 from flux_layers.ops import _opcalls
 from flux_layers.ops._checks import check_fused_dims, check_fused_tensor, check_matmul_args
 from flux_layers.runtime import nccl_rs_transport, nccl_transport, tuning, workspace
-
-_EXTERNAL = 2  # the call plan's mode (AgMode::kExternal): the caller moves the partials (the NCCL transport)
+from flux_layers.runtime.call_plan import RsCallPlan
 
 
 def check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_layout: str,
@@ -52,29 +51,34 @@ def check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def plan_call(ws: workspace.RsWorkspace, *, m: int, k: int, n: int, tile: int | None = None,
               swizzle: int | None = None, stream_k: bool | int | None = None, sm_count: int = 0,
-              transport: str | None = None, chunk_cols: int | None = None) -> int:
-    """The index of the call plan for an [M, K] x [K, N] call on ``ws`` (registered once per distinct plan).
-    Every rank resolves the same transport (same shape, same table), as both sides of a transfer must agree."""
+              transport: str | None = None, chunk_cols: int | None = None) -> RsCallPlan:
+    """The call plan for an [M, K] x [K, N] call on ``ws`` (registered with ``ws`` by :func:`run`, once per distinct
+    plan). Every rank resolves the same transport (same shape, same table), as both sides of a transfer must
+    agree."""
     chunk_cols = _env.get_int("RS_CHUNK_COLS") if chunk_cols is None else chunk_cols
     if chunk_cols < 0:
         raise ValueError(f"gemm_rs: chunk_cols must be >= 0 (0: default), got {chunk_cols}")
     transport = tuning.rs_transport(dtype=ws.dtype, tp=ws.tp, mkn=(m, k, n), requested=transport)
     kc = tuning.resolve_kernel("gemm_rs", dtype=ws.dtype, tp=ws.tp, mkn=(m, k, n), tile=tile, swizzle=swizzle,
                                stream_k=stream_k, sm_count=sm_count)
-    copy_engine = transport == "copy_engine"
-    if copy_engine:
+    if transport == "copy_engine":
         ws.stage_buffer()
-    return ws.plan_index((kc.tile, kc.swizzle, kc.stream_k_fill, kc.sm_count, 0, 0, 0, copy_engine, chunk_cols,
-                          ()))
+    return RsCallPlan(tile=kc.tile, swizzle=kc.swizzle, stream_k_fill=kc.stream_k_fill, sm_count=kc.sm_count,
+                      transport=transport, chunk_cols=chunk_cols)
 
 
 @dataclass(frozen=True)
 class NcclCall:
     """A call's plan on a workspace of the NCCL transport: the op's call plan (external transfers, full-width chunks,
-    the SMs the GEMM may hold), the chunks of each destination's rows and this rank's batches."""
-    plan: int
+    the SMs the GEMM may hold) and its index in the workspace, the chunks of each destination's rows, this rank's
+    batches, and the index in the workspace's flags of ``count_flags[dst][chunk]`` (this rank's staged tiles of
+    dst's rows) and ``partial_flags[src][chunk]`` (src's partial of ours received)."""
+    plan: RsCallPlan
+    index: int
     chunks: tuple[nccl_rs_transport.RsChunk, ...]
     executor: nccl_rs_transport.RsExecutor
+    count_flags: tuple[tuple[int, ...], ...]
+    partial_flags: tuple[tuple[int, ...], ...]
 
 
 def plan_nccl_call(ws: workspace.RsWorkspace, *, m: int, k: int, n: int, tile: int | None = None,
@@ -88,8 +92,13 @@ def plan_nccl_call(ws: workspace.RsWorkspace, *, m: int, k: int, n: int, tile: i
     chunks = nccl_rs_transport.full_width_chunks(m // ws.tp, n, kc.tile, kc.swizzle)
     if len(chunks) > ws.flags_per_source:
         raise AssertionError(f"gemm_rs: {len(chunks)} chunks exceed the workspace's {ws.flags_per_source} flags")
-    index = ws.plan_index((kc.tile, kc.swizzle, kc.stream_k_fill, kc.sm_count, _EXTERNAL, 0, 0, False, n, ()))
-    return NcclCall(index, chunks, nccl_rs_transport.RsExecutor(ws.rank, ws.tp, max(1, len(chunks)), ws.group))
+    plan = RsCallPlan(tile=kc.tile, swizzle=kc.swizzle, stream_k_fill=kc.stream_k_fill, sm_count=kc.sm_count,
+                      transport="external", chunk_cols=n)
+    count_flags = tuple(tuple(ws.count_index(q, c) for c in range(len(chunks))) for q in range(ws.tp))
+    partial_flags = tuple(tuple(ws.partial_flag_index(q, c) for c in range(len(chunks))) for q in range(ws.tp))
+    return NcclCall(plan, ws.plan_index(plan), chunks,
+                    nccl_rs_transport.RsExecutor(ws.rank, ws.tp, max(1, len(chunks)), ws.group), count_flags,
+                    partial_flags)
 
 
 def run_nccl(ws: workspace.RsWorkspace, call: NcclCall, x: torch.Tensor, weight: torch.Tensor,
@@ -99,33 +108,28 @@ def run_nccl(ws: workspace.RsWorkspace, call: NcclCall, x: torch.Tensor, weight:
     chunk: wait for its count, send it, receive the peer's partial of our rows, set that chunk's flag to the call's
     epoch), and the compute stream joins it."""
     if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"gemm_rs: {nccl_rs_transport.CAPTURE_REFUSAL}")
+        raise workspace.NoGraphTwin(f"gemm_rs: {nccl_rs_transport.CAPTURE_REFUSAL}")
     compute, stream = torch.cuda.current_stream(), ws.transfer_stream
-    out = run(ws, call.plan, x, weight, bias, weight_nn)  # forks the transfer stream before the GEMM
+    out = _opcalls.gemm_rs(ws, call.index, weight_nn)(x, weight, bias)  # forks the transfer stream before the GEMM
     if out.shape[0] == 0:
         return out  # no epoch, nothing moved (every rank)
     epoch = ws.epoch  # the value this call's GEMM waits for
     flags, chunks, rows = ws.flags, call.chunks, nccl_rs_transport.chunk_rows
+    counts, partials = call.count_flags, call.partial_flags
     wait_flag, write_flag = torch.ops.flux_layers.wait_flag.default, torch.ops.flux_layers.write_flag.default
     with torch.cuda.stream(stream):
-        call.executor.run(lambda d, c: wait_flag(flags, ws.count_index(d, c), chunks[c].tiles),
+        call.executor.run(lambda d, c: wait_flag(flags, counts[d][c], chunks[c].tiles),
                           lambda d, c: rows(ws.stage_slot(d), chunks[c]), lambda s, c: rows(ws.recv[s], chunks[c]),
-                          lambda s, c: write_flag(flags, ws.flag_index(s, c), epoch))
+                          lambda s, c: write_flag(flags, partials[s][c], epoch))
     compute.wait_stream(stream)
     return out
 
 
-def run(ws: workspace.RsWorkspace, plan: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-        weight_nn: bool) -> torch.Tensor:
-    """One call of the op library's gemm_rs; the op checks the tensors against the workspace before anything is
-    enqueued."""
-    try:
-        return _opcalls.gemm_rs()(x, weight, bias, ws.handle, plan, weight_nn)
-    except RuntimeError as exc:
-        failed = workspace.workspace_error(exc)
-        if failed is None:
-            raise
-        raise failed from None
+def run(ws: workspace.RsWorkspace, plan: RsCallPlan, x: torch.Tensor, weight: torch.Tensor,
+        bias: torch.Tensor | None, weight_nn: bool) -> torch.Tensor:
+    """One call of the op library's gemm_rs with ``plan`` (registered with ``ws`` once); the op checks the tensors
+    against the workspace before anything is enqueued."""
+    return _opcalls.gemm_rs(ws, ws.plan_index(plan), weight_nn)(x, weight, bias)
 
 
 def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group,

@@ -56,6 +56,11 @@ def _load_tables(override: str) -> tuple[dict, ...]:
     return tuple(tables)
 
 
+def reload() -> None:
+    """Read the tables again at the next lookup (after FLUX_LAYERS_TUNING or a table file changed)."""
+    _load_tables.cache_clear()
+
+
 def _gpu_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 

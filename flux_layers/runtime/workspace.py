@@ -45,29 +45,24 @@ import torch.distributed as dist
 
 from flux_layers import _env, _library
 from flux_layers.runtime import topology
-from flux_layers.runtime.schedules import ERROR_RECORD_WORDS, MAX_TP, SIGNATURE_WORDS
+from flux_layers.runtime.call_plan import AgCallPlan, RsCallPlan
+from flux_layers.runtime.schedules import ERROR_RECORD_WORDS, MAX_TP
 
 
 class WorkspaceError(RuntimeError):
     """A bounded wait inside a fused operator timed out, or the ranks' calls went out of step; the workspace cannot be
-    used any more."""
+    used any more. The op library's direct calls raise it themselves; a registered op's call raises
+    torch.distributed.DistError, which flux_layers/ops/_opcalls.py turns into it."""
 
 
-# The op library marks the errors of an unusable workspace with this tag (csrc/bindings/ops.cpp).
-_ERROR_TAG = "[flux_layers.WorkspaceError] "
+class NoGraphTwin(RuntimeError):
+    """A fused call made while its stream is being captured into a CUDA graph, on a workspace without a CUDA-graph
+    twin (one made before CUDA graphs were enabled, or of the NCCL transport, which refuses captured calls)."""
 
 
-def workspace_error(exc: RuntimeError) -> WorkspaceError | None:
-    """The :class:`WorkspaceError` an op's RuntimeError stands for, or None if it is another error."""
-    text = str(exc)
-    at = text.find(_ERROR_TAG)
-    if at < 0:
-        return None
-    return WorkspaceError(text[at + len(_ERROR_TAG):].split("\nException raised from")[0])
-
-
-_KIND = {"ag_gemm": 0, "gemm_rs": 1}
-_DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1}
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name the op library knows a dtype by (its torch name: 'bfloat16', 'float8_e4m3fn', ...)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _align(n: int, a: int = 256) -> int:
@@ -83,11 +78,11 @@ class _Key:
 
 
 class Workspace:
-    """Common part: one symmetric allocation (data + flags), streams, epoch counter, error record."""
+    """Common part: one symmetric allocation (data + flags), streams, epoch counter, error record. ``sizes``: what the
+    op library's layout says one rank holds (``ag_workspace_layout`` / ``rs_workspace_layout``)."""
 
-    def __init__(self, group, *, data_bytes: int, flag_words: int, handshake_words: slice, num_comm_streams: int,
-                 what: str, graph_protocol: bool, dtype: torch.dtype, max_m: int, inner: int, capacity: int,
-                 peer_mapped: bool = True):
+    def __init__(self, group, *, kind: str, sizes: dict, num_comm_streams: int, what: str, graph_protocol: bool,
+                 dtype: torch.dtype, max_m: int, inner: int, peer_mapped: bool = True):
         _library.require()  # the native object below is the op library's class
         if not dist.is_initialized():
             raise RuntimeError(f"{what}: torch.distributed is not initialised")
@@ -99,8 +94,9 @@ class Workspace:
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.peer_mapped = peer_mapped
 
+        flag_words = sizes["flag_words"]
         self._data_offset = 0
-        self._flag_offset = _align(data_bytes)
+        self._flag_offset = _align(sizes["data_bytes"])
         total = self._flag_offset + _align(flag_words * 4)
         if peer_mapped:
             import torch.distributed._symmetric_memory as symm_mem
@@ -110,7 +106,8 @@ class Workspace:
         self._storage[self._flag_offset:].zero_()
         self.graph_protocol = graph_protocol
         if graph_protocol:  # the handshake words start set: "the previous call finished"
-            self._storage[self._flag_offset:].view(torch.int32)[handshake_words] = 1
+            begin = sizes["handshake_begin"]
+            self._storage[self._flag_offset:].view(torch.int32)[begin:begin + sizes["handshake_words"]] = 1
         torch.cuda.current_stream().synchronize()
         if peer_mapped:
             handle = symm_mem.rendezvous(self._storage, self.group)
@@ -138,13 +135,14 @@ class Workspace:
         self.what = what + (" (CUDA-graph twin)" if graph_protocol else "")
         self.graph_twin: Workspace | None = None
         self.retired = False  # replaced by a larger workspace (the calls decided on this one were dropped)
-        self._plans: dict[tuple, int] = {}
+        self._plans: dict[AgCallPlan | RsCallPlan, int] = {}
         self._plans_lock = threading.Lock()
         self.native = torch.classes.flux_layers.Workspace(
-            _KIND[what], _DTYPE_CODE[dtype], self.rank, self.device.index, max_m, inner, capacity, self.data_ptrs,
-            self.flag_ptrs, [s.cuda_stream for s in self.comm_streams],
-            [self.error_record.data_ptr(), self.error_claim.data_ptr()], graph_protocol, self._timeout_s,
-            _env.get("POISON_OUTPUTS") == "1", self.what)
+            kind=kind, dtype=dtype_name(dtype), rank=self.rank, device=self.device.index, max_m=max_m, inner=inner,
+            capacity=sizes["capacity"], data_ptrs=self.data_ptrs, flag_ptrs=self.flag_ptrs,
+            comm_streams=[s.cuda_stream for s in self.comm_streams],
+            error_ptrs=[self.error_record.data_ptr(), self.error_claim.data_ptr()], graph_protocol=graph_protocol,
+            timeout_s=self._timeout_s, poison_outputs=_env.get("POISON_OUTPUTS") == "1", what=self.what)
         self.handle = self.native.handle()  # what the ops take (the object lives as long as this workspace)
         # The native state outlives nothing it points into (a release of its flags may still be in flight when Python
         # drops this workspace, attributes in any order).
@@ -156,17 +154,24 @@ class Workspace:
         docstring)."""
         raise NotImplementedError
 
-    # ---- per call
-    def plan_index(self, plan: tuple) -> int:
-        """The index of a call plan (the arguments of the native ``add_plan``) registered with this workspace once."""
+    # ---- plans and flags
+    def plan_index(self, plan: AgCallPlan | RsCallPlan) -> int:
+        """The index of ``plan`` in this workspace, registered (by name) once (and with the CUDA-graph twin, which
+        runs every plan of the workspace under the same index)."""
         index = self._plans.get(plan)
         if index is None:
             with self._plans_lock:
                 index = self._plans.get(plan)
                 if index is None:
-                    args = [list(v) if isinstance(v, tuple) else v for v in plan]  # a shard order: int[]
-                    index = self._plans[plan] = self.native.add_plan(*args)
+                    add = getattr(self.native, plan.native_method)
+                    index = self._plans[plan] = add(**plan.native_fields())
         return index
+
+    def flag_index(self, region: str, rank: int, chunk: int = 0) -> int:
+        """Index in :attr:`flags` of one word of a region of this rank's flags, as the op library lays them out:
+        all-gather 'chunk' / 'avail' (``rank``: the shard), 'done' / 'signature' (the peer); reduce-scatter 'flag'
+        (the source), 'count' (the destination), 'consumed' / 'signature' (the peer)."""
+        return self.native.flag_index(region=region, rank=rank, chunk=chunk)
 
     @property
     def epoch(self) -> int:
@@ -238,14 +243,13 @@ class AgWorkspace(Workspace):
             raise ValueError("AgWorkspace: the NCCL transport has no CUDA-graph twin (captured calls are refused)")
         self.dtype, self.max_m, self.k, self.chunk_capacity = dtype, max_m, k, chunk_capacity
         self.transport = transport
-        elem = torch.tensor([], dtype=dtype).element_size()
-        done = 2 * tp * chunk_capacity  # AgFlagLayout: chunk[tp][cap], avail[tp][cap], done[tp], sig[tp][words]
         nccl = transport == "nccl"
-        super().__init__(group, data_bytes=max_m * k * elem, flag_words=done + tp + tp * SIGNATURE_WORDS,
-                         handshake_words=slice(done, done + tp), num_comm_streams=1 if nccl else tp, what="ag_gemm",
-                         graph_protocol=graph_protocol, dtype=dtype, max_m=max_m, inner=k, capacity=chunk_capacity,
-                         peer_mapped=not nccl)
-        self.buffer = self._storage[:max_m * k * elem].view(dtype).view(max_m, k)
+        _library.require()
+        sizes = torch.ops.flux_layers.ag_workspace_layout(tp=tp, max_m=max_m, k=k, chunk_capacity=chunk_capacity,
+                                                          dtype=dtype_name(dtype))
+        super().__init__(group, kind="ag_gemm", sizes=sizes, num_comm_streams=1 if nccl else tp, what="ag_gemm",
+                         graph_protocol=graph_protocol, dtype=dtype, max_m=max_m, inner=k, peer_mapped=not nccl)
+        self.buffer = self._storage[:sizes["data_bytes"]].view(dtype).view(max_m, k)
         # The NCCL transfers' stream: forked from the compute stream before each call's GEMM, joined after.
         self.transfer_stream = torch.cuda.Stream(device=self.device, priority=-1) if nccl else None
         devices = [None] * self.tp
@@ -297,21 +301,18 @@ class RsWorkspace(Workspace):
             raise ValueError("RsWorkspace: the NCCL transport has no CUDA-graph twin (captured calls are refused)")
         self.dtype, self.max_m, self.n, self.min_tile = dtype, max_m, n, min_tile
         self.nccl = nccl
-        self.slot_rows = max_m // tp
-        # Enough tile flags for the smallest tile in either dimension, padded for the 2-CTA cluster.
-        tiles_m = -(-(-(-self.slot_rows // min_tile)) // 2) * 2
-        self.flags_per_source = tiles_m * -(-n // min_tile)
-        elem = torch.tensor([], dtype=dtype).element_size()
-        # flag[tp][per_source], consumed[tp], count[tp][per_source], sig[tp][words] (csrc/runtime/gemm_rs.cpp)
-        consumed = tp * self.flags_per_source
-        super().__init__(group, data_bytes=tp * self.slot_rows * n * elem,
-                         flag_words=2 * tp * self.flags_per_source + tp + tp * SIGNATURE_WORDS,
-                         handshake_words=slice(consumed, consumed + tp),
-                         num_comm_streams=1 if nccl else tp - 1, what="gemm_rs", graph_protocol=graph_protocol,
-                         dtype=dtype, max_m=max_m, inner=n, capacity=self.flags_per_source, peer_mapped=not nccl)
+        _library.require()
+        # Enough tile flags for the smallest tile in either dimension (the op library's layout).
+        sizes = torch.ops.flux_layers.rs_workspace_layout(tp=tp, max_m=max_m, n=n, min_tile=min_tile,
+                                                          dtype=dtype_name(dtype))
+        self.slot_rows, self.flags_per_source = sizes["slot_rows"], sizes["capacity"]
+        self._stage_bytes = sizes["stage_bytes"]
+        super().__init__(group, kind="gemm_rs", sizes=sizes, num_comm_streams=1 if nccl else tp - 1, what="gemm_rs",
+                         graph_protocol=graph_protocol, dtype=dtype, max_m=max_m, inner=n, peer_mapped=not nccl)
         # This rank's receive slots: slot s holds source s's partial of our rows.
-        self.recv = self._storage[:tp * self.slot_rows * n * elem].view(dtype).view(tp, self.slot_rows, n)
+        self.recv = self._storage[:sizes["data_bytes"]].view(dtype).view(tp, self.slot_rows, n)
         self._stage: torch.Tensor | None = None
+        self._stage_slots: dict[int, torch.Tensor] = {}
         # The NCCL transfers' stream (comm stream 0): the op forks it from the compute stream, the caller joins it.
         self.transfer_stream = self.comm_streams[0] if nccl else None
         if nccl:
@@ -319,23 +320,25 @@ class RsWorkspace(Workspace):
 
     def count_index(self, dst: int, chunk: int) -> int:
         """Index in :attr:`flags` of this rank's count of its tiles of chunk ``chunk`` of ``dst``'s rows."""
-        return self.tp * self.flags_per_source + self.tp + dst * self.flags_per_source + chunk
+        return self.flag_index("count", dst, chunk)
 
-    def flag_index(self, src: int, chunk: int) -> int:
+    def partial_flag_index(self, src: int, chunk: int) -> int:
         """Index in :attr:`flags` of the flag of ``src``'s partial of chunk ``chunk`` of this rank's rows."""
-        return src * self.flags_per_source + chunk
+        return self.flag_index("flag", src, chunk)
 
     def stage_slot(self, dst: int) -> torch.Tensor:
         """The staging slot [max_m/tp, n] of this rank's partial of ``dst``'s rows (slots in the kernel's
-        destination order, rank+1 first)."""
-        stage = self.stage_buffer().view(self.tp - 1, self.slot_rows, self.n)
-        return stage[(dst - self.rank - 1) % self.tp]
+        destination order, rank+1 first: the op library's layout)."""
+        if not self._stage_slots:
+            stage = self.stage_buffer().view(self.tp - 1, self.slot_rows, self.n)
+            self._stage_slots = {d: stage[self.native.stage_slot(dst=d)] for d in range(self.tp) if d != self.rank}
+        return self._stage_slots[dst]
 
     def stage_buffer(self) -> torch.Tensor:
         """Local staging area of the copy-engine transport, [(tp - 1) * max_m/tp * n] (a slot per peer, in the
         kernel's destination order), allocated on first use."""
         if self._stage is None:
-            self._stage = torch.empty((self.tp - 1) * self.slot_rows * self.n, dtype=self.dtype, device=self.device)
+            self._stage = torch.empty(self._stage_bytes, dtype=torch.uint8, device=self.device).view(self.dtype)
             self.native.set_stage(self._stage.data_ptr())
             self.native.keep_memory([self._stage])
         return self._stage
@@ -406,7 +409,14 @@ def _group_name(group) -> str:
 
 GROWTH = 1.5  # an outgrown workspace is replaced by one this much larger (at least the call's M)
 GROWTH_ALIGN = 128  # rows per rank the new size is rounded up to (the tile height)
-_on_retire: list = []  # callbacks(ws) when a workspace is replaced (flux_layers.ops drops calls bound to it)
+_on_retire: list = []  # on_retire's callbacks
+
+
+def on_retire(callback) -> None:
+    """Call ``callback(ws)`` whenever a cached workspace is retired (replaced by a larger one, or forgotten by
+    :func:`reset`), so that what was decided on it can be dropped (flux_layers.ops does). Once per callback."""
+    if callback not in _on_retire:
+        _on_retire.append(callback)
 
 
 def grown_max_m(m: int, old_max_m: int, tp: int) -> int:

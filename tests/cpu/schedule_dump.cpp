@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "../../csrc/include/flux/workspace_layout.h"
 #include "../../csrc/kernels/tile_schedule.cuh"
 
 // streamk total_work clusters k_tiles max_fill_pct: per cluster "c work k_begin k_end last_contributor" lines.
@@ -53,6 +54,14 @@ int dump_signature(int argc, char** argv) {
   return 0;
 }
 
+// rsflags slot_rows n min_tile: the reduce-scatter workspace's flags per source (workspace_layout.h).
+int dump_rs_flags(int argc, char** argv) {
+  if (argc < 5) return 2;
+  std::printf("%lld\n", static_cast<long long>(flux::RsFlagLayout::flags_per_source_for(
+                            std::atoll(argv[2]), std::atoll(argv[3]), std::atoi(argv[4]))));
+  return 0;
+}
+
 // constants: the values the Python mirrors must equal, one "name value..." line each.
 int dump_constants() {
   std::printf("max_groups %d\ncluster_m %d\nsplit_max_fill_pct %d\nrs_chunk_cols %d\n", flux::kMaxGroups,
@@ -68,6 +77,7 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "streamk") return dump_stream_k(argc, argv);
   if (argc > 1 && std::string(argv[1]) == "rschunks") return dump_rs_chunks(argc, argv);
   if (argc > 1 && std::string(argv[1]) == "signature") return dump_signature(argc, argv);
+  if (argc > 1 && std::string(argv[1]) == "rsflags") return dump_rs_flags(argc, argv);
   // rows_per_group n num_groups tile_m tile_n cluster_m swizzle_m order...
   if (argc < 8) return 2;
   flux::GemmProblem p;

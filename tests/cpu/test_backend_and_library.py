@@ -67,13 +67,13 @@ def test_dispatch_table_lookup(monkeypatch, tmp_path):
     table.write_text('{"gpu": "cpu", "entries": [{"op": "ag_gemm", "dtype": "bfloat16", "tp": 2, "m": 2048, '
                      '"k": 4096, "n": 4096, "path": "sequential", "source": "test"}]}')
     monkeypatch.setenv("FLUX_LAYERS_TUNING", str(table))
-    tuning._load_tables.cache_clear()
+    tuning.reload()
     hit = tuning.dispatch_entry("ag_gemm", dtype=torch.bfloat16, tp=2, mkn=(2048, 4096, 4096))
     assert hit is not None and hit["path"] == "sequential"
     assert tuning.dispatch_entry("ag_gemm", dtype=torch.bfloat16, tp=2, mkn=(16384, 8192, 28672)) is None
     assert tuning.dispatch_entry("gemm_rs", dtype=torch.bfloat16, tp=2, mkn=(2048, 4096, 4096)) is None
     assert tuning.dispatch_entry("ag_gemm", dtype=torch.bfloat16, tp=2, mkn=(0, 4096, 4096)) is None  # M = 0
-    tuning._load_tables.cache_clear()
+    tuning.reload()
 
 
 def test_kernel_choice_defaults_overrides_and_errors(monkeypatch):
@@ -211,7 +211,8 @@ def test_workspace_growth_is_geometric_aligned_capped_and_frees_the_outgrown(mon
     monkeypatch.setattr(W, "_on_retire", [])
     monkeypatch.delenv("FLUX_LAYERS_CUDA_GRAPHS", raising=False)
     retired = []
-    W._on_retire.append(retired.append)
+    W.on_retire(retired.append)
+    W.on_retire(retired.append)  # once per callback
     group = SimpleNamespace(group_name="tp")
 
     def make(max_m):
@@ -242,9 +243,10 @@ def test_every_native_workspace_method_python_calls_is_registered():
         if "flux_layers.Workspace _0" in text:
             name, args = text.split("(", 1)
             schemas[name] = args.split(")")[0].count(",")  # arguments besides the object itself
-    from flux_layers.runtime import workspace
+    from flux_layers.runtime import call_plan, workspace
     with open(workspace.__file__) as f:
         source = f.read()
     calls = set(re.findall(r"\.native\.(\w+)\(", source))
+    calls |= {plan.native_method for plan in (call_plan.AgCallPlan, call_plan.RsCallPlan)}
     assert calls and calls <= set(schemas), f"not registered: {sorted(calls - set(schemas))}"
-    assert schemas["keep_memory"] == 1 and schemas["add_plan"] == 10, schemas
+    assert schemas["keep_memory"] == 1 and schemas["add_ag_plan"] == 8 and schemas["add_rs_plan"] == 6, schemas

@@ -111,3 +111,42 @@ def _each_field(rank, tp):
 def test_a_difference_in_any_field_raises_on_every_rank():
     from flux_layers.devtools.launch import run_distributed
     run_distributed(_each_field, 2)
+
+
+def test_one_cache_holds_the_decision_a_call_runs(counted_choose):
+    """ops.decide returns the decision a call finds (by _dispatch.call_key, which ops builds inline) and runs: its path,
+    reason and (reference path) no plan; a decision asked for by shape before its call is the one the call runs."""
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    ops.gemm(x, w)
+    decision = ops.decide("gemm", x, w)
+    key = _dispatch.call_key("gemm", None, x.shape, w.shape, x.dtype, -1, "nt", None)
+    assert _dispatch._decisions[key] is decision and decision.key == key
+    assert decision.path == "reference" == ops.plan("gemm", x, w).path and decision.reason
+    assert decision.plan is None and decision.transport is None and decision.bound
+    assert len(counted_choose) == 1
+    ahead = ops.decide("gemm", (5, 8), (6, 8), dtype=x.dtype, device=x.device)  # before its tensors exist
+    y = torch.randn(5, 8)
+    torch.testing.assert_close(ops.gemm(y, w), y @ w.t())
+    assert ops.decide("gemm", y, w) is ahead and len(counted_choose) == 2
+    with pytest.raises(TypeError, match="dtype= and device="):
+        ops.decide("gemm", (5, 8), (6, 8))
+    with pytest.raises(ValueError, match="disagree on K"):
+        ops.decide("gemm", (5, 7), (6, 8), dtype=x.dtype, device=x.device)
+    ops.refresh_settings()
+    assert not _dispatch._decisions
+
+
+def test_retired_workspaces_drop_their_decisions(counted_choose):
+    """The workspace module's public subscription (on_retire) drops the decisions bound to a retired workspace."""
+    from dataclasses import replace
+
+    from flux_layers.runtime import workspace
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    ops.gemm(x, w)
+    key = next(iter(_dispatch._decisions))
+    marker = object()
+    _dispatch._decisions[key] = replace(_dispatch._decisions[key], workspace=marker)
+    assert _dispatch._drop_decisions_on in workspace._on_retire
+    for callback in workspace._on_retire:
+        callback(marker)
+    assert key not in _dispatch._decisions

@@ -272,21 +272,31 @@ def _selection(rank, tp):
     assert c.path == "reference" and c.reason == nccl_rs_transport.CAPTURE_REFUSAL, c
     capturing[0] = False
 
-    # The dispatcher builds the NCCL transport's call where it is forced, the peer-mapped one otherwise.
-    made = []
+    # The dispatcher asks for the NCCL transport's workspace where it is forced, the peer-mapped one otherwise (and
+    # checks the call across ranks with that transport first).
+    from flux_layers.ops import fused_gemm_rs
+    from flux_layers.runtime import workspace
+    made, signatures = [], []
 
-    class Stub:
-        def __init__(self, *args):
-            made.append(type(self).__name__)
+    class Made(Exception):
+        pass
+
+    def get_rs_workspace(group, dtype, m, n, nccl=False):
+        made.append("Nccl" if nccl else "Peer")
+        raise Made
     _dispatch.choose = lambda *a, **k: backend.Choice("fused", "stand-in")
-    _dispatch._FusedGemmRsNccl = type("Nccl", (Stub,), {})
-    _dispatch._FusedGemmRs = type("Peer", (Stub,), {})
+    _dispatch.check_same_call = lambda group, signature: signatures.append(signature[-1])
+    fused_gemm_rs.check_args = lambda x, weight, bias, layout, group: (256, 64, 64)  # CPU tensors stand in
+    workspace.get_rs_workspace = get_rs_workspace
     x, w = torch.empty(256, 64, dtype=torch.bfloat16), torch.empty(64, 64, dtype=torch.bfloat16)
-    _dispatch.gemm_rs_call(x, w, group, "nt", None)
+    with pytest.raises(Made):
+        _dispatch.decided("gemm_rs", x, w, group, "nt", None)
     os.environ["FLUX_LAYERS_TRANSPORT"] = "auto"
     _dispatch.refresh()
-    _dispatch.gemm_rs_call(x, w, group, "nt", None)
-    assert made == ["Nccl", "Peer"], made
+    with pytest.raises(Made):
+        _dispatch.decided("gemm_rs", x, w, group, "nt", None)
+    assert made == ["Nccl", "Peer"] and signatures == ["nccl", "direct"], (made, signatures)
+    assert not _dispatch._decisions, "a call that did not get its workspace left a decision behind"
 
 
 def test_selection_takes_nccl_only_when_forced():

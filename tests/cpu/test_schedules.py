@@ -168,9 +168,21 @@ def test_rs_chunks_counted_complete_and_in_order(rows, n, tile, swizzle, cols):
     assert sum(expected.values()) == grid.tiles_m * sched.tiles_n
     order = [last_item[c] for c in sorted(last_item)]
     assert order == sorted(order) and len(set(order)) == len(order)
-    # The workspace's flags per source (RsWorkspace: 128-row tiles, cluster padding, 128-column tiles) hold them.
-    flags_per_source = -(-(-(-rows // 128)) // 2) * 2 * -(-n // 128)
-    assert grid.chunks_m * grid.chunks_n <= flags_per_source
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the C++ schedule")
+def test_rs_workspace_flags_hold_every_chunk(schedule_dump):
+    """The reduce-scatter workspace's flags per source (its layout, workspace_layout.h, sized for 128-row and
+    128-column tiles as RsWorkspace makes it) hold every chunk of the C++ chunk grid."""
+    for rows, n, tile, swizzle, cols in RS_CHUNK_CASES:
+        tile_m, tile_n = schedules.TILE_CONFIGS[tile]
+        grid = subprocess.run([schedule_dump, "rschunks", str(rows), str(n), str(tile_m), str(tile_n), str(swizzle),
+                               str(cols)], check=True, capture_output=True, text=True).stdout.split()
+        flags = subprocess.run([schedule_dump, "rsflags", str(rows), str(n), "128"], check=True, capture_output=True,
+                               text=True).stdout
+        assert int(grid[2]) * int(grid[3]) <= int(flags), (rows, n, tile, cols)
+    small = subprocess.run([schedule_dump, "rsflags", "128", "96", "64"], check=True, capture_output=True, text=True)
+    assert int(small.stdout) == 2 * 2, "64-row tiles: 2 along M (a whole cluster) x 2 along N"
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the C++ schedule")

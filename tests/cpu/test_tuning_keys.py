@@ -92,14 +92,12 @@ def _decide_every_shape(rank, tp, shapes, table, gpu):
             x, w = _rank_tensors(op, tp, *s["global"], layout)
             what = f"rank {rank}: {op} {layout} global {s['global']} at TP {tp}"
             del asked[:]
-            if op == "ag_gemm":
-                _dispatch.ag_gemm_call(x, w, group, layout, None)
-            else:
-                _dispatch.gemm_rs_call(x, w, group, layout, None)
+            decided = _dispatch.decided(op, x, w, group, layout, None)  # what the call's first run decides
             plan = ops.plan(op, x, w, group=group, weight_layout=layout)
             assert plan.path == "reference", f"{what}: the fused path is blocked on CPU, got {plan}"
-            # One key from the op's decision, one from ops.plan: both the per-rank GEMM.
-            assert asked == [(op, expected_key, None)] * 2, f"{what}: decisions asked about {asked}"
+            assert plan == decided.choice, f"{what}: ops.plan {plan} is not the call's decision {decided.choice}"
+            # One key, from the call's decision (ops.plan reads the same decision): the per-rank GEMM.
+            assert asked == [(op, expected_key, None)], f"{what}: decisions asked about {asked}"
             entry = tuning.dispatch_entry(op, dtype=torch.bfloat16, tp=tp, mkn=expected_key)
             assert entry is not None, f"{what}: no table entry for the call's key {expected_key}"
             assert (entry["fused_ms"], entry["sequential_ms"]) == (s["fused_ms"], s["sequential_ms"]), \

@@ -31,17 +31,20 @@ def _direct_equals_registered(rank, tp, seed, layout):
     x_shard_k = x.chunk(tp, dim=1)[rank].contiguous()
     w_shard_k = w.chunk(tp, dim=1 if layout == "nt" else 0)[rank].contiguous()
 
-    ag = _dispatch.ag_gemm_call(x_shard_m, w_shard_n, group, layout, "fused")
-    rs = _dispatch.gemm_rs_call(x_shard_k, w_shard_k, group, layout, "fused")
-    ag_args = (x_shard_m, w_shard_n, b_shard_n, ag.handle, ag.plan, layout == "nn", True, True)
-    rs_args = (x_shard_k, w_shard_k, b, rs.handle, rs.plan, layout == "nn")
-    y_direct, gathered_direct = direct.ag_gemm(*ag_args)
-    z_direct = direct.gemm_rs(*rs_args)
-    y_op, gathered_op = torch.ops.flux_layers.ag_gemm.default(*ag_args)
-    z_op = torch.ops.flux_layers.gemm_rs.default(*rs_args)
+    ag = _dispatch.decided("ag_gemm", x_shard_m, w_shard_n, group, layout, "fused")  # made and bound, not run
+    rs = _dispatch.decided("gemm_rs", x_shard_k, w_shard_k, group, layout, "fused")
+    ag_plan, rs_plan = ag.workspace.plan_index(ag.plan), rs.workspace.plan_index(rs.plan)
+    nn = layout == "nn"
+    y_direct, gathered_direct = direct.ag_gemm(ag.workspace.handle, ag_plan, nn, True, x_shard_m, w_shard_n, b_shard_n,
+                                               True)
+    z_direct = direct.gemm_rs(rs.workspace.handle, rs_plan, nn, x_shard_k, w_shard_k, b)
+    y_op, gathered_op = torch.ops.flux_layers.ag_gemm.default(x_shard_m, w_shard_n, b_shard_n, ag.workspace.handle,
+                                                              ag_plan, nn, True, True)
+    z_op = torch.ops.flux_layers.gemm_rs.default(x_shard_k, w_shard_k, b, rs.workspace.handle, rs_plan, nn)
     w_grad = torch.nn.Parameter(w_shard_n.clone())  # requires grad: declined by the direct path, the op runs it
-    assert direct.ag_gemm(x_shard_m, w_grad, *ag_args[2:]) is NotImplemented
-    y_declined, _ = _opcalls.ag_gemm()(x_shard_m, w_grad, *ag_args[2:])
+    bound = _opcalls.ag_gemm(ag.workspace, ag_plan, nn)
+    assert bound.direct(x_shard_m, w_grad, b_shard_n, True) is NotImplemented
+    y_declined, _ = bound(x_shard_m, w_grad, b_shard_n, True)
     torch.cuda.synchronize()
 
     ref_y, cublas_y = references(x, w_shard_n, b_shard_n, layout)

@@ -96,7 +96,6 @@ def test_nccl_ag_gemm_late_rank_and_back_to_back():
 
 def _dispatched(rank, tp, seed):
     from flux_layers import ops
-    from flux_layers.ops import _dispatch
     from flux_layers.runtime.nccl_transport import CAPTURE_REFUSAL
     poison_outputs()
     _set_layout("1", "auto", "")
@@ -107,7 +106,8 @@ def _dispatched(rank, tp, seed):
     for _ in range(3):
         out = ops.ag_gemm(x_shard_m, w_shard_n, group=dist.group.WORLD, backend="fused")
         assert_close_rel(out, *references(x, w_shard_n, None, "nt"), f"rank {rank} ops.ag_gemm nccl")
-    assert any(isinstance(c, _dispatch._FusedAgGemmNccl) for c in _dispatch._decisions.values())
+    decision = ops.decide("ag_gemm", x_shard_m, w_shard_n, group=dist.group.WORLD, backend="fused")
+    assert decision.transport == "nccl" and decision.plan.mode == "external", decision
     # A captured call is refused, saying why (and so is the dispatcher's choice under capture).
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -177,7 +177,6 @@ def test_nccl_gemm_rs_late_rank_back_to_back_and_bitwise_repeatable():
 
 def _rs_dispatched(rank, tp, seed):
     from flux_layers import ops
-    from flux_layers.ops import _dispatch
     from flux_layers.runtime.nccl_rs_transport import CAPTURE_REFUSAL
     poison_outputs()
     m, k, n = 1536 * tp, 512 * tp, 1024
@@ -197,7 +196,8 @@ def _rs_dispatched(rank, tp, seed):
     for _ in range(3):
         out = ops.gemm_rs(x_shard_k, w_shard_k, b, group=dist.group.WORLD)
         assert_close_rel(out, full.chunk(tp)[rank], cublas.chunk(tp)[rank], f"rank {rank} ops.gemm_rs nccl")
-    assert any(isinstance(c, _dispatch._FusedGemmRsNccl) for c in _dispatch._decisions.values())
+    decision = ops.decide("gemm_rs", x_shard_k, w_shard_k, group=dist.group.WORLD)
+    assert decision.transport == "nccl" and decision.plan.transport == "external", decision
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -160,7 +160,7 @@ def test_rejected_call_leaves_ranks_in_step():
 
 
 def _graph_timeout(rank, tp, seed, done):
-    from flux_layers.ops import _dispatch
+    from flux_layers import ops
     from flux_layers.runtime import workspace
     from flux_layers.runtime.workspace import WorkspaceError
     os.environ["FLUX_LAYERS_TIMEOUT_S"] = str(TIMEOUT_S)  # read when the workspace and its twin are made
@@ -173,7 +173,7 @@ def _graph_timeout(rank, tp, seed, done):
         return ops.ag_gemm(x_shard_m, w, group=dist.group.WORLD, backend="fused")
     call()
     torch.cuda.synchronize()
-    twin = _dispatch.ag_gemm_call(x_shard_m, w, dist.group.WORLD, "nt", "fused").ws.graph_twin
+    twin = ops.decide("ag_gemm", x_shard_m, w, group=dist.group.WORLD, backend="fused").workspace.graph_twin
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = call()
@@ -388,7 +388,7 @@ def _reset(rank, tp, seed):
     torch.cuda.synchronize()
     x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
-    old = _dispatch.ag_gemm_call(x, w, dist.group.WORLD, "nt", "fused").ws
+    old = _dispatch.decided("ag_gemm", x, w, dist.group.WORLD, "nt", "fused").workspace  # on every rank, not run
     old.timeout_s = TIMEOUT_S
     dist.barrier()
     if rank == 0:  # the others never make this call
@@ -398,7 +398,8 @@ def _reset(rank, tp, seed):
             old.check()
     dist.barrier()
     workspace.reset()
-    assert not workspace._cache and _dispatch.ag_gemm_call(x, w, dist.group.WORLD, "nt", "fused").ws is not old
+    assert not workspace._cache
+    assert _dispatch.decided("ag_gemm", x, w, dist.group.WORLD, "nt", "fused").workspace is not old
     for i in range(2):
         assert_close_rel(*_ag_call(rank, tp, seed + 1 + i), f"rank {rank} ag_gemm after the reset")
         assert_close_rel(*_rs_call(rank, tp, seed + 1 + i), f"rank {rank} gemm_rs after the reset")

@@ -9,6 +9,7 @@
 
 #include "flux/gemm_dispatch.h"
 #include "flux/gemm_params.h"
+#include "flux/workspace_layout.h"
 
 namespace flux {
 
@@ -35,26 +36,10 @@ enum class AgOrder : int { kMesh = 0, kRing = 1 };
 //                handshake words start set (1), standing for "the previous call finished".
 enum class FlagProtocol : int { kEpoch = 0, kCudaGraph = 1 };
 
-// Flag words of one rank in the all-gather workspace (uint32):
-//   chunk[g][c] : rows chunk c of shard g are in this rank's gathered buffer     (the GEMM waits on these)
-//   avail[g][c] : chunk (g, c) can be pulled from this rank's source rank          (pull modes)
-//   done[p]     : rank p finished its previous call (its reads of our buffer and its writes into it)
-//   sig[p][kSignatureWords] : rank p's call signature (gemm_params.h), written before its first flag here
-struct AgFlagLayout {
-  int tp;
-  int chunk_capacity;  // chunks per shard the workspace was sized for
-  int64_t chunk(int g, int c) const { return int64_t(g) * chunk_capacity + c; }
-  int64_t avail(int g, int c) const { return int64_t(tp) * chunk_capacity + int64_t(g) * chunk_capacity + c; }
-  int64_t done(int p) const { return 2 * int64_t(tp) * chunk_capacity + p; }
-  int64_t signature(int p) const { return 2 * int64_t(tp) * chunk_capacity + tp + int64_t(p) * kSignatureWords; }
-  int64_t data_words() const { return 2 * int64_t(tp) * chunk_capacity; }  // chunk and avail: cleared per call
-};
-
-// The reduce-scatter workspace's signature slots follow its flag[tp][fps], consumed[tp] and count[tp][fps] words
-// (csrc/runtime/gemm_rs.cpp): sig[p][kSignatureWords] is rank p's call signature.
-constexpr int64_t rs_signature_word(int tp, int64_t flags_per_source, int p) {
-  return 2 * int64_t(tp) * flags_per_source + tp + int64_t(p) * kSignatureWords;
-}
+// How a reduce-scatter plan moves the partials of the peers' rows (csrc/runtime/gemm_rs.cpp): the epilogue's stores
+// into the peers' receive slots, the copy engine from a local staging area, or the caller (the NCCL transport) from
+// that staging area.
+enum class RsTransport : int { kDirect = 0, kCopyEngine = 1, kExternal = 2 };
 
 struct AgGemmArgs {
   // operands (this rank)
@@ -100,7 +85,13 @@ struct AgGemmArgs {
   uint32_t* completion = nullptr;
 };
 
-// out = all_gather(x) @ op(w) + bias with copy-engine transfers overlapped with the GEMM.
+// What is fixed for a workspace and a plan (ranks, pointers, streams, events, chunking), checked once when the plan
+// is registered with the workspace (WorkspaceState::add_plan); flux::Error if it does not hold.
+void check_ag_gemm_args(const AgGemmArgs& args);
+
+// out = all_gather(x) @ op(w) + bias with copy-engine transfers overlapped with the GEMM. `args`: a checked
+// template (check_ag_gemm_args) with a call's operands, which the caller has checked against it (its rows fit the
+// workspace, its chunks the chunk flags), and an epoch from WorkspaceState::next_epoch.
 void ag_gemm(const AgGemmArgs& args);
 
 // The group (shard) order the GEMM walks for this rank: own shard, then in arrival order.
@@ -150,9 +141,12 @@ struct GemmRsArgs {
   uint32_t* completion = nullptr;  // as AgGemmArgs::completion
 };
 
+// As check_ag_gemm_args, for the reduce-scatter.
+void check_gemm_rs_args(const GemmRsArgs& args);
+
 // out = reduce_scatter(x @ op(w)) + bias: tiles reach the owning rank's receive slot (stored there by the
 // epilogue, staged locally and moved by the copy engine, or staged locally and moved by the caller) and are
-// reduced there by the owner's GEMM epilogue (deterministic order).
+// reduced there by the owner's GEMM epilogue (deterministic order). `args` as for ag_gemm (its rows fit a slot).
 void gemm_rs(const GemmRsArgs& args);
 
 // The destination order of this rank's tiles: rank+1, rank+2, ..., own rows last.

@@ -11,31 +11,44 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "flux/append_only_table.h"
+#include "flux/check.h"
 #include "flux/fused_ops.h"
 
 namespace flux {
 
 enum class WorkspaceKind : int { kAllGather = 0, kReduceScatter = 1 };
 
-// How one call runs, fixed per (shape, settings) and registered once (WorkspaceState::add_plan).
+// How one call runs, fixed per (shape, settings) and registered once (WorkspaceState::add_plan). Python fills it by
+// name (the native workspace's add_ag_plan / add_rs_plan, csrc/bindings/ops.cpp; flux_layers/runtime/call_plan.py).
 struct CallPlan {
   TileConfig tile = TileConfig::k128x256;
   int swizzle = 0;
   int stream_k_fill = 0;  // 0: no stream-K tail
   int sm_count = 0;       // 0: every SM
-  // all-gather: the direction; kExternal (either op): the caller moves the data (the NCCL transport)
+  // all-gather: the direction; kExternal: the caller moves the chunks (the NCCL transport)
   AgMode mode = AgMode::kPush;
   AgOrder order = AgOrder::kMesh;
   int rows_per_chunk = 0;
   bool custom_group_order = false;  // the GEMM's shard order below, not the one `order` implies (kExternal)
   std::array<int, kMaxGroups> group_order{};
   // reduce-scatter
-  bool copy_engine = false;
-  int chunk_cols = 0;
+  RsTransport transport = RsTransport::kDirect;
+  int chunk_cols = 0;  // columns per copy-engine chunk (0: default)
+};
+
+// A registered plan and the argument struct of its calls (the one of the workspace's kind), filled in when the plan
+// is registered with everything but what a call brings: its operands and sizes, its stream, its epoch, the timeout
+// and the stream-K scratch (csrc/bindings/ops.cpp).
+struct PlannedCall {
+  CallPlan plan;
+  AgGemmArgs ag;
+  GemmRsArgs rs;
 };
 
 struct WorkspaceConfig {
@@ -54,7 +67,7 @@ struct WorkspaceConfig {
   int* error_record = nullptr;     // host-mapped int[kErrorRecordWords] (gemm_params.h)
   int* error_claim = nullptr;      // device int
   bool graph_protocol = false;
-  uint64_t timeout_ns = 0;
+  uint64_t timeout_ns = 0;      // at construction; WorkspaceState::timeout_ns() from then on
   bool poison_outputs = false;  // fill outputs with NaN before launching (tests)
   std::string what;             // "ag_gemm" / "gemm_rs" (+ " (CUDA-graph twin)"), for messages
 };
@@ -82,17 +95,33 @@ class WorkspaceState {
   const WorkspaceConfig& config() const { return cfg_; }
   int sm_count() const { return sms_; }
 
-  int add_plan(const CallPlan& plan);
-  const CallPlan& plan(int64_t index) const;
+  // flux::Error where `plan` cannot run on this workspace (the invariants of the plan, and of the arguments its
+  // calls get, checked once here rather than per call).
+  void check_plan(const CallPlan& plan);
+  int64_t add_plan(const CallPlan& plan);
+  // Null where no plan has that index. Lock-free: called on every call.
+  const PlannedCall* planned(int64_t index) const { return plans_.find(index); }
+  int64_t plan_count() const { return plans_.size(); }
 
-  // "" while usable; else why not (a timed-out wait recorded by a kernel, or mark_failed's message).
+  // Whether the workspace refuses calls (a timed-out wait recorded by a kernel, calls out of step, mark_failed); a
+  // read of two words, on every call. failure() says why.
+  bool failed() const {
+    return failed_flag_.load(std::memory_order_acquire) || static_cast<volatile const int*>(cfg_.error_record)[0] != 0;
+  }
   std::string failure() const;
   void mark_failed(const std::string& message);
   // The value this call's flags are set to: the next epoch (epoch protocol) or 1 (CUDA-graph protocol). Take it
   // only once nothing can reject the call any more: every rank must advance its counter on the same calls.
-  uint32_t next_epoch();
+  uint32_t next_epoch() {
+    if (cfg_.graph_protocol) return 1;
+    uint32_t const e = epoch_.fetch_add(1) + 1;
+    FLUX_CHECK(e < (1u << 31) - 1, cfg_.what, ": epoch counter exhausted; create a new workspace");
+    return e;
+  }
   uint32_t epoch() const { return epoch_.load(); }
-  void set_timeout_ns(uint64_t ns) { cfg_.timeout_ns = ns; }
+  uint64_t timeout_ns() const { return timeout_ns_.load(std::memory_order_relaxed); }
+  void set_timeout_ns(uint64_t ns) { timeout_ns_.store(ns, std::memory_order_relaxed); }
+  // The reduce-scatter's staging area: set before the first plan that stages (checked by check_plan).
   void set_stage(char* stage) { stage_ = stage; }
   char* stage() const { return stage_; }
   cudaEvent_t* events() { return events_.data(); }
@@ -109,7 +138,7 @@ class WorkspaceState {
   std::string lagging_peer(const std::vector<uint32_t>& flags, uint32_t epoch) const;
   void release(uint32_t epoch);
   void keep_twin_released();
-  int64_t flag_words() const;
+  int64_t release_words() const;
 
   bool completed(uint32_t epoch) const;
 
@@ -129,15 +158,18 @@ class WorkspaceState {
   bool release_pending_ = false;
   uint32_t* flags_host_ = nullptr;  // pinned copy of this rank's flags (to name the peer a hung call waits for)
   void release_flags_async();
+  PlannedCall plan_call(const CallPlan& plan);
 
   WorkspaceConfig cfg_;
   int sms_ = 0;
   std::array<cudaEvent_t, kEventsPerCall> events_{};
   std::atomic<uint32_t> epoch_{0};
-  mutable std::mutex mu_;  // plans_ and failed_
-  std::deque<CallPlan> plans_;
+  std::atomic<uint64_t> timeout_ns_{0};
+  mutable std::mutex mu_;  // plan registration and failed_
+  AppendOnlyTable<PlannedCall> plans_;
   std::string failed_;
-  char* stage_ = nullptr;  // reduce-scatter copy-engine staging area (caller-owned)
+  std::atomic<bool> failed_flag_{false};  // failed_ is set
+  char* stage_ = nullptr;                 // reduce-scatter copy-engine staging area (caller-owned)
 };
 
 }  // namespace flux

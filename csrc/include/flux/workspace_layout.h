@@ -1,0 +1,93 @@
+// Where every word of a fused-operator workspace lives, and what a workspace of a given shape holds: the one source
+// of these layouts. csrc/runtime reads and writes the flags through them; flux_layers/runtime/workspace.py allocates
+// what ag_workspace_sizes / rs_workspace_sizes say and finds single words through the native workspace's flag_index
+// (both exported by csrc/bindings/ops.cpp). Torch-free and CUDA-free (tests/cpu/schedule_dump.cpp compiles it).
+#pragma once
+
+#include <cstdint>
+
+#include "flux/gemm_params.h"
+
+namespace flux {
+
+constexpr int element_bytes(DType dtype) { return dtype == DType::kE4M3 || dtype == DType::kE5M2 ? 1 : 2; }
+
+// Flag words of one rank in the all-gather workspace (uint32):
+//   chunk[g][c] : rows chunk c of shard g are in this rank's gathered buffer     (the GEMM waits on these)
+//   avail[g][c] : chunk (g, c) can be pulled from this rank's source rank          (pull modes)
+//   done[p]     : rank p finished its previous call (its reads of our buffer and its writes into it)
+//   sig[p][kSignatureWords] : rank p's call signature (gemm_params.h), written before its first flag here
+struct AgFlagLayout {
+  int tp;
+  int chunk_capacity;  // chunks per shard the workspace was sized for
+  int64_t chunk(int g, int c) const { return int64_t(g) * chunk_capacity + c; }
+  int64_t avail(int g, int c) const { return int64_t(tp) * chunk_capacity + int64_t(g) * chunk_capacity + c; }
+  int64_t done(int p) const { return 2 * int64_t(tp) * chunk_capacity + p; }
+  int64_t signature(int p) const { return 2 * int64_t(tp) * chunk_capacity + tp + int64_t(p) * kSignatureWords; }
+  int64_t data_words() const { return 2 * int64_t(tp) * chunk_capacity; }  // chunk and avail: cleared per call
+  int64_t release_words() const { return data_words() + tp; }  // chunk, avail and done: every word a wait reads
+  int64_t words() const { return signature(tp); }
+};
+
+// Flag words of one rank in the reduce-scatter workspace (uint32; csrc/runtime/gemm_rs.cpp):
+//   flag[src][c]  : src's partial of chunk (or tile) c of our rows is in our receive slot for src
+//   consumed[p]   : rank p finished reading its receive slot for us (its previous call)
+//   count[dst][c] : our tiles of dst's rows staged in chunk c (copy-engine and external transports)
+//   sig[src][kSignatureWords] : src's call signature
+struct RsFlagLayout {
+  int tp;
+  int64_t flags_per_source;
+  int64_t flag(int src, int64_t c) const { return int64_t(src) * flags_per_source + c; }
+  int64_t consumed(int p) const { return int64_t(tp) * flags_per_source + p; }
+  int64_t count(int dst, int64_t c) const { return int64_t(tp) * flags_per_source + tp + dst * flags_per_source + c; }
+  int64_t signature(int p) const { return 2 * int64_t(tp) * flags_per_source + tp + int64_t(p) * kSignatureWords; }
+  int64_t release_words() const { return 2 * int64_t(tp) * flags_per_source + tp; }  // flag, consumed and count
+  int64_t words() const { return signature(tp); }
+  // Enough per-source flags for tiles of min_tile rows and columns (the smallest of any configuration), the tiles
+  // along M padded to whole clusters as the schedule pads them.
+  static int64_t flags_per_source_for(int64_t slot_rows, int64_t n, int min_tile) {
+    int64_t const tiles_m = (slot_rows + min_tile - 1) / min_tile;
+    return (tiles_m + kClusterM - 1) / kClusterM * kClusterM * ((n + min_tile - 1) / min_tile);
+  }
+  // The staging slot (copy-engine and external transports) of this rank's partial of dst's rows: dst's step in the
+  // kernel's destination order (rank + 1 first), so that tp - 1 slots serve every destination.
+  static int stage_slot(int rank, int tp, int dst) { return (dst - rank - 1 + tp) % tp; }
+};
+
+// What one rank of a workspace holds. The flags follow the data in one allocation; the handshake words (all-gather
+// done, reduce-scatter consumed) start set under the CUDA-graph protocol (FlagProtocol, fused_ops.h).
+struct WorkspaceSizes {
+  int64_t data_bytes = 0;  // all-gather: the gathered buffer [max_m, K]; reduce-scatter: receive slots [tp][slot][N]
+  int64_t flag_words = 0;
+  int64_t handshake_begin = 0;
+  int64_t handshake_words = 0;
+  int64_t capacity = 0;     // chunks per shard (all-gather) or flags per source (reduce-scatter)
+  int64_t slot_rows = 0;    // reduce-scatter: rows of a receive or staging slot (max_m / tp)
+  int64_t stage_bytes = 0;  // reduce-scatter: the local staging area [tp - 1][slot][N] of its copy-engine transport
+};
+
+inline WorkspaceSizes ag_workspace_sizes(int tp, int64_t max_m, int64_t k, int chunk_capacity, DType dtype) {
+  AgFlagLayout const f{tp, chunk_capacity};
+  WorkspaceSizes s;
+  s.data_bytes = max_m * k * element_bytes(dtype);
+  s.flag_words = f.words();
+  s.handshake_begin = f.done(0);
+  s.handshake_words = tp;
+  s.capacity = chunk_capacity;
+  return s;
+}
+
+inline WorkspaceSizes rs_workspace_sizes(int tp, int64_t max_m, int64_t n, int min_tile, DType dtype) {
+  WorkspaceSizes s;
+  s.slot_rows = max_m / tp;
+  s.capacity = RsFlagLayout::flags_per_source_for(s.slot_rows, n, min_tile);
+  RsFlagLayout const f{tp, s.capacity};
+  s.data_bytes = tp * s.slot_rows * n * element_bytes(dtype);
+  s.flag_words = f.words();
+  s.handshake_begin = f.consumed(0);
+  s.handshake_words = tp;
+  s.stage_bytes = (tp - 1) * s.slot_rows * n * element_bytes(dtype);
+  return s;
+}
+
+}  // namespace flux
