@@ -40,6 +40,12 @@ class Case:
     tp1: bool = False           # a group of one rank (TP = 1)
     seq: int = 16               # s; tokens M = s * BATCH
     dtype: torch.dtype = torch.float32
+    k: int = 0                  # features (0: SIZES)
+    n: int = 0
+
+    @property
+    def sizes(self) -> tuple[int, int]:
+        return (self.k, self.n) if self.k else SIZES[self.kind]
 
 
 BATCH = 2
@@ -109,7 +115,7 @@ def _check(out, ref, what, rel=REL):
 def _inputs(case: Case, tp: int, seed: int):
     """Global x [s, b, K] (the two halves of the sequence at different magnitudes, so per-shard scales differ),
     w [N, K], b [N], dy [s, b, N] (likewise), identical on every rank."""
-    k, n = SIZES[case.kind]
+    k, n = case.sizes
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(case.seq, BATCH, k, generator=g, dtype=torch.float64)
     x[case.seq // 2:] *= 6.0
@@ -136,7 +142,7 @@ def _reference(case: Case, x, w, b, dy, rank: int, tp: int):
         x_in = x2
         if case.kind == "norm":   # the norm (gamma = 1) runs before the linear: dX goes through its backward
             x_in = x2.clone().requires_grad_()
-            x2 = F.rms_norm(x_in, (x2.shape[-1],), eps=1e-5)
+            x2 = F.rms_norm(x_in, (x2.shape[-1],), eps=1e-5).to(case.dtype).double()   # the norm's output dtype
         x_blocks = x2.chunk(tp) if case.sp else [x2]
         x_hat = _deq_blocks(x_blocks, fwd)                         # AG(x8), per-shard scales
         y = x_hat @ w_hat.t() + b_r
@@ -167,18 +173,18 @@ def _reference(case: Case, x, w, b, dy, rank: int, tp: int):
     return y, dx, dw, dy2.sum(0)
 
 
-def _build(case: Case, tp: int, group, config_kw=None):
+def _build(case: Case, tp: int, group, config_kw=None, backend: str = "reference"):
     from flux_layers.layers import (
         ColumnParallelLinear,
         LayerNormColumnParallelLinear,
         OverlapConfig,
         RowParallelLinear,
     )
-    k, n = SIZES[case.kind]
+    k, n = case.sizes
     config = fp8_config(tp, case.sp and not case.tp1, fp8=case.fmt, fp8_wgrad=case.wgrad, params_dtype=case.dtype,
                         gradient_accumulation_fusion=case.ga, **(config_kw or {}))
     kw = dict(config=config, init_method=torch.nn.init.zeros_, bias=case.bias, skip_bias_add=False, tp_group=group,
-              overlap=OverlapConfig(backend="reference", wgrad_input=case.wgrad_input))
+              overlap=OverlapConfig(backend=backend, wgrad_input=case.wgrad_input))
     if case.kind == "column":
         return ColumnParallelLinear(k, n, gather_output=False, **kw)
     if case.kind == "norm":
@@ -186,13 +192,15 @@ def _build(case: Case, tp: int, group, config_kw=None):
     return RowParallelLinear(k, n, input_is_parallel=case.input_is_parallel, **kw)
 
 
-def _run_case(case: Case, rank: int, world: int, group, seed: int):
+def _run_case(case: Case, rank: int, world: int, group, seed: int, device: str = "cpu",
+              backend: str = "reference") -> dict:
+    """Run one case, check it against the fp64 reference; returns what it computed (output and gradients)."""
     tp = 1 if case.tp1 else world
     rank_in = 0 if case.tp1 else rank
-    where = f"rank {rank} {case}"
+    where = f"rank {rank} {backend} {case}"
     x, w, b, dy, main_grad0 = _inputs(case, tp, seed)
     y_ref, dx_ref, dw_ref, db_ref = _reference(case, x, w, b, dy, rank_in, tp)
-    layer = _build(case, tp, group)
+    layer = _build(case, tp, group, backend=backend).to(device)
     sp = case.sp and tp > 1
     column = case.kind != "row"
     if column:
@@ -212,31 +220,31 @@ def _run_case(case: Case, rank: int, world: int, group, seed: int):
         layer.weight.requires_grad_(False)
     if case.ga:
         mg = main_grad0.chunk(tp)[rank_in] if column else main_grad0[:, rank_in * k_tp:(rank_in + 1) * k_tp]
-        layer.weight.main_grad = mg.float().clone()
+        layer.weight.main_grad = mg.float().to(device)
         layer.weight.grad_added_to_main_grad = False
-    xl = x_local.to(case.dtype).requires_grad_()
+    xl = x_local.to(device, case.dtype).requires_grad_()
     out, out_bias = layer(xl)
     assert out_bias is None and out.dtype == case.dtype, where
-    out.backward(dy_local.to(case.dtype))
+    out.backward(dy_local.to(device, case.dtype))
     rel = REL if case.dtype == torch.float32 else 2.0**-6   # bf16 activations: one more rounding of each result
     if case.kind == "row" and sp:
         dist.all_reduce(layer.bias.grad, group=group)  # finalize_model_grads' SP all-reduce of the bias
-    _check(out.reshape(-1, out.shape[-1]), y_ref, where + " output", rel)
-    dx = xl.grad
+    _check(out.detach().reshape(-1, out.shape[-1]).cpu(), y_ref, where + " output", rel)
+    dx = xl.grad.cpu()
     dx_ref_shaped = dx_ref.reshape(dx.shape) if dx.numel() == dx_ref.numel() else None
     if case.kind == "row" and not case.input_is_parallel:
         dx_ref_shaped = torch.cat([_reference(case, x, w, b, dy, r, tp)[1] for r in range(tp)], dim=1).reshape(
             dx.shape)
     _check(dx, dx_ref_shaped, where + " dgrad", rel)
     if case.bias:
-        _check(layer.bias.grad, db_ref, where + " dbias", 1e-5 if case.dtype == torch.float32 else 2.0**-7)
+        _check(layer.bias.grad.cpu(), db_ref, where + " dbias", 1e-5 if case.dtype == torch.float32 else 2.0**-7)
     if case.frozen:
         assert layer.weight.grad is None, where
     elif case.ga:
         assert layer.weight.grad_added_to_main_grad is True, where
-        _check(layer.weight.main_grad - mg.float(), dw_ref, where + " main_grad", rel)
+        _check((layer.weight.main_grad - mg.float().to(device)).cpu(), dw_ref, where + " main_grad", rel)
     else:
-        _check(layer.weight.grad, dw_ref, where + " wgrad", rel)
+        _check(layer.weight.grad.cpu(), dw_ref, where + " wgrad", rel)
     # It ran FP8: every GEMM wrote the dtypes it ran with.
     grad_name = "float8_e5m2" if case.fmt == "hybrid" else "float8_e4m3fn"
     last = layer.fp8_state.last
@@ -253,6 +261,9 @@ def _run_case(case: Case, rank: int, world: int, group, seed: int):
         assert last["wgrad"] == f"{act} x {act}", (where, last)
         assert layer.last_paths["wgrad"].path == "local", (where, layer.last_paths)
     assert all(layer.last_paths[p].reason.startswith("FP8") for p in ("fprop", "dgrad")), (where, layer.last_paths)
+    wgrad = None if case.frozen else (layer.weight.main_grad if case.ga else layer.weight.grad)
+    return {"output": out.detach(), "dgrad": xl.grad, "wgrad": wgrad,
+            "dbias": layer.bias.grad if case.bias else None, "paths": dict(layer.last_paths)}
 
 
 def _numerics_worker(rank, world, seed):
