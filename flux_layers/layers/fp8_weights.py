@@ -6,7 +6,8 @@
 | ``t`` | [K, N/tp] / [K/tp, N] | dgrad: dY @ W, which FP8 GEMMs also need K-major: ``gemm(dY, W^T, 'nt')`` |
 
 Both share one tensor-wise scale (``ops.fp8.quantize_with_transpose``). The weight itself stays in its master dtype
-(checkpoints are unchanged); the copies are recomputable state and never saved.
+(checkpoints are unchanged); the copies are recomputable state and never saved. They cost 2 bytes per weight
+element (the transpose only once a backward needs it).
 
 **When the copy is refreshed.** A cast is needed exactly when the weight's values changed. Two signals, either one
 refreshes:
