@@ -167,3 +167,24 @@ def validate(cfg: GPTRunConfig, tp: int) -> None:
         raise ValueError(f"clip_grad ({cfg.clip_grad}) and weight_decay ({cfg.weight_decay}) must be >= 0")
     if not 0 <= cfg.data_jump_prob <= 1:
         raise ValueError(f"data_jump_prob ({cfg.data_jump_prob}) must be in [0, 1]")
+
+
+FP8_ALIGN = 16  # FP8 GEMMs need K and N multiples of 16 (flux_layers/ops/fp8.py)
+
+
+def validate_fp8(cfg: GPTRunConfig, tp: int) -> None:
+    """Raise ValueError naming the fields whose per-rank features an FP8 GEMM cannot take (``--fp8``): every linear's
+    input and output features on one of ``tp`` ranks must be multiples of 16."""
+    head = cfg.hidden_size // cfg.num_attention_heads
+    per_rank = {
+        "hidden_size (qkv and fc1 inputs, proj and fc2 outputs)": cfg.hidden_size,
+        "hidden_size / tp (proj input)": cfg.hidden_size // tp,
+        "(num_attention_heads + 2 * query groups) * head size / tp (qkv output)":
+            (cfg.num_attention_heads + 2 * cfg.query_groups) * head // tp,
+        "2 * ffn_hidden_size / tp (fc1 output)": 2 * cfg.ffn_hidden_size // tp,
+        "ffn_hidden_size / tp (fc2 input)": cfg.ffn_hidden_size // tp,
+    }
+    bad = {name: value for name, value in per_rank.items() if value % FP8_ALIGN}
+    if bad:
+        raise ValueError(f"--fp8 needs every linear's features per rank to be multiples of {FP8_ALIGN} (FP8 GEMMs); "
+                         f"at tensor-parallel size {tp}: " + ", ".join(f"{k} = {v}" for k, v in bad.items()))

@@ -99,7 +99,7 @@ def seed_everything(seed: int, cuda_graphs: bool = False) -> None:
 
 
 def build_model(cfg, linear_impl: str, device: torch.device, tp_comm_overlap: bool = True,
-                cuda_graphs: bool = False):
+                cuda_graphs: bool = False, fp8: dict | None = None):
     """A GPTModel on ``device`` (bf16 on CUDA, fp32 on CPU), TP over the whole world, SP when tp > 1.
 
     ``tp_comm_overlap`` is megatron's master overlap switch, which the flux linears read: off, they take the
@@ -107,7 +107,8 @@ def build_model(cfg, linear_impl: str, device: torch.device, tp_comm_overlap: bo
     ``cuda_graphs``: megatron-core's local CUDA graphs, one per transformer layer's forward and backward, recorded
     in the first iteration and captured after it (:func:`examples.gpt.train.train_step` calls
     ``create_cudagraphs``); the flux linears then make their workspaces' CUDA-graph twins
-    (flux_layers.runtime.workspace)."""
+    (flux_layers.runtime.workspace). ``fp8``: megatron's FP8 fields of the config (``fp8``, ``fp8_recipe``,
+    ``fp8_wgrad``), which the flux linears run (flux_layers/layers/fp8_recipe.py) and megatron-core's ignore."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -123,7 +124,7 @@ def build_model(cfg, linear_impl: str, device: torch.device, tp_comm_overlap: bo
         tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
         normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=cfg.init_method_std,
-        bf16=dtype == torch.bfloat16, params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16, params_dtype=dtype, pipeline_dtype=dtype, **(fp8 or {}),
         use_cpu_initialization=device.type == "cpu",
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
@@ -139,6 +140,9 @@ def build_model(cfg, linear_impl: str, device: torch.device, tp_comm_overlap: bo
     block = get_gpt_decoder_block_spec(config, baseline=linear_impl == "megatron")
     model = GPTModel(config, block, vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
                      position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    if config.fp8:
+        from flux_layers.layers.fp8_recipe import assign_layer_numbers
+        assign_layer_numbers(model)  # for first_last_layers_bf16 (megatron does not pass it to linears)
     return model.to(device)
 
 

@@ -8,6 +8,7 @@ own trainings through :func:`spawn`, :func:`run_rank` and :func:`train_fresh`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -27,10 +28,14 @@ from .config import (
     load_model_config,
     overrides_from_args,
     validate,
+    validate_fp8,
 )
 from .train import checkpoint_path
 
 COMPARE_ORDER = ("megatron", "flux")
+# --compare --fp8: (result name, linears, FP8 format or None, FLUX_LAYERS_BACKEND or None for --backend's)
+FP8_COMPARE_RUNS = (("megatron", "megatron", False, None), ("flux_fp8_reference", "flux", True, "reference"),
+                    ("flux_fp8", "flux", True, None))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--linear-impl", choices=("flux", "megatron"), default=None,
                    help="flux: flux_layers' fused linears; megatron: megatron-core's linears (default flux)")
     p.add_argument("--compare", action="store_true",
-                   help="train megatron then flux with the same config and seed; print a table and write "
-                        "e2e_gpt_<tag>.json and .png into --results-dir")
+                   help="train megatron then flux with the same config and seed (with --fp8: three runs, see "
+                        "--fp8); print a table and write e2e_gpt_<tag>.json and .png into --results-dir")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="auto (default): CUDA if a GPU is visible, else CPU")
     p.add_argument("--tp", type=int, default=None,
@@ -53,6 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-tp-comm-overlap", dest="tp_comm_overlap", action="store_false",
                    help="turn megatron's tp_comm_overlap switch off: the flux linears then take the sequential path "
                         "(collective, then GEMM) instead of the fused kernels")
+    p.add_argument("--fp8", choices=("e4m3", "hybrid"), default=None,
+                   help="FP8 linears through megatron-core's own settings (TransformerConfig.fp8 with "
+                        "fp8_recipe='tensorwise': current scaling): e4m3 everywhere, or hybrid (e4m3 forward, e5m2 "
+                        "gradients); the flux linears run it, megatron-core's ignore it (a warning says so). With "
+                        "--compare: flux FP8, the same recipe on the flux layers' reference path, megatron's bf16 "
+                        "linears")
+    p.add_argument("--fp8-wgrad", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --fp8: weight gradients in FP8 (default), or in 16 bits (--no-fp8-wgrad)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="capture each transformer layer's forward and backward as CUDA graphs after the first "
                         "iteration (megatron-core's local CUDA graphs; both linears in --compare), so that the "
@@ -122,12 +135,15 @@ def resolve_args(parser: argparse.ArgumentParser, argv=None) -> tuple[argparse.N
     try:
         cfg = load_model_config(args.model, overrides_from_args(args))
         validate(cfg, args.tp)
+        if args.fp8:
+            validate_fp8(cfg, args.tp)
     except ValueError as exc:
         parser.error(str(exc))
     if args.compare and args.timing_warmup >= cfg.train_iters:
         parser.error(f"--timing-warmup {args.timing_warmup} leaves no timed iteration of train_iters "
                      f"{cfg.train_iters}")
-    args.tag = args.tag or f"{os.path.splitext(os.path.basename(args.model))[0]}_{args.device}x{args.tp}"
+    args.tag = args.tag or (f"{os.path.splitext(os.path.basename(args.model))[0]}_{args.device}x{args.tp}"
+                            + (f"_fp8_{args.fp8}" if args.fp8 else ""))
     return args, cfg
 
 
@@ -142,7 +158,7 @@ def describe_run(args, cfg: GPTRunConfig, device: torch.device) -> str:
         f"{cfg.num_attention_heads} heads ({cfg.query_groups} KV groups), seq {cfg.seq_length}, vocab "
         f"{cfg.vocab_size}: {(layer_params + embed_params) / 1e6:,.1f}M parameters",
         f"TP={args.tp}{' + SP' if args.tp > 1 else ''} on {where}; FLUX_LAYERS_BACKEND={args.backend}; "
-        f"linears: {'megatron then flux (--compare)' if args.compare else args.linear_impl}"
+        f"linears: {describe_linears(args)}"
         f"{'; layers as CUDA graphs from iteration 2' if args.cuda_graphs else ''}",
         f"{cfg.micro_batch_size} x {cfg.num_microbatches} micro-batches x {cfg.seq_length} = {cfg.tokens_per_iter:,} "
         f"tokens/iteration; {cfg.train_iters} iterations; lr {cfg.lr:g} (warm-up {cfg.lr_warmup_iters}, cosine to "
@@ -160,11 +176,26 @@ def describe_run(args, cfg: GPTRunConfig, device: torch.device) -> str:
     return "\n".join(lines)
 
 
+def describe_linears(args) -> str:
+    fp8 = (f"FP8 {args.fp8} (tensorwise, wgrad in {'FP8' if args.fp8_wgrad else '16 bits'})" if args.fp8
+           else None)
+    if args.compare and fp8:
+        return f"megatron bf16, flux {fp8} on the reference path, flux {fp8} (--compare)"
+    if args.compare:
+        return "megatron then flux (--compare)"
+    return args.linear_impl + (f", {fp8}" if fp8 else "")
+
+
+def fp8_settings(args) -> dict | None:
+    """The FP8 fields of the run's TransformerConfig (None without --fp8)."""
+    return {"fp8": args.fp8, "fp8_recipe": "tensorwise", "fp8_wgrad": args.fp8_wgrad} if args.fp8 else None
+
+
 def run_single(args, cfg: GPTRunConfig, device: torch.device) -> None:
     from .model import build_model, seed_everything
     from .train import RunOptions, train
     seed_everything(cfg.seed, args.cuda_graphs)
-    model = build_model(cfg, args.linear_impl, device, args.tp_comm_overlap, args.cuda_graphs)
+    model = build_model(cfg, args.linear_impl, device, args.tp_comm_overlap, args.cuda_graphs, fp8_settings(args))
     opts = RunOptions(linear_impl=args.linear_impl, save=args.save, save_interval=args.save_interval, load=args.load,
                       ckpt_step=args.ckpt_step, exit_interval=args.exit_interval, log_interval=args.log_interval,
                       peak_tflops=args.peak_tflops, cuda_graphs=args.cuda_graphs)
@@ -175,7 +206,7 @@ def run_single(args, cfg: GPTRunConfig, device: torch.device) -> None:
         print(f"peak memory allocated: {history.peak_memory_bytes / 2 ** 30:.1f} GiB", flush=True)
     if args.metrics_out:
         record = {"model": args.model, "linear_impl": args.linear_impl, "tp": args.tp, "device": args.device,
-                  "cuda_graphs": args.cuda_graphs,
+                  "cuda_graphs": args.cuda_graphs, "fp8": fp8_settings(args),
                   "iterations": history.iterations, "losses": history.losses, "lrs": history.lrs,
                   "grad_norms": history.grad_norms, "step_times_ms": [1e3 * t for t in history.step_times_s]}
         with open(args.metrics_out, "w") as f:
@@ -189,13 +220,15 @@ def device_peak(args, device: torch.device) -> tuple[str, float | None]:
     return name, args.peak_tflops or peak_tflops(name)
 
 
-def train_fresh(args, cfg: GPTRunConfig, impl: str, device: torch.device, peak: float | None) -> dict:
-    """A new model with ``impl``'s linears, trained from the config's seed; its summary (the model is freed)."""
+def train_fresh(args, cfg: GPTRunConfig, impl: str, device: torch.device, peak: float | None,
+                fp8: dict | None = None) -> dict:
+    """A new model with ``impl``'s linears (``fp8``: the config's FP8 fields), trained from the config's seed; its
+    summary (the model is freed)."""
     from .model import build_model, linear_paths, seed_everything
     from .report import summarize
     from .train import RunOptions, train
     seed_everything(cfg.seed, args.cuda_graphs)
-    model = build_model(cfg, impl, device, args.tp_comm_overlap, args.cuda_graphs)
+    model = build_model(cfg, impl, device, args.tp_comm_overlap, args.cuda_graphs, fp8)
     opts = RunOptions(linear_impl=impl, log_interval=args.log_interval, peak_tflops=peak, cuda_graphs=args.cuda_graphs)
     history = train(model, cfg, opts, device)
     result = summarize(history, cfg, args.timing_warmup, args.tp, peak, linear_paths(model))
@@ -210,18 +243,41 @@ def train_fresh(args, cfg: GPTRunConfig, impl: str, device: torch.device, peak: 
     return result
 
 
+@contextlib.contextmanager
+def ops_backend(backend: str):
+    """FLUX_LAYERS_BACKEND=``backend`` for the ops' calls inside (decisions taken under another one are dropped)."""
+    from flux_layers import ops
+    before = os.environ["FLUX_LAYERS_BACKEND"]
+    os.environ["FLUX_LAYERS_BACKEND"] = backend
+    ops.refresh_settings()
+    try:
+        yield
+    finally:
+        os.environ["FLUX_LAYERS_BACKEND"] = before
+        ops.refresh_settings()
+
+
 def run_compare(args, cfg: GPTRunConfig, device: torch.device) -> None:
     from .report import write_compare
     name, peak = device_peak(args, device)
     results = {}
-    for impl in COMPARE_ORDER:
-        if dist.get_rank() == 0:
-            print(f"--- {impl} linears ---", flush=True)
-        results[impl] = train_fresh(args, cfg, impl, device, peak)
+    if args.fp8:
+        for result, impl, fp8, backend in FP8_COMPARE_RUNS:
+            backend = backend or args.backend
+            if dist.get_rank() == 0:
+                print(f"--- {result}: {impl} linears, " + (f"FP8 {args.fp8}, backend {backend}" if fp8 else "bf16")
+                      + " ---", flush=True)
+            with ops_backend(backend):
+                results[result] = train_fresh(args, cfg, impl, device, peak, fp8_settings(args) if fp8 else None)
+    else:
+        for impl in COMPARE_ORDER:
+            if dist.get_rank() == 0:
+                print(f"--- {impl} linears ---", flush=True)
+            results[impl] = train_fresh(args, cfg, impl, device, peak)
     if dist.get_rank() == 0:
         write_compare(results, cfg, model=args.model, tag=args.tag, results_dir=args.results_dir,
                       device=args.device, device_name=name, gpus=args.tp, backend=args.backend,
-                      timing_warmup=args.timing_warmup, cuda_graphs=args.cuda_graphs)
+                      timing_warmup=args.timing_warmup, cuda_graphs=args.cuda_graphs, fp8=fp8_settings(args))
 
 
 def run_rank(args, cfg: GPTRunConfig, body=None) -> None:

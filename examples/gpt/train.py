@@ -267,6 +267,8 @@ def train_step(model, optimizer, data: SyntheticCycleWalk, cfg: GPTRunConfig, it
     for micro in range(cfg.num_microbatches):
         tokens = data.batch((it - 1) * cfg.num_microbatches + micro, cfg.micro_batch_size)
         tokens = tokens.to(position_ids.device, non_blocking=True)
+        if micro == 0:
+            model.set_is_first_microbatch()  # as megatron's schedules: FP8 linears recast their weights (if fp8)
         per_token = model(tokens[:, :-1], position_ids, None, labels=tokens[:, 1:])
         loss = per_token.float().mean() / cfg.num_microbatches
         loss.backward()

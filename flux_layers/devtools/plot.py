@@ -1,5 +1,6 @@
 """Plot an end-to-end comparison record (``benchmarks/results/e2e_gpt_<tag>.json``, written by
-``examples/pretrain_gpt.py --compare``): loss curves of both implementations and their per-iteration throughput.
+``examples/pretrain_gpt.py --compare``): loss curves of the implementations (two, or three with ``--fp8``) and their
+per-iteration throughput.
 
 Usage: ``python -m flux_layers.devtools.plot benchmarks/results/e2e_gpt_<tag>.json [out.png]``
 """
@@ -19,7 +20,7 @@ def plot_compare(record: dict, png_path: str) -> str:
     tokens = record["config"]["micro_batch_size"] * record["config"]["num_microbatches"] * \
         record["config"]["seq_length"]
     fig, (ax_loss, ax_tput) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for (impl, r), style in zip(record["results"].items(), ("-", "--")):
+    for (impl, r), style in zip(record["results"].items(), ("-", "--", ":")):
         iters = range(1, len(r["losses"]) + 1)
         ax_loss.plot(iters, r["losses"], style, label=impl)
         ax_tput.plot(iters, [tokens / (ms / 1e3) for ms in r["step_times_ms"]], style,
@@ -32,8 +33,12 @@ def plot_compare(record: dict, png_path: str) -> str:
         ax.grid(alpha=0.3)
         ax.legend()
     where = f"{record['gpu_count']} x {record['gpu_model']}" if record["gpu_model"] else "CPU (throughput meaningless)"
-    fig.suptitle(f"GPT {record['model']}, TP={record['tensor_parallel']}, {where}: "
-                 f"flux {record['speedup']:.3f}x vs megatron")
+    if record.get("fp8"):
+        speed = (f"flux FP8 {record['fp8']['fp8']} {record['speedup_over_bf16']:.3f}x vs megatron bf16, "
+                 f"{record['speedup_over_fp8_reference']:.3f}x vs the FP8 reference path")
+    else:
+        speed = f"flux {record['speedup']:.3f}x vs megatron"
+    fig.suptitle(f"GPT {record['model']}, TP={record['tensor_parallel']}, {where}: {speed}")
     fig.tight_layout()
     fig.savefig(png_path, dpi=120)
     plt.close(fig)

@@ -8,7 +8,10 @@
 | :class:`SDPAttention` | core attention on torch SDPA with megatron-core's interface |
 | :func:`get_gpt_layer_flux_spec`, :func:`get_gpt_layer_baseline_spec`, :func:`get_gpt_decoder_block_spec` | specs |
 
-Autograd functions (one per communication pattern) are in :mod:`flux_layers.layers.autograd`.
+Autograd functions (one per communication pattern) are in :mod:`flux_layers.layers.autograd`. FP8 from megatron-core's
+``fp8`` settings: the recipe in :mod:`flux_layers.layers.fp8_recipe` (``assign_layer_numbers`` for
+``first_last_layers_bf16``), the FP8 autograd functions in :mod:`flux_layers.layers.fp8_autograd`, the cached FP8
+weights in :mod:`flux_layers.layers.fp8_weights`.
 """
 from flux_layers.config import OverlapConfig
 from flux_layers.layers.attention import SDPAttention

@@ -82,19 +82,26 @@ def _accumulate_wgrad(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor
         main_grad.add_(torch.matmul(dy.t(), x).to(main_grad.dtype))
 
 
-def weight_grad(ctx, weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor):
-    """dW = dy^T @ x, or accumulate it into ``weight.main_grad`` and return Megatron's dummy gradient."""
+def weight_grad(ctx, weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor | None = None):
+    """dW = dy^T @ x, or accumulate it into ``weight.main_grad`` and return Megatron's dummy gradient. ``dw``: the
+    product already computed (the FP8 wgrad GEMM, flux_layers/layers/fp8_autograd.py); ``x`` is then unused."""
     if not ctx.grad_accum_fusion:
-        return torch.matmul(dy.t(), x)
+        return torch.matmul(dy.t(), x) if dw is None else dw
     if hasattr(weight, "__fsdp_param__"):  # Megatron-FSDP hands out its main_grad buffer on demand
         weight.main_grad = weight.get_main_grad()
-        torch.matmul(dy.t(), x, out=weight.main_grad)
+        if dw is None:
+            torch.matmul(dy.t(), x, out=weight.main_grad)
+        else:
+            weight.main_grad.copy_(dw)
     else:
         weight.main_grad = ctx.main_grad
         if weight.main_grad is None:
             raise RuntimeError("gradient_accumulation_fusion is set but the weight had no `main_grad` at fprop; "
                                "wrap the model in megatron's DistributedDataParallel or set weight.main_grad")
-        _accumulate_wgrad(weight.main_grad, dy, x)
+        if dw is None:
+            _accumulate_wgrad(weight.main_grad, dy, x)
+        else:
+            weight.main_grad.add_(dw)
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     # Megatron's contract: a dummy weight gradient keeps the backward hooks on the main thread.

@@ -55,6 +55,8 @@ from flux_layers.layers.autograd import (
     ReduceScatterLinear,
     ScatterLastDim,
 )
+from flux_layers.layers.fp8_autograd import column_parallel_forward, row_parallel_forward
+from flux_layers.layers.fp8_recipe import call_recipe, setup_layer
 from flux_layers.ops import Choice
 from flux_layers.runtime import tuning
 
@@ -153,6 +155,7 @@ class _ParallelLinear(torch.nn.Module):
         # Megatron: a default empty _extra_state so that checkpoints from TE layers load.
         self._register_load_state_dict_pre_hook(
             lambda state_dict, prefix, *args, **kwargs: state_dict.setdefault(f"{prefix}_extra_state"))
+        setup_layer(self, config, is_expert)  # FP8 from megatron's fp8 fields (flux_layers/layers/fp8_recipe.py)
         return world_size, rank
 
     def _check_main_grad(self, weight: torch.Tensor) -> None:
@@ -194,6 +197,12 @@ class _ParallelLinear(torch.nn.Module):
 
     def backward_dw(self) -> None:
         """Delayed wgrad is not supported (like megatron-core's local layers): does nothing."""
+
+    def set_layer_number(self, layer_number: int) -> None:
+        """This linear's transformer layer (1-based, global), which ``config.first_last_layers_bf16`` needs and
+        megatron-core does not pass to linears (``fp8_recipe.assign_layer_numbers`` tells a whole model's)."""
+        if self.fp8_state is not None:
+            self.fp8_state.layer_number = layer_number
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -270,7 +279,10 @@ class ColumnParallelLinear(_ParallelLinear):
         weight = self._resolve_weight(weight)
         self._check_main_grad(weight)
         bias = self.bias if not self.skip_bias_add else None
-        if self.sequence_parallel and not self.explicit_expert_comm:
+        fp8 = call_recipe(self)
+        if fp8 is not None:
+            output_parallel = column_parallel_forward(self, input_, weight, bias, fp8)
+        elif self.sequence_parallel and not self.explicit_expert_comm:
             output_parallel = self._all_gather_linear(input_, weight, bias)
         else:
             if self.explicit_expert_comm:
@@ -367,7 +379,10 @@ class RowParallelLinear(_ParallelLinear):
         self._check_main_grad(self.weight)
         x = input_ if self.input_is_parallel else ScatterLastDim.apply(input_, self.tp_group)
         bias = self.bias if not self.skip_bias_add else None
-        if self.explicit_expert_comm:
+        fp8 = call_recipe(self)
+        if fp8 is not None:
+            output = row_parallel_forward(self, x, bias, fp8)
+        elif self.explicit_expert_comm:
             self._local_paths(_LOCAL_EXPERT)
             output = _local_linear(x, self.weight, None, self.tp_group, allreduce_dgrad=False, allreduce_output=False,
                                    grad_accum_fusion=self.gradient_accumulation_fusion)

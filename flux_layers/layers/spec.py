@@ -43,6 +43,7 @@ from megatron.core.transformer.transformer_layer import (
 from flux_layers.config import OverlapConfig
 from flux_layers.layers import _megatron_compat
 from flux_layers.layers.attention import SDPAttention
+from flux_layers.layers.fp8_recipe import warn_if_fp8_is_ignored
 from flux_layers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from flux_layers.layers.norm import LayerNormColumnParallelLinear, Norm
 
@@ -194,4 +195,6 @@ def get_gpt_decoder_block_spec(config, *, baseline: bool = False, overlap: Optio
                          "build the layer list with megatron-core's helpers")
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    if baseline:
+        warn_if_fp8_is_ignored(config)  # megatron-core's own linears do nothing with config.fp8 (no TE)
     return TransformerBlockSubmodules(layer_specs=specs[offset:offset + num_layers], layer_norm=Norm)
