@@ -40,7 +40,11 @@ SLEEP_CYCLES_PER_MS = 2_000_000  # H200 SM clock ~2 GHz: torch.cuda._sleep count
 
 
 def _inputs(op, rank, tp, m, k, n, layout, dtype, sets):
-    """Per set: (x, w, fp32 reference of this rank's output) for the rank's shard of the global problem."""
+    """Per set: (x, w, fp32 reference of this rank's output) for the rank's shard of the global problem. FP8
+    (``dtype`` float8_e4m3fn, 'nt'): x and w are ScaledTensors (each rank's shard cast with its own tensor-wise
+    scale) and the reference is that of the dequantized operands."""
+    if dtype == torch.float8_e4m3fn:
+        return _fp8_inputs(op, rank, tp, m, k, n, layout, sets)
     out = []
     for s in range(sets):
         gen = torch.Generator(device="cuda").manual_seed(1000 * s + 7)
@@ -59,8 +63,36 @@ def _inputs(op, rank, tp, m, k, n, layout, dtype, sets):
     return out
 
 
-def _impl_fn(impl, op, layout, group):
+def _fp8_inputs(op, rank, tp, m, k, n, layout, sets):
+    from flux_layers.ops.fp8 import dequantize, quantize
+    if layout != "nt":
+        raise SystemExit("FP8 operands take the 'nt' layout only")
+    out = []
+    for s in range(sets):
+        gen = torch.Generator(device="cuda").manual_seed(1000 * s + 7)
+        x = torch.randn(m, k, generator=gen, device="cuda")
+        w = torch.randn(n, k, generator=gen, device="cuda")
+        if op == "ag_gemm":
+            shards = [quantize(x_s.contiguous()) for x_s in x.chunk(tp)]
+            w_r = quantize(w.chunk(tp)[rank].contiguous())
+            ref = torch.cat([dequantize(q) for q in shards]) @ dequantize(w_r).t()
+            out.append((shards[rank], w_r, ref))
+        else:
+            parts = [(quantize(x.chunk(tp, dim=1)[r].contiguous()), quantize(w.chunk(tp, dim=1)[r].contiguous()))
+                     for r in range(tp)]
+            ref = sum(dequantize(xq) @ dequantize(wq).t() for xq, wq in parts).chunk(tp)[rank]
+            out.append((*parts[rank], ref))
+    return out
+
+
+def _impl_fn(impl, op, layout, group, fp8=False):
     from flux_layers import ops
+    if fp8:  # x, w: ScaledTensors (the unpacking is part of the host cost measured, ~0.1 us)
+        if impl not in ("fused", "auto", "sequential"):
+            raise NotImplementedError(f"{impl} is not measured with FP8 operands")
+        backend = {"fused": "fused", "auto": "auto", "sequential": "reference"}[impl]
+        fn = ops.ag_gemm if op == "ag_gemm" else ops.gemm_rs
+        return lambda x, w: fn(x.data, w.data, group=group, x_scale=x.scale, w_scale=w.scale, backend=backend)
     if impl in ("fused", "auto", "sequential"):
         backend = {"fused": "fused", "auto": "auto", "sequential": "reference"}[impl]
         fn = ops.ag_gemm if op == "ag_gemm" else ops.gemm_rs
@@ -189,10 +221,11 @@ def bench_case(rank, tp, op, m, k, n, layout, args, group, impls):
     from flux_layers import ops
     dtype = getattr(torch, args.dtype)
     data = _inputs(op, rank, tp, m, k, n, layout, dtype, sets=2)
+    fp8 = dtype == torch.float8_e4m3fn
     fns, rows = {}, []
     for impl in impls:
-        fn = _impl_fn(impl, op, layout, group)
         try:
+            fn = _impl_fn(impl, op, layout, group, fp8)
             _check(fn, data, f"rank {rank} {op} {m}x{k}x{n} {layout} {impl}")
         except Exception as exc:  # an implementation that cannot run here is reported, not hidden
             if impl == "torch_symm_mem":
@@ -202,7 +235,8 @@ def bench_case(rank, tp, op, m, k, n, layout, args, group, impls):
             raise
         fns[impl] = fn
     x0, w0, _ = data[0]
-    auto_path = ops.plan(op, x0, w0, group=group, weight_layout=layout).path
+    auto_path = (ops.decide(op, x0.data, w0.data, group=group) if fp8 else
+                 ops.plan(op, x0, w0, group=group, weight_layout=layout)).path
     samples = {impl: {"host_us": [], "gpu_ms": [], "loop_ms": []} for impl in fns}
     keys = list(fns)
     for r in range(args.rounds):
@@ -215,7 +249,7 @@ def bench_case(rank, tp, op, m, k, n, layout, args, group, impls):
                 samples[impl]["loop_ms"].append(_loop_ms(fn, data, args.calls))
     for impl in fns:
         med = {key: statistics.median(v) if v else None for key, v in samples[impl].items()}
-        row = {"op": op, "m": m, "k": k, "n": n, "layout": layout, "impl": impl,
+        row = {"op": op, "m": m, "k": k, "n": n, "layout": layout, "impl": impl, "dtype": args.dtype,
                **{key: _max_over_ranks(v) for key, v in med.items()}}
         if impl == "auto":
             row["auto_path"] = auto_path
@@ -237,7 +271,7 @@ def main_rank(rank, tp, args):
             for layout in args.layouts.split(","):
                 rows = bench_case(rank, tp, op, m, k, n, layout, args, group, impls)
                 results += rows
-                if args.breakdown and "fused" in impls:
+                if args.breakdown and "fused" in impls and args.dtype != "float8_e4m3fn":
                     parts = _breakdown(rank, op, m, k, n, layout,
                                        _inputs(op, rank, tp, m, k, n, layout, getattr(torch, args.dtype), sets=1),
                                        group, args)
@@ -317,7 +351,8 @@ def main(argv=None):
     ap.add_argument("--ops", default="ag_gemm,gemm_rs")
     ap.add_argument("--layouts", default="nt,nn")
     ap.add_argument("--impls", default=",".join(IMPLS))
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float8_e4m3fn"],
+                    help="float8_e4m3fn: e4m3 x e4m3 with tensor-wise scales ('nt' only), out bfloat16")
     ap.add_argument("--calls", type=int, default=20, help="calls per host-cost and loop measurement")
     ap.add_argument("--reps", type=int, default=20, help="repetitions per GPU-time measurement")
     ap.add_argument("--rounds", type=int, default=5)

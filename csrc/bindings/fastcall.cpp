@@ -131,22 +131,33 @@ bool call_released(const char* op, Fn&& fn) {
 struct DirectArgs {
   int64_t leading[4] = {0, 0, 0, 0};
   Operands operands;
+  std::optional<at::Tensor> x_scale, w_scale;  // FP8 calls: two more operands after the bias (None: absent)
   int64_t trailing = 0;
 };
 
 // 1: parsed; 0: not the plain case (the caller returns NotImplemented); -1: a Python error is set.
 int parse(const char* op, PyObject* const* args, Py_ssize_t nargs, Py_ssize_t leading, Py_ssize_t trailing,
-          DirectArgs& out) {
-  Py_ssize_t const expected = leading + 3 + trailing;
+          DirectArgs& out, bool scales = false) {
+  Py_ssize_t const operands = scales ? 5 : 3;
+  Py_ssize_t const expected = leading + operands + trailing;
   if (nargs != expected) {
     PyErr_Format(PyExc_TypeError, "%s takes %zd positional arguments, got %zd", op, expected, nargs);
     return -1;
   }
-  for (Py_ssize_t i = 0; i < leading + 3 + trailing; ++i) {
-    if (i >= leading && i < leading + 3) continue;
+  for (Py_ssize_t i = 0; i < expected; ++i) {
+    if (i >= leading && i < leading + operands) continue;
     int64_t const v = PyLong_AsLongLong(args[i]);  // bools are ints
     if (v == -1 && PyErr_Occurred()) return -1;
     (i < leading ? out.leading[i] : out.trailing) = v;
+  }
+  if (scales) {  // the scales: plain tensors (never recorded by autograd) or None
+    for (int j = 0; j < 2; ++j) {
+      PyObject* const obj = args[leading + 3 + j];
+      if (obj == Py_None) continue;
+      const at::Tensor* t = plain_tensor(obj);
+      if (t == nullptr || (at::GradMode::is_enabled() && t->requires_grad())) return 0;
+      (j == 0 ? out.x_scale : out.w_scale) = *t;
+    }
   }
   return plain_operands(args + leading, out.operands) ? 1 : 0;
 }
@@ -180,6 +191,43 @@ PyObject* fast_gemm_rs(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   at::Tensor result;
   if (!call_released("flux_layers::gemm_rs", [&] {
         result = flux::bindings::gemm_rs(*o.x, *o.w, o.bias, a.leading[0], a.leading[1], a.leading[2] != 0);
+      }))
+    return nullptr;
+  return THPVariable_Wrap(result);
+}
+
+// ag_gemm_fp8(workspace, plan, weight_nn, run_gemm, x, weight, bias, x_scale, w_scale, return_gathered):
+// out, or (out, gathered, gathered_scale).
+PyObject* fast_ag_gemm_fp8(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  DirectArgs a;
+  int const parsed = parse("ag_gemm_fp8", args, nargs, 4, 1, a, true);
+  if (parsed <= 0) return parsed == 0 ? not_implemented() : nullptr;
+  Operands const& o = a.operands;
+  bool const return_gathered = a.trailing != 0;
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> result;
+  if (!call_released("flux_layers::ag_gemm_fp8", [&] {
+        result = flux::bindings::ag_gemm_fp8(*o.x, *o.w, o.bias, a.x_scale, a.w_scale, a.leading[0], a.leading[1],
+                                             a.leading[2] != 0, return_gathered, a.leading[3] != 0);
+      }))
+    return nullptr;
+  if (!return_gathered) return THPVariable_Wrap(std::get<0>(result));
+  PyObject* items[3] = {THPVariable_Wrap(std::get<0>(result)), THPVariable_Wrap(std::get<1>(result)),
+                        THPVariable_Wrap(std::get<2>(result))};
+  PyObject* triple = items[0] && items[1] && items[2] ? PyTuple_Pack(3, items[0], items[1], items[2]) : nullptr;
+  for (PyObject* item : items) Py_XDECREF(item);
+  return triple;
+}
+
+// gemm_rs_fp8(workspace, plan, weight_nn, x, weight, bias, x_scale, w_scale) -> out
+PyObject* fast_gemm_rs_fp8(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  DirectArgs a;
+  int const parsed = parse("gemm_rs_fp8", args, nargs, 3, 0, a, true);
+  if (parsed <= 0) return parsed == 0 ? not_implemented() : nullptr;
+  Operands const& o = a.operands;
+  at::Tensor result;
+  if (!call_released("flux_layers::gemm_rs_fp8", [&] {
+        result = flux::bindings::gemm_rs_fp8(*o.x, *o.w, o.bias, a.x_scale, a.w_scale, a.leading[0], a.leading[1],
+                                             a.leading[2] != 0);
       }))
     return nullptr;
   return THPVariable_Wrap(result);
@@ -241,6 +289,10 @@ PyMethodDef g_methods[] = {
     {"gemm_rs", fastcall(fast_gemm_rs), METH_FASTCALL,
      "torch.ops.flux_layers.gemm_rs without the op dispatch, its arguments as a decision binds them; NotImplemented "
      "where it does not apply"},
+    {"ag_gemm_fp8", fastcall(fast_ag_gemm_fp8), METH_FASTCALL,
+     "torch.ops.flux_layers.ag_gemm_fp8 without the op dispatch (as ag_gemm, the scales after the bias)"},
+    {"gemm_rs_fp8", fastcall(fast_gemm_rs_fp8), METH_FASTCALL,
+     "torch.ops.flux_layers.gemm_rs_fp8 without the op dispatch (as gemm_rs, the scales after the bias)"},
     {"_set_error_types", fastcall(set_error_types), METH_FASTCALL,
      "the Python types of WorkspaceFailed and NoGraphTwin (flux_layers/_library.py, once)"},
     {"typed_error_probe", fastcall(typed_error_probe), METH_FASTCALL,

@@ -37,6 +37,18 @@ std::tuple<at::Tensor, at::Tensor> ag_gemm(const at::Tensor& x_shard_m, const at
 at::Tensor gemm_rs(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                    int64_t workspace_handle, int64_t plan_index, bool weight_nn);
 
+// The same with FP8 operands (x_scale, w_scale: csrc/bindings/operands.h check_scales; out bf16): (out, gathered
+// FP8 rows [M, K] or [0, K], their scales [tp] (x_scale one element: one per source rank) or [M, 1], or empty).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ag_gemm_fp8(const at::Tensor& x_shard_m, const at::Tensor& w,
+                                                           const std::optional<at::Tensor>& bias,
+                                                           const std::optional<at::Tensor>& x_scale,
+                                                           const std::optional<at::Tensor>& w_scale,
+                                                           int64_t workspace_handle, int64_t plan_index, bool weight_nn,
+                                                           bool return_gathered, bool run_gemm);
+at::Tensor gemm_rs_fp8(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& x_scale, const std::optional<at::Tensor>& w_scale,
+                       int64_t workspace_handle, int64_t plan_index, bool weight_nn);
+
 // Throws the typed failure named `which` ("workspace_failed", "no_graph_twin"): the CPU tests check both paths'
 // translation with it (tests/cpu/test_native_seam.py).
 void typed_error_probe(std::string which);

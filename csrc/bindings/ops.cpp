@@ -157,6 +157,8 @@ constexpr NamedCode kNamedCodes[] = {
     {"rs_transport", "direct", int(flux::RsTransport::kDirect)},
     {"rs_transport", "copy_engine", int(flux::RsTransport::kCopyEngine)},
     {"rs_transport", "external", int(flux::RsTransport::kExternal)},
+    {"accumulation", "split", int(flux::Accumulation::kSplit)},
+    {"accumulation", "fast", int(flux::Accumulation::kFast)},
 };
 
 int code_of(const char* kind, const std::string& name) {
@@ -190,6 +192,7 @@ c10::Dict<std::string, int64_t> sizes_dict(flux::WorkspaceSizes const& s) {
   out.insert("capacity", s.capacity);
   out.insert("slot_rows", s.slot_rows);
   out.insert("stage_bytes", s.stage_bytes);
+  out.insert("scale_offset", s.scale_offset);
   return out;
 }
 
@@ -278,8 +281,10 @@ struct Workspace : torch::CustomClassHolder {
     flux::WorkspaceConfig c;
     c.kind = named<flux::WorkspaceKind>("workspace_kind", kind);
     c.dtype = named<flux::DType>("dtype", dtype);
-    TORCH_CHECK_VALUE(c.dtype == flux::DType::kBF16 || c.dtype == flux::DType::kFP16, "a workspace's dtype must be ",
-                      "bfloat16 or float16, got ", dtype, ": FP8 is not wired through the fused ops yet");
+    TORCH_CHECK_VALUE(!flux::is_fp8(c.dtype) || c.kind == flux::WorkspaceKind::kAllGather,
+                      "a reduce-scatter "
+                      "workspace holds partials in the output dtype (bfloat16 or float16), got ",
+                      dtype);
     TORCH_CHECK_VALUE(error_ptrs.size() == 2, "error_ptrs holds {record, claim}, got ", error_ptrs.size());
     TORCH_CHECK_VALUE(timeout_s > 0, "timeout_s must be positive, got ", timeout_s);
     c.rank = int(rank);
@@ -312,12 +317,13 @@ struct Workspace : torch::CustomClassHolder {
   // A plan's fields by name (flux_layers/runtime/call_plan.py mirrors the names). group_order: the GEMM's shard
   // order where the caller's transfers fix it (external mode), else empty.
   int64_t add_ag_plan(int64_t tile, int64_t swizzle, int64_t stream_k_fill, int64_t sm_count, std::string mode,
-                      std::string order, int64_t rows_per_chunk, std::vector<int64_t> group_order) {
+                      std::string order, int64_t rows_per_chunk, std::vector<int64_t> group_order,
+                      std::string accumulation) {
     TORCH_CHECK_VALUE(config().kind == flux::WorkspaceKind::kAllGather, config().what,
                       ": an all-gather plan needs an all-gather workspace");
     TORCH_CHECK_VALUE(group_order.empty() || int64_t(group_order.size()) == config().tp, "group_order names ",
                       group_order.size(), " shards for a group of ", config().tp);
-    flux::CallPlan p = kernel_plan(tile, swizzle, stream_k_fill, sm_count);
+    flux::CallPlan p = kernel_plan(tile, swizzle, stream_k_fill, sm_count, accumulation);
     p.mode = named<flux::AgMode>("ag_mode", mode);
     p.order = named<flux::AgOrder>("ag_order", order);
     p.rows_per_chunk = int(rows_per_chunk);
@@ -327,10 +333,10 @@ struct Workspace : torch::CustomClassHolder {
   }
 
   int64_t add_rs_plan(int64_t tile, int64_t swizzle, int64_t stream_k_fill, int64_t sm_count, std::string transport,
-                      int64_t chunk_cols) {
+                      int64_t chunk_cols, std::string accumulation) {
     TORCH_CHECK_VALUE(config().kind == flux::WorkspaceKind::kReduceScatter, config().what,
                       ": a reduce-scatter plan needs a reduce-scatter workspace");
-    flux::CallPlan p = kernel_plan(tile, swizzle, stream_k_fill, sm_count);
+    flux::CallPlan p = kernel_plan(tile, swizzle, stream_k_fill, sm_count, accumulation);
     p.transport = named<flux::RsTransport>("rs_transport", transport);
     p.chunk_cols = int(chunk_cols);
     return add_plan(p);
@@ -395,6 +401,12 @@ struct Workspace : torch::CustomClassHolder {
     if (!empty_gathered.defined()) empty_gathered = at::empty({0, config().inner}, like.options());
     return empty_gathered;
   }
+  // ag_gemm's third output where no gathered scales are asked for: one empty float tensor, made once.
+  const Tensor& no_scale(const Tensor& like) {
+    if (!empty_scale.defined()) empty_scale = at::empty({0}, like.options().dtype(at::kFloat));
+    return empty_scale;
+  }
+  Tensor empty_scale;
 
   // The workspace a call on `stream` uses: its CUDA-graph twin while the stream is being captured.
   Workspace& for_stream(cudaStream_t stream) {
@@ -422,8 +434,10 @@ struct Workspace : torch::CustomClassHolder {
   }
 
  private:
-  static flux::CallPlan kernel_plan(int64_t tile, int64_t swizzle, int64_t stream_k_fill, int64_t sm_count) {
+  static flux::CallPlan kernel_plan(int64_t tile, int64_t swizzle, int64_t stream_k_fill, int64_t sm_count,
+                                    const std::string& accumulation) {
     flux::CallPlan p;
+    p.accumulation = named<flux::Accumulation>("accumulation", accumulation);
     p.tile = to_tile(tile);
     p.swizzle = int(swizzle);
     p.stream_k_fill = int(stream_k_fill);
@@ -473,15 +487,29 @@ struct FusedCall {
     TORCH_CHECK_VALUE(config.kind == kind, op, ": the workspace belongs to ", config.what);
     TORCH_CHECK_VALUE(x.device().index() == config.device, op, ": x is on ", x.device(),
                       ", the workspace on cuda:", config.device);
-    TORCH_CHECK_VALUE(!flux::is_fp8(ops.types.a), op, ": FP8 operands are not wired through the fused ops yet");
-    TORCH_CHECK_VALUE(ops.types.a == config.dtype, op, ": x dtype ", x.scalar_type(), " differs from the workspace's ",
+    // The all-gather's workspace holds x's rows, the reduce-scatter's the partials (the output dtype).
+    flux::DType const held = kind == flux::WorkspaceKind::kAllGather ? ops.types.a : ops.types.out;
+    TORCH_CHECK_VALUE(held == config.dtype, op, ": the call's ",
+                      kind == flux::WorkspaceKind::kAllGather ? "gathered rows" : "partials", " are ",
+                      flux::bindings::dtype_name(held), ", the workspace holds ",
                       flux::bindings::dtype_name(config.dtype));
+    if (flux::is_fp8(ops.types.a)) {
+      ops.types.accumulation = planned.plan.accumulation;
+      TORCH_CHECK_VALUE(
+          planned.plan.mode != flux::AgMode::kExternal && planned.plan.transport != flux::RsTransport::kExternal, op,
+          ": FP8 operands run on the peer-mapped transports only (not NCCL)");
+    }
+    flux::WeightLayout const layout = weight_nn ? flux::WeightLayout::kNN : flux::WeightLayout::kNT;
+    TORCH_CHECK_VALUE(flux::gemm_instance_exists(ops.types, layout, planned.plan.tile), op, ": the plan's tile ",
+                      int(planned.plan.tile), " has no GEMM instance for ", flux::bindings::dtype_name(ops.types.a),
+                      " x ", flux::bindings::dtype_name(ops.types.b),
+                      ops.types.accumulation == flux::Accumulation::kFast ? " (fast accumulation)" : "");
   }
 
   // An output of the call: allocated straight from the caching allocator on the current stream (no op dispatch),
   // NaN where the workspace poisons its outputs (tests).
-  Tensor output(at::IntArrayRef sizes) const {
-    Tensor t = at::detail::empty_cuda(sizes, x.scalar_type(), x.device(), std::nullopt);
+  Tensor output(at::IntArrayRef sizes, at::ScalarType dtype) const {
+    Tensor t = at::detail::empty_cuda(sizes, dtype, x.device(), std::nullopt);
     if (config.poison_outputs) t.fill_(std::numeric_limits<float>::quiet_NaN());
     return t;
   }
@@ -499,6 +527,11 @@ struct FusedCall {
     a.layout = weight_nn ? flux::WeightLayout::kNN : flux::WeightLayout::kNT;
     a.n = int(shape.n);
     a.k = int(shape.k);
+    a.types = ops.types;
+    a.x_scale_mode = scales.x_mode;
+    a.x_scale = scales.x;
+    a.w_scale_mode = scales.w_mode;
+    a.w_scale = scales.w;
     a.compute = stream;
     a.timeout_ns = runs.state->timeout_ns();
     return a;
@@ -521,8 +554,9 @@ struct FusedCall {
   const Tensor& w;
   const std::optional<Tensor>& bias;
   bool const weight_nn;
-  Operands const ops;
+  Operands ops;  // the accumulation is the plan's
   MatmulShape const shape;
+  flux::bindings::Scales scales;     // FP8: set by the op (check_scales) before arguments()
   c10::cuda::CUDAGuard const guard;  // x's device, current for the rest of the call
   cudaStream_t const stream;
   Workspace& runs;
@@ -536,13 +570,20 @@ struct FusedCall {
 // (fastcall.cpp).
 namespace flux::bindings {
 
-std::tuple<Tensor, Tensor> ag_gemm(const Tensor& x_shard_m, const Tensor& w, const std::optional<Tensor>& bias,
-                                   int64_t workspace_handle, int64_t plan_index, bool weight_nn, bool return_gathered,
-                                   bool run_gemm) {
+namespace {
+
+// ag_gemm with or without FP8 scales: (out [M, N], gathered [M, K] or the workspace's [0, K], gathered scales [tp]
+// or [M, 1] (FP8 with return_gathered) or an empty float tensor).
+std::tuple<Tensor, Tensor, Tensor> ag_gemm_call(const Tensor& x_shard_m, const Tensor& w,
+                                                const std::optional<Tensor>& bias, const std::optional<Tensor>& x_scale,
+                                                const std::optional<Tensor>& w_scale, int64_t workspace_handle,
+                                                int64_t plan_index, bool weight_nn, bool return_gathered,
+                                                bool run_gemm) {
   FusedCall call(x_shard_m, w, bias, workspace_handle, plan_index, weight_nn, WorkspaceKind::kAllGather, "ag_gemm");
   MatmulShape const& s = call.shape;
   WorkspaceConfig const& c = call.config;
   CallPlan const& plan = call.planned.plan;
+  call.scales = check_scales(call.ops, x_shard_m, x_scale, w_scale, s.m, "ag_gemm");
   int64_t const m = c.tp * s.m;
   TORCH_CHECK_VALUE(m <= c.max_m && s.k == c.inner, "ag_gemm: call needs M=", m, ", K=", s.k,
                     "; the workspace holds max_m=", c.max_m, ", K=", c.inner);
@@ -551,35 +592,74 @@ std::tuple<Tensor, Tensor> ag_gemm(const Tensor& x_shard_m, const Tensor& w, con
                     " rows need ", chunks, " chunk flags, the workspace holds ", c.capacity);
   TORCH_CHECK_VALUE(!(return_gathered && plan.mode == AgMode::kExternal),
                     "ag_gemm: with external transfers the caller copies the gathered input out");
-  Tensor out = call.output({m, s.n});
-  Tensor gathered = return_gathered ? call.output({m, s.k}) : call.runs.no_gathered(x_shard_m);
-  if (s.m == 0) return {out, gathered};  // a no-op on every rank: no epoch, no flags
+  bool const scaled = call.scales.x_mode != ScaleMode::kNone;
+  Tensor out = call.output({m, s.n}, call.ops.out_dtype);
+  Tensor gathered = return_gathered ? call.output({m, s.k}, x_shard_m.scalar_type()) : call.runs.no_gathered(x_shard_m);
+  Tensor gathered_scale =
+      return_gathered && scaled
+          ? call.output(call.scales.x_mode == ScaleMode::kPerRow ? at::IntArrayRef{m, 1} : at::IntArrayRef{c.tp},
+                        at::kFloat)
+          : call.runs.no_scale(x_shard_m);
+  if (s.m == 0) return {out, gathered, gathered_scale};  // a no-op on every rank: no epoch, no flags
 
   AgGemmArgs a = call.arguments(call.planned.ag, out);
   a.rows_per_group = int(s.m);
   a.gathered_out = return_gathered ? gathered.data_ptr() : nullptr;
+  a.gathered_scale_out = return_gathered && scaled ? gathered_scale.data_ptr<float>() : nullptr;
   a.run_gemm = run_gemm;
   if (!run_gemm) a.launch.split_max_fill_pct = 0;
   call.enqueue(a, flux::ag_gemm);
-  return {out, gathered};
+  return {out, gathered, gathered_scale};
 }
 
-Tensor gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, int64_t workspace_handle,
-               int64_t plan_index, bool weight_nn) {
+Tensor gemm_rs_call(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias,
+                    const std::optional<Tensor>& x_scale, const std::optional<Tensor>& w_scale,
+                    int64_t workspace_handle, int64_t plan_index, bool weight_nn) {
   FusedCall call(x, w, bias, workspace_handle, plan_index, weight_nn, WorkspaceKind::kReduceScatter, "gemm_rs");
   MatmulShape const& s = call.shape;
   WorkspaceConfig const& c = call.config;
+  call.scales = check_scales(call.ops, x, x_scale, w_scale, s.m, "gemm_rs");
   TORCH_CHECK_VALUE(s.m % c.tp == 0, "gemm_rs: M=", s.m, " rows are not divisible by the group size ", c.tp);
   TORCH_CHECK_VALUE(s.m <= c.max_m && s.n == c.inner, "gemm_rs: call needs M=", s.m, ", N=", s.n,
                     "; the workspace holds max_m=", c.max_m, ", N=", c.inner);
   int64_t const rows = s.m / c.tp;
-  Tensor out = call.output({rows, s.n});
+  Tensor out = call.output({rows, s.n}, call.ops.out_dtype);
   if (rows == 0) return out;  // a no-op on every rank: no epoch, no flags
 
   GemmRsArgs a = call.arguments(call.planned.rs, out);
   a.rows_per_group = int(rows);
   call.enqueue(a, flux::gemm_rs);
   return out;
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> ag_gemm(const Tensor& x_shard_m, const Tensor& w, const std::optional<Tensor>& bias,
+                                   int64_t workspace_handle, int64_t plan_index, bool weight_nn, bool return_gathered,
+                                   bool run_gemm) {
+  auto [out, gathered, scale] = ag_gemm_call(x_shard_m, w, bias, std::nullopt, std::nullopt, workspace_handle,
+                                             plan_index, weight_nn, return_gathered, run_gemm);
+  return {out, gathered};
+}
+
+Tensor gemm_rs(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, int64_t workspace_handle,
+               int64_t plan_index, bool weight_nn) {
+  return gemm_rs_call(x, w, bias, std::nullopt, std::nullopt, workspace_handle, plan_index, weight_nn);
+}
+
+std::tuple<Tensor, Tensor, Tensor> ag_gemm_fp8(const Tensor& x_shard_m, const Tensor& w,
+                                               const std::optional<Tensor>& bias, const std::optional<Tensor>& x_scale,
+                                               const std::optional<Tensor>& w_scale, int64_t workspace_handle,
+                                               int64_t plan_index, bool weight_nn, bool return_gathered,
+                                               bool run_gemm) {
+  return ag_gemm_call(x_shard_m, w, bias, x_scale, w_scale, workspace_handle, plan_index, weight_nn, return_gathered,
+                      run_gemm);
+}
+
+Tensor gemm_rs_fp8(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias,
+                   const std::optional<Tensor>& x_scale, const std::optional<Tensor>& w_scale, int64_t workspace_handle,
+                   int64_t plan_index, bool weight_nn) {
+  return gemm_rs_call(x, w, bias, x_scale, w_scale, workspace_handle, plan_index, weight_nn);
 }
 
 }  // namespace flux::bindings
@@ -644,10 +724,11 @@ TORCH_LIBRARY(flux_layers, m) {
             torch::arg("poison_outputs"), torch::arg("what")})
       .def("add_ag_plan", &Workspace::add_ag_plan, "",
            {torch::arg("tile"), torch::arg("swizzle"), torch::arg("stream_k_fill"), torch::arg("sm_count"),
-            torch::arg("mode"), torch::arg("order"), torch::arg("rows_per_chunk"), torch::arg("group_order")})
+            torch::arg("mode"), torch::arg("order"), torch::arg("rows_per_chunk"), torch::arg("group_order"),
+            torch::arg("accumulation")})
       .def("add_rs_plan", &Workspace::add_rs_plan, "",
            {torch::arg("tile"), torch::arg("swizzle"), torch::arg("stream_k_fill"), torch::arg("sm_count"),
-            torch::arg("transport"), torch::arg("chunk_cols")})
+            torch::arg("transport"), torch::arg("chunk_cols"), torch::arg("accumulation")})
       .def("flag_index", &Workspace::flag_index, "", {torch::arg("region"), torch::arg("rank"), torch::arg("chunk")})
       .def("stage_slot", &Workspace::stage_slot, "", {torch::arg("dst")})
       .def("set_twin", &Workspace::set_twin)
@@ -665,6 +746,12 @@ TORCH_LIBRARY(flux_layers, m) {
       "ag_gemm(Tensor x_shard_m, Tensor weight, Tensor? bias, int workspace, int plan, bool weight_nn, "
       "bool return_gathered, bool run_gemm) -> (Tensor, Tensor)");
   m.def("gemm_rs(Tensor x, Tensor weight, Tensor? bias, int workspace, int plan, bool weight_nn) -> Tensor");
+  m.def(
+      "ag_gemm_fp8(Tensor x_shard_m, Tensor weight, Tensor? bias, Tensor? x_scale, Tensor? w_scale, int workspace, "
+      "int plan, bool weight_nn, bool return_gathered, bool run_gemm) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "gemm_rs_fp8(Tensor x, Tensor weight, Tensor? bias, Tensor? x_scale, Tensor? w_scale, int workspace, int plan, "
+      "bool weight_nn) -> Tensor");
   m.def("write_flag(Tensor(a!) flags, int index, int value) -> ()");
   m.def("wait_flag(Tensor flags, int index, int value) -> ()");
   m.def(
@@ -682,6 +769,8 @@ TORCH_LIBRARY_IMPL(flux_layers, CUDA, m) {
   m.impl("gemm", &gemm);
   m.impl("ag_gemm", &flux::bindings::ag_gemm);
   m.impl("gemm_rs", &flux::bindings::gemm_rs);
+  m.impl("ag_gemm_fp8", &flux::bindings::ag_gemm_fp8);
+  m.impl("gemm_rs_fp8", &flux::bindings::gemm_rs_fp8);
   m.impl("write_flag", &write_flag);
   m.impl("wait_flag", &wait_flag);
   m.impl("call_overhead_probe", &call_overhead_probe);

@@ -94,6 +94,21 @@ struct AgPlan {
 
   const char* x_rows(int row) const { return static_cast<const char*>(a.x) + size_t(row) * a.ldx * (row_bytes / a.k); }
   size_t x_pitch() const { return size_t(a.ldx) * (row_bytes / a.k); }
+
+  // FP8 scales (AgGemmArgs::x_scale): a shard's scales, one or one per row, at slot g of rank q's scale region.
+  bool scaled() const { return a.x_scale_mode != ScaleMode::kNone; }
+  bool row_scales() const { return a.x_scale_mode == ScaleMode::kPerRow; }
+  int scales_per_shard() const { return row_scales() ? a.rows_per_group : 1; }
+  float* scale_slot(int q, int g) const { return a.scales[q] + size_t(g) * scales_per_shard(); }
+  // Before chunk c of a shard on a stream, the scales that chunk's tiles read: a row-wise shard's scales of the
+  // chunk's rows, or a shard's one scale ahead of the stream's first chunk (`first`). Stream order puts them ahead
+  // of the chunk's flag, which the GEMM waits for before it reads them.
+  void copy_scales(cudaStream_t s, float* dst_slot, const float* src_slot, int c, bool first) const {
+    if (!scaled() || (!row_scales() && !first)) return;
+    size_t const offset = row_scales() ? size_t(chunk_begin(c)) : 0;
+    size_t const count = row_scales() ? size_t(chunk_rows(c)) : 1;
+    FLUX_CUDA_CHECK(cudaMemcpyAsync(dst_slot + offset, src_slot + offset, count * sizeof(float), cudaMemcpyDefault, s));
+  }
 };
 
 // Pull modes: stage our shard into our buffer (unless the caller wrote x there) and announce each chunk to
@@ -101,6 +116,9 @@ struct AgPlan {
 void stage_own(const AgPlan& p, bool x_in_buffer, cudaStream_t stage) {
   const AgGemmArgs& a = p.a;
   const int r = a.rank, tp = a.tp, right = (r + 1) % tp;
+  if (p.scaled())  // the whole shard's scales, ahead of every avail flag
+    FLUX_CUDA_CHECK(cudaMemcpyAsync(p.scale_slot(r, r), a.x_scale, size_t(p.scales_per_shard()) * sizeof(float),
+                                    cudaMemcpyDefault, stage));
   for (int c = 0; c < p.chunks; ++c) {
     if (!x_in_buffer)
       p.copy_rows(stage, p.region(r, r, p.chunk_begin(c)), p.x_rows(p.chunk_begin(c)), p.x_pitch(), p.chunk_rows(c));
@@ -122,6 +140,7 @@ void pull(const AgPlan& p) {
       cudaStream_t s = a.comm[(o - 1) % a.num_comm];
       for (int c = 0; c < p.chunks; ++c) {
         stream_wait_u32_geq(s, p.my(p.flags.avail(src, c)), a.epoch);
+        p.copy_scales(s, p.scale_slot(r, src), p.scale_slot(src, src), c, c == 0);
         p.copy_rows(s, p.region(r, src, p.chunk_begin(c)), p.region(src, src, p.chunk_begin(c)), p.row_bytes,
                     p.chunk_rows(c));
         stream_write_u32(s, p.my(p.flags.chunk(src, c)), a.epoch);
@@ -133,6 +152,7 @@ void pull(const AgPlan& p) {
       int g = (r - step + tp) % tp;
       for (int c = 0; c < p.chunks; ++c) {
         stream_wait_u32_geq(s, p.my(p.flags.avail(g, c)), a.epoch);
+        p.copy_scales(s, p.scale_slot(r, g), p.scale_slot(left, g), c, c == 0);
         p.copy_rows(s, p.region(r, g, p.chunk_begin(c)), p.region(left, g, p.chunk_begin(c)), p.row_bytes,
                     p.chunk_rows(c));
         stream_write_u32(s, p.my(p.flags.chunk(g, c)), a.epoch);
@@ -154,6 +174,7 @@ void push(const AgPlan& p) {
       int dst = (r + o) % tp;
       for (int c = 0; c < p.chunks; ++c) {
         cudaStream_t s = a.comm[(o - 1 + (two_per_peer && c % 2 ? tp - 1 : 0)) % a.num_comm];
+        p.copy_scales(s, p.scale_slot(dst, r), a.x_scale, c, c < (two_per_peer ? 2 : 1));
         p.copy_rows(s, p.region(dst, r, p.chunk_begin(c)), p.x_rows(p.chunk_begin(c)), p.x_pitch(), p.chunk_rows(c));
         // The first flag of each stream carries the signature: the two streams' flags may land in either order.
         p.flag_at(s, dst, p.flags.chunk(r, c), c < (two_per_peer ? 2 : 1));
@@ -162,6 +183,7 @@ void push(const AgPlan& p) {
   } else {
     cudaStream_t s = a.comm[0];
     for (int c = 0; c < p.chunks; ++c) {
+      p.copy_scales(s, p.scale_slot(right, r), a.x_scale, c, c == 0);
       p.copy_rows(s, p.region(right, r, p.chunk_begin(c)), p.x_rows(p.chunk_begin(c)), p.x_pitch(), p.chunk_rows(c));
       p.flag_at(s, right, p.flags.chunk(r, c), c == 0);
     }
@@ -169,6 +191,7 @@ void push(const AgPlan& p) {
       int g = (r - step + tp) % tp;
       for (int c = 0; c < p.chunks; ++c) {
         stream_wait_u32_geq(s, p.my(p.flags.chunk(g, c)), a.epoch);
+        p.copy_scales(s, p.scale_slot(right, g), p.scale_slot(r, g), c, c == 0);
         p.copy_rows(s, p.region(right, g, p.chunk_begin(c)), p.region(r, g, p.chunk_begin(c)), p.row_bytes,
                     p.chunk_rows(c));
         stream_write_u32(s, p.flag(right, p.flags.chunk(g, c)), a.epoch);
@@ -177,22 +200,30 @@ void push(const AgPlan& p) {
   }
 }
 
-// gathered_out = the whole gathered input, on comm[0] once every chunk is in (overlaps the GEMM's tail).
+// gathered_out = the whole gathered input (and gathered_scale_out its scales), on comm[0] once every chunk is in
+// (overlaps the GEMM's tail).
 void copy_out_gathered(const AgPlan& p, bool own_in_buffer) {
   const AgGemmArgs& a = p.a;
   cudaStream_t s = a.comm[0];
   char* out = static_cast<char*>(a.gathered_out);
   size_t shard_bytes = size_t(a.rows_per_group) * p.row_bytes;
+  size_t const scale_bytes = size_t(p.scales_per_shard()) * sizeof(float);
   for (int g = 0; g < a.tp; ++g) {
+    float* scale_out =
+        a.gathered_scale_out != nullptr ? a.gathered_scale_out + size_t(g) * p.scales_per_shard() : nullptr;
     if (g == a.rank) {
       if (own_in_buffer)
         p.copy_rows(s, out + g * shard_bytes, p.region(a.rank, g, 0), p.row_bytes, a.rows_per_group);
       else
         p.copy_rows(s, out + g * shard_bytes, p.x_rows(0), p.x_pitch(), a.rows_per_group);
+      if (scale_out != nullptr)
+        FLUX_CUDA_CHECK(cudaMemcpyAsync(scale_out, a.x_scale, scale_bytes, cudaMemcpyDefault, s));
       continue;
     }
     for (int c = 0; c < p.chunks; ++c) stream_wait_u32_geq(s, p.my(p.flags.chunk(g, c)), a.epoch);
     p.copy_rows(s, out + g * shard_bytes, p.region(a.rank, g, 0), p.row_bytes, a.rows_per_group);
+    if (scale_out != nullptr)
+      FLUX_CUDA_CHECK(cudaMemcpyAsync(scale_out, p.scale_slot(a.rank, g), scale_bytes, cudaMemcpyDefault, s));
   }
 }
 
@@ -229,7 +260,8 @@ GemmProblem gemm_problem(const AgPlan& p) {
   g.b = a.w;
   g.ldb = a.ldw;
   g.bias = a.bias;
-  for (int q = 0; q < a.tp; ++q) g.d[q] = static_cast<char*>(a.out) + size_t(q) * a.rows_per_group * a.n * 2;
+  for (int q = 0; q < a.tp; ++q)
+    g.d[q] = static_cast<char*>(a.out) + size_t(q) * a.rows_per_group * a.n * dtype_bytes(a.types.out);
   g.ldd = a.n;
   g.chunk_flags = p.my(p.flags.chunk(0, 0));
   g.rows_per_chunk = a.rows_per_chunk;
@@ -248,6 +280,14 @@ GemmProblem gemm_problem(const AgPlan& p) {
       if (q != a.rank && (a.order == AgOrder::kMesh || q == left)) g.signature_sources |= 1u << q;
     std::copy(p.signature, p.signature + kSignatureWords, g.signature);
   }
+  if (p.scaled()) {  // each source's scales from our scale region, our own from x_scale
+    g.a_scale_mode = a.x_scale_mode;
+    g.a_scale = a.scales[a.rank];
+    g.a_scale_group_stride = p.scales_per_shard();
+    g.a_scale_own = a.x_scale;
+  }
+  g.b_scale_mode = a.w_scale_mode;
+  g.b_scale = a.w_scale;
   g.launch = a.launch;
   return g;
 }
@@ -262,6 +302,7 @@ void check_ag_gemm_args(const AgGemmArgs& a) {
   FLUX_CHECK(a.chunk_capacity > 0, "the workspace holds no chunk flags");
   FLUX_CHECK(a.events != nullptr, "the workspace's events are missing");
   if (a.mode == AgMode::kExternal) return;  // local buffer and flags only
+  FLUX_CHECK(!is_fp8(a.dtype) || a.scales[a.rank] != nullptr, "an FP8 all-gather needs the workspace's scale region");
   for (int q = 0; q < a.tp; ++q)
     FLUX_CHECK(a.buffers[q] != nullptr && a.flags[q] != nullptr, "copy-engine transfers need rank ", q,
                "'s buffer and flags mapped");
@@ -272,12 +313,12 @@ void ag_gemm(const AgGemmArgs& a) {
   AgPlan p{a,
            AgFlagLayout{a.tp, a.chunk_capacity},
            (a.rows_per_group + a.rows_per_chunk - 1) / a.rows_per_chunk,
-           size_t(a.k) * 2,
+           size_t(a.k) * dtype_bytes(a.dtype),
            {a.epoch, uint32_t(a.rows_per_group),
             signature_shape_word(0, int(a.layout), int(a.mode) * 2 + int(a.order), a.n)}};
 
   if (a.mode == AgMode::kExternal) {
-    if (a.run_gemm) launch_gemm(gemm_problem(p), a.dtype, a.layout, a.tile, a.compute);
+    if (a.run_gemm) launch_gemm(gemm_problem(p), a.types, a.layout, a.tile, a.compute);
     if (p.graph()) FLUX_CUDA_CHECK(cudaMemsetAsync(p.my(0), 0, size_t(p.flags.data_words()) * 4, a.compute));
     // The watchdog sees the GEMM's end; transfers that never arrive make the GEMM's own waits time out.
     if (a.completion != nullptr) stream_write_u32(a.compute, CompletionRing::word(a.completion, a.epoch), a.epoch);
@@ -296,7 +337,7 @@ void ag_gemm(const AgGemmArgs& a) {
     stage_own(p, x_in_buffer, a.compute);
     FLUX_CUDA_CHECK(cudaEventRecord(ready, a.compute));
     for (int i = 0; i < used; ++i) FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.comm[i], ready, 0));
-    if (a.run_gemm) launch_gemm(gemm_problem(p), a.dtype, a.layout, a.tile, a.compute);
+    if (a.run_gemm) launch_gemm(gemm_problem(p), a.types, a.layout, a.tile, a.compute);
     pull(p);
   } else {
     // Push: peer-to-peer copies only (copy engines); the GEMM does not wait for the previous call's peers. It is
@@ -304,7 +345,7 @@ void ag_gemm(const AgGemmArgs& a) {
     // a wait queued ahead of it would hold its own-shard tiles until the peer's previous call ended, and a peer that
     // died inside that call would hold the queue for good, where the GEMM's bounded waits give up and release it.
     FLUX_CUDA_CHECK(cudaEventRecord(ev[0], a.compute));
-    if (a.run_gemm) launch_gemm(gemm_problem(p), a.dtype, a.layout, a.tile, a.compute);
+    if (a.run_gemm) launch_gemm(gemm_problem(p), a.types, a.layout, a.tile, a.compute);
     FLUX_CUDA_CHECK(cudaStreamWaitEvent(s0, ev[0], 0));
     p.wait_peers_done(s0);
     if (used > 1) FLUX_CUDA_CHECK(cudaEventRecord(ready, s0));

@@ -65,7 +65,7 @@ void gemm_rs(const GemmRsArgs& a) {
   bool const external = a.external;
   bool const copy_engine = a.stage != nullptr && !external;
   const int r = a.rank;
-  const size_t elem = 2;
+  const size_t elem = size_t(dtype_bytes(a.dtype));  // partials travel in the output dtype
   const size_t slot_bytes = size_t(a.slot_rows) * a.n * elem;
   RsFlagLayout const layout{a.tp, a.flags_per_source};
   uint32_t const signature[kSignatureWords] = {a.epoch, uint32_t(a.rows_per_group),
@@ -123,6 +123,12 @@ void gemm_rs(const GemmRsArgs& a) {
   g.error_claim = a.error_claim;
   g.rank = r;
   g.launch = a.launch;
+  // FP8: each rank scales its own partials (group g = the rows x holds for destination g).
+  g.a_scale_mode = a.x_scale_mode;
+  g.a_scale = a.x_scale;
+  g.a_scale_group_stride = a.x_scale_mode == ScaleMode::kPerRow ? a.rows_per_group : 0;
+  g.b_scale_mode = a.w_scale_mode;
+  g.b_scale = a.w_scale;
   g.release_words = a.flags[r];  // flag, consumed and count: every word a wait of this rank reads
   g.release_count = layout.release_words();
   if (!external) {
@@ -163,7 +169,7 @@ void gemm_rs(const GemmRsArgs& a) {
   }
   // The kernel goes first: its counts are what the copy streams wait on, and with a single hardware queue
   // (CUDA_DEVICE_MAX_CONNECTIONS=1) a wait queued ahead of it would never be released.
-  launch_gemm(g, a.dtype, a.layout, a.tile, a.compute);
+  launch_gemm(g, a.types, a.layout, a.tile, a.compute);
 
   if (external) {
     // The watchdog sees the GEMM's end; partials that never arrive make the GEMM's own waits time out. The caller

@@ -259,6 +259,7 @@ namespace {
 template <class Args>
 void prefill(Args& a, const WorkspaceConfig& cfg, const CallPlan& plan, cudaEvent_t* events, uint32_t* completion) {
   a.dtype = cfg.dtype;
+  a.types.accumulation = plan.accumulation;  // the operand types are the call's (csrc/bindings/ops.cpp)
   a.tile = plan.tile;
   a.rank = cfg.rank;
   a.tp = cfg.tp;
@@ -309,6 +310,13 @@ PlannedCall WorkspaceState::plan_call(const CallPlan& plan) {
     AgGemmArgs& a = c.ag;
     prefill(a, cfg_, plan, events_.data(), completion);
     for (int q = 0; q < cfg_.tp; ++q) a.buffers[q] = cfg_.data[size_t(q)];
+    int64_t const scale_offset =
+        ag_workspace_sizes(cfg_.tp, cfg_.max_m, cfg_.inner, cfg_.capacity, cfg_.dtype).scale_offset;
+    if (scale_offset > 0) {
+      for (int q = 0; q < cfg_.tp; ++q)
+        a.scales[q] =
+            cfg_.data[size_t(q)] != nullptr ? reinterpret_cast<float*>(cfg_.data[size_t(q)] + scale_offset) : nullptr;
+    }
     a.chunk_capacity = cfg_.capacity;
     a.rows_per_chunk = plan.rows_per_chunk;
     a.mode = plan.mode;

@@ -390,7 +390,9 @@ def _fp8_chosen(key: tuple, x, weight, group, weight_layout: str, fast_accum: bo
         return _bound(decision, _fp8_reference(op, group, weight_layout, fast_accum))
     if op == "gemm":
         return _fused_fp8_gemm(decision, x, weight, fast_accum)
-    raise AssertionError(f"{op}: FP8 operands have no fused path, the dispatcher chose one")  # backend.choose
+    if op == "ag_gemm":
+        return _fused_fp8_ag_gemm(decision, x, weight, group, weight_layout, fast_accum)
+    return _fused_fp8_gemm_rs(decision, x, weight, group, weight_layout, fast_accum)
 
 
 def _fp8_reference(op: str, group, weight_layout: str, fast_accum: bool) -> Callable:
@@ -423,3 +425,28 @@ def _fused_fp8_gemm(decision: Decision, x, weight, fast_accum: bool) -> Decision
     def run(x, weight, bias, x_scale, w_scale):  # the op checks the scales and operand types
         return fused_gemm.run(x, weight, bias, False, kernel, poison, x_scale, w_scale, fast_accum)
     return _bound(decision, run, plan=kernel)
+
+
+def _fused_fp8_ag_gemm(decision: Decision, x_shard_m, weight, group, weight_layout: str, fast_accum: bool) -> Decision:
+    """An FP8 workspace's all-gather (the FP8 rows and their scales travel; backend.choose refused NCCL)."""
+    from flux_layers.ops import fused_ag_gemm
+    m, k, n = fused_ag_gemm.check_args(x_shard_m, weight, None, weight_layout, group)
+    check_same_call(group, call_signature("ag_gemm", m, k, n, decision.key[4], weight_layout, "copy_engine"))
+    ws = workspace.get_ag_workspace(group, x_shard_m.dtype, m, k)
+    plan = fused_ag_gemm.plan_call(ws, m=m, k=k, n=n, fast_accum=fast_accum)
+    op = _opcalls.ag_gemm_fp8(ws, ws.plan_index(plan), weight_layout == "nn")
+    return _bound(decision, op, op.registered, transport="copy_engine", plan=plan, workspace=ws)
+
+
+def _fused_fp8_gemm_rs(decision: Decision, x, weight, group, weight_layout: str, fast_accum: bool) -> Decision:
+    """The reduce-scatter of FP8 operands: bfloat16 partials on a bfloat16 workspace."""
+    from flux_layers.ops import fused_gemm_rs
+    from flux_layers.ops.fp8 import OUT_DTYPE
+    from flux_layers.runtime import tuning
+    m, k, n = fused_gemm_rs.check_args(x, weight, None, weight_layout, group)
+    transport = tuning.rs_transport(dtype=x.dtype, tp=dist.get_world_size(group), mkn=(m, k, n))
+    check_same_call(group, call_signature("gemm_rs", m, k, n, decision.key[4], weight_layout, transport))
+    ws = workspace.get_rs_workspace(group, OUT_DTYPE, m, n)
+    plan = fused_gemm_rs.plan_call(ws, m=m, k=k, n=n, transport=transport, fast_accum=fast_accum)
+    op = _opcalls.gemm_rs_fp8(ws, ws.plan_index(plan), weight_layout == "nn")
+    return _bound(decision, op, op.registered, transport=transport, plan=plan, workspace=ws)

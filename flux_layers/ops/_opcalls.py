@@ -69,3 +69,37 @@ def gemm_rs(ws, plan: int, weight_nn: bool) -> BoundCall:
     direct = _library.direct_calls()
     bound = None if direct is None else functools.partial(direct.gemm_rs, ws.handle, plan, weight_nn)
     return BoundCall(bound, _typed(registered, ws))
+
+
+def ag_gemm_fp8(ws, plan: int, weight_nn: bool, run_gemm: bool = True) -> BoundCall:
+    """``(x_shard_m, weight, bias, x_scale, w_scale, return_gathered)`` with FP8 operands on ``ws`` (an FP8
+    workspace): ``out``, or ``(out, ScaledTensor(gathered rows, their scales))``."""
+    from flux_layers.ops.fp8 import ScaledTensor
+    op = torch.ops.flux_layers.ag_gemm_fp8.default
+
+    def registered(x_shard_m, weight, bias, x_scale, w_scale, return_gathered):
+        out, data, scale = op(x_shard_m, weight, bias, x_scale, w_scale, ws.handle, plan, weight_nn,
+                              return_gathered, run_gemm)
+        return (out, ScaledTensor(data, scale)) if return_gathered else out
+    direct = _library.direct_calls()
+    bound = None
+    if direct is not None:
+        call = functools.partial(direct.ag_gemm_fp8, ws.handle, plan, weight_nn, run_gemm)
+
+        def bound(x_shard_m, weight, bias, x_scale, w_scale, return_gathered):
+            result = call(x_shard_m, weight, bias, x_scale, w_scale, return_gathered)
+            if return_gathered and result is not NotImplemented:
+                return result[0], ScaledTensor(result[1], result[2])
+            return result
+    return BoundCall(bound, _typed(registered, ws))
+
+
+def gemm_rs_fp8(ws, plan: int, weight_nn: bool) -> BoundCall:
+    """``(x, weight, bias, x_scale, w_scale)`` with FP8 operands on ``ws`` (a bfloat16 workspace)."""
+    op = torch.ops.flux_layers.gemm_rs_fp8.default
+
+    def registered(x, weight, bias, x_scale, w_scale):
+        return op(x, weight, bias, x_scale, w_scale, ws.handle, plan, weight_nn)
+    direct = _library.direct_calls()
+    bound = None if direct is None else functools.partial(direct.gemm_rs_fp8, ws.handle, plan, weight_nn)
+    return BoundCall(bound, _typed(registered, ws))

@@ -69,9 +69,7 @@ def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int,
         blockers.append(reason)
     if device.type != "cuda":
         blockers.append(f"x and weight are on {device}, the fused kernels need CUDA tensors")
-    if dtype in FP8_DTYPES and op != "gemm":
-        blockers.append(f"{op} with FP8 operands has no fused kernel yet")
-    elif dtype not in FUSED_DTYPES + FP8_DTYPES:
+    if dtype not in FUSED_DTYPES + FP8_DTYPES:
         blockers.append(f"x and weight have dtype {dtype}, the fused kernels need bfloat16, float16 or FP8")
     # Any process-group backend serves the fused path: its group only exchanges the workspaces' addresses when
     # they are made (the transfers are the op library's own), so gloo works too, e.g. for ranks sharing one GPU.
@@ -85,6 +83,8 @@ def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int,
             nccl = reason is None and transport(op, group) == "nccl"
         if reason is not None:
             blockers.append(reason)
+        elif nccl and dtype in FP8_DTYPES:
+            blockers.append(f"{op}'s transport is NCCL, and FP8 operands run on the peer-mapped transports only")
         elif nccl and dist.get_backend(group) != "nccl":
             why = ("the GPUs cannot map each other's memory, the group spans nodes, or FLUX_LAYERS_TRANSPORT=nccl"
                    if op == "ag_gemm" else "FLUX_LAYERS_TRANSPORT=nccl")

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from flux_layers import _env, _library
 from flux_layers.ops import _opcalls
 from flux_layers.ops._checks import check_fused_dims, check_fused_tensor, check_matmul_args
+from flux_layers.ops.fp8 import FP8_DTYPES
 from flux_layers.runtime import nccl_transport, schedules, tuning, workspace
 from flux_layers.runtime.call_plan import AgCallPlan
 
@@ -63,21 +64,25 @@ def check_args(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 def plan_call(ws: workspace.AgWorkspace, *, m: int, k: int, n: int, tile: int | None = None,
               swizzle: int | None = None, stream_k: bool | int | None = None, sm_count: int = 0,
-              mode: str | None = None, order: str | None = None, chunk_rows: int | None = None) -> AgCallPlan:
+              mode: str | None = None, order: str | None = None, chunk_rows: int | None = None,
+              fast_accum: bool = False) -> AgCallPlan:
     """The call plan for an [M, K] x [K, N] call on ``ws``: kernel configuration from the arguments or the tuning
-    table, transfer direction, order and chunking (registered with ``ws`` by :func:`run`, once per distinct plan)."""
+    table, transfer direction, order and chunking (registered with ``ws`` by :func:`run`, once per distinct plan).
+    An FP8 workspace's calls take ``fast_accum`` (their accumulation)."""
     mode = _env.get("AG_MODE") if mode is None else mode
     order = ws.order if order is None else order
     if mode not in DIRECTIONS:
         raise ValueError(f"ag_gemm: mode must be 'pull' or 'push', got {mode!r}")
     if order not in ORDERS:
         raise ValueError(f"ag_gemm: order must be 'mesh' or 'ring', got {order!r}")
+    fp8 = ws.dtype in FP8_DTYPES
     kc = tuning.resolve_kernel("ag_gemm", dtype=ws.dtype, tp=ws.tp, mkn=(m, k, n), tile=tile, swizzle=swizzle,
-                               stream_k=stream_k, sm_count=sm_count)
+                               stream_k=stream_k, sm_count=sm_count, fast_accum=fast_accum if fp8 else None)
     elem = torch.tensor([], dtype=ws.dtype).element_size()
     rows_per_chunk = _rows_per_chunk(ws, m // ws.tp, k * elem, chunk_rows)
     return AgCallPlan(tile=kc.tile, swizzle=kc.swizzle, stream_k_fill=kc.stream_k_fill, sm_count=kc.sm_count,
-                      mode=mode, order=order, rows_per_chunk=rows_per_chunk)
+                      mode=mode, order=order, rows_per_chunk=rows_per_chunk,
+                      accumulation="fast" if fp8 and fast_accum else "split")
 
 
 @dataclass(frozen=True)

@@ -51,20 +51,22 @@ def check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def plan_call(ws: workspace.RsWorkspace, *, m: int, k: int, n: int, tile: int | None = None,
               swizzle: int | None = None, stream_k: bool | int | None = None, sm_count: int = 0,
-              transport: str | None = None, chunk_cols: int | None = None) -> RsCallPlan:
+              transport: str | None = None, chunk_cols: int | None = None,
+              fast_accum: bool | None = None) -> RsCallPlan:
     """The call plan for an [M, K] x [K, N] call on ``ws`` (registered with ``ws`` by :func:`run`, once per distinct
     plan). Every rank resolves the same transport (same shape, same table), as both sides of a transfer must
-    agree."""
+    agree. ``fast_accum``: None for 16-bit operands, else the FP8 operands' accumulation."""
     chunk_cols = _env.get_int("RS_CHUNK_COLS") if chunk_cols is None else chunk_cols
     if chunk_cols < 0:
         raise ValueError(f"gemm_rs: chunk_cols must be >= 0 (0: default), got {chunk_cols}")
     transport = tuning.rs_transport(dtype=ws.dtype, tp=ws.tp, mkn=(m, k, n), requested=transport)
-    kc = tuning.resolve_kernel("gemm_rs", dtype=ws.dtype, tp=ws.tp, mkn=(m, k, n), tile=tile, swizzle=swizzle,
-                               stream_k=stream_k, sm_count=sm_count)
+    kc = tuning.resolve_kernel("gemm_rs", dtype=torch.float8_e4m3fn if fast_accum is not None else ws.dtype,
+                               tp=ws.tp, mkn=(m, k, n), tile=tile, swizzle=swizzle, stream_k=stream_k,
+                               sm_count=sm_count, fast_accum=fast_accum)
     if transport == "copy_engine":
         ws.stage_buffer()
     return RsCallPlan(tile=kc.tile, swizzle=kc.swizzle, stream_k_fill=kc.stream_k_fill, sm_count=kc.sm_count,
-                      transport=transport, chunk_cols=chunk_cols)
+                      transport=transport, chunk_cols=chunk_cols, accumulation="fast" if fast_accum else "split")
 
 
 @dataclass(frozen=True)

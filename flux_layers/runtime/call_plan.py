@@ -34,6 +34,7 @@ class AgCallPlan(_KernelFields):
     order: str
     rows_per_chunk: int
     group_order: tuple[int, ...] = ()
+    accumulation: str = "split"  # FP8 operands: 'split' (promoted to fp32 every 256 deep) or 'fast'
 
     native_method = "add_ag_plan"
 
@@ -45,5 +46,6 @@ class RsCallPlan(_KernelFields):
     chunk (0: the default; external: N, whole rows)."""
     transport: str
     chunk_cols: int
+    accumulation: str = "split"  # FP8 operands: 'split' or 'fast'
 
     native_method = "add_rs_plan"

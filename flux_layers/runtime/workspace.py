@@ -249,7 +249,11 @@ class AgWorkspace(Workspace):
                                                           dtype=dtype_name(dtype))
         super().__init__(group, kind="ag_gemm", sizes=sizes, num_comm_streams=1 if nccl else tp, what="ag_gemm",
                          graph_protocol=graph_protocol, dtype=dtype, max_m=max_m, inner=k, peer_mapped=not nccl)
-        self.buffer = self._storage[:sizes["data_bytes"]].view(dtype).view(max_m, k)
+        elem = torch.tensor([], dtype=dtype).element_size()
+        self.buffer = self._storage[:max_m * k * elem].view(dtype).view(max_m, k)
+        # FP8 rows: the gathered scales, max_m floats (the op library's scale region; scale_offset 0: none)
+        self.scales = (self._storage[sizes["scale_offset"]:sizes["scale_offset"] + max_m * 4].view(torch.float32)
+                       if sizes["scale_offset"] else None)
         # The NCCL transfers' stream: forked from the compute stream before each call's GEMM, joined after.
         self.transfer_stream = torch.cuda.Stream(device=self.device, priority=-1) if nccl else None
         devices = [None] * self.tp

@@ -50,7 +50,17 @@ struct AgGemmArgs {
   const void* bias = nullptr;    // [N] or null
   void* out = nullptr;           // [tp * Mg, N] contiguous
   void* gathered_out = nullptr;  // [tp * Mg, K] contiguous copy of the gathered input, or null (kExternal: null)
-  DType dtype = DType::kBF16;
+  DType dtype = DType::kBF16;    // of x and the gathered buffer (the workspace's)
+  GemmTypes types;               // the GEMM's operand types and accumulation (the call's)
+  // FP8: x's scale (this rank's shard: one element, ScaleMode::kPerGroup, or one per row, kPerRow) travels with its
+  // rows into every rank's scale region ([tp] or [tp][Mg] floats, compact for the call's Mg), from which the GEMM
+  // applies each source's scale to its rows; W's scale (one, or one per output column) is read where it is.
+  ScaleMode x_scale_mode = ScaleMode::kNone;
+  const float* x_scale = nullptr;
+  ScaleMode w_scale_mode = ScaleMode::kNone;
+  const float* w_scale = nullptr;
+  float* scales[kMaxGroups] = {nullptr};  // every rank's scale region (null: a 16-bit workspace)
+  float* gathered_scale_out = nullptr;    // [tp] or [tp * Mg] copy of the gathered scales, or null
   WeightLayout layout = WeightLayout::kNT;
   TileConfig tile = TileConfig::k256x128;
   int rows_per_group = 0;  // Mg = M / tp
@@ -104,7 +114,14 @@ struct GemmRsArgs {
   int64_t ldw = 0;
   const void* bias = nullptr;  // [N], added once after the sum
   void* out = nullptr;         // [Mg, N] contiguous: rows [rank * Mg, (rank + 1) * Mg) of the sum
-  DType dtype = DType::kBF16;
+  DType dtype = DType::kBF16;  // of the partials and out (the workspace's)
+  GemmTypes types;             // the GEMM's operand types and accumulation (FP8 operands: out bf16)
+  // FP8: x's scale (one element, or one per row of x: ScaleMode::kPerRow) and W's (one, or one per output column);
+  // each rank scales its own partials before they travel.
+  ScaleMode x_scale_mode = ScaleMode::kNone;
+  const float* x_scale = nullptr;
+  ScaleMode w_scale_mode = ScaleMode::kNone;
+  const float* w_scale = nullptr;
   WeightLayout layout = WeightLayout::kNT;
   TileConfig tile = TileConfig::k256x128;
   int rows_per_group = 0;

@@ -10,8 +10,6 @@
 
 namespace flux {
 
-constexpr int element_bytes(DType dtype) { return dtype == DType::kE4M3 || dtype == DType::kE5M2 ? 1 : 2; }
-
 // Flag words of one rank in the all-gather workspace (uint32):
 //   chunk[g][c] : rows chunk c of shard g are in this rank's gathered buffer     (the GEMM waits on these)
 //   avail[g][c] : chunk (g, c) can be pulled from this rank's source rank          (pull modes)
@@ -64,12 +62,19 @@ struct WorkspaceSizes {
   int64_t capacity = 0;     // chunks per shard (all-gather) or flags per source (reduce-scatter)
   int64_t slot_rows = 0;    // reduce-scatter: rows of a receive or staging slot (max_m / tp)
   int64_t stage_bytes = 0;  // reduce-scatter: the local staging area [tp - 1][slot][N] of its copy-engine transport
+  // all-gather of FP8 rows: the byte offset in the data of the scale region, max_m floats (a call's gathered scales,
+  // [tp] or [tp][Mg]); 0: none (16-bit rows)
+  int64_t scale_offset = 0;
 };
 
 inline WorkspaceSizes ag_workspace_sizes(int tp, int64_t max_m, int64_t k, int chunk_capacity, DType dtype) {
   AgFlagLayout const f{tp, chunk_capacity};
   WorkspaceSizes s;
-  s.data_bytes = max_m * k * element_bytes(dtype);
+  s.data_bytes = max_m * k * dtype_bytes(dtype);
+  if (is_fp8(dtype)) {
+    s.scale_offset = (s.data_bytes + 255) / 256 * 256;
+    s.data_bytes = s.scale_offset + max_m * int64_t(sizeof(float));
+  }
   s.flag_words = f.words();
   s.handshake_begin = f.done(0);
   s.handshake_words = tp;
@@ -82,11 +87,11 @@ inline WorkspaceSizes rs_workspace_sizes(int tp, int64_t max_m, int64_t n, int m
   s.slot_rows = max_m / tp;
   s.capacity = RsFlagLayout::flags_per_source_for(s.slot_rows, n, min_tile);
   RsFlagLayout const f{tp, s.capacity};
-  s.data_bytes = tp * s.slot_rows * n * element_bytes(dtype);
+  s.data_bytes = tp * s.slot_rows * n * dtype_bytes(dtype);
   s.flag_words = f.words();
   s.handshake_begin = f.consumed(0);
   s.handshake_words = tp;
-  s.stage_bytes = (tp - 1) * s.slot_rows * n * element_bytes(dtype);
+  s.stage_bytes = (tp - 1) * s.slot_rows * n * dtype_bytes(dtype);
   return s;
 }
 

@@ -29,8 +29,9 @@ enum class WorkspaceKind : int { kAllGather = 0, kReduceScatter = 1 };
 struct CallPlan {
   TileConfig tile = TileConfig::k128x256;
   int swizzle = 0;
-  int stream_k_fill = 0;  // 0: no stream-K tail
-  int sm_count = 0;       // 0: every SM
+  int stream_k_fill = 0;                             // 0: no stream-K tail
+  int sm_count = 0;                                  // 0: every SM
+  Accumulation accumulation = Accumulation::kSplit;  // FP8 operands' accumulation (16-bit: fp32 either way)
   // all-gather: the direction; kExternal: the caller moves the chunks (the NCCL transport)
   AgMode mode = AgMode::kPush;
   AgOrder order = AgOrder::kMesh;

@@ -1,0 +1,177 @@
+"""Fused AllGather+GEMM and GEMM+ReduceScatter with FP8 operands (2 GPUs, or 2 ranks sharing one with
+FLUX_LAYERS_TEST_SHARED_GPU=1) against an fp32 matmul of the dequantized operands, beside the reference backend's
+error on the same operands: every scale mode, both directions and orders, both reduce-scatter stores, split and fast
+accumulation; gathered FP8 rows and scales exact; reduce-scatter bitwise-repeatable; CUDA-graph replays; bad inputs
+refused with later calls right. The variant asked for is checked to be the one that ran (ops.decide)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flux_layers.devtools import oracle
+from flux_layers.devtools.launch import run_distributed
+from tests.gpu.gpu_support import needs_gpus, poison_outputs
+
+pytestmark = [pytest.mark.gpu, needs_gpus(2)]
+
+TP = 2
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _settings(**values):
+    from flux_layers import ops
+    for k, v in values.items():
+        os.environ["FLUX_LAYERS_" + k] = v
+    ops.refresh_settings()
+
+
+def _global(seed, rows, k, n):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen, device="cuda") * torch.rand(rows, 1, generator=gen, device="cuda").add(0.1)
+    w = torch.randn(n, k, generator=gen, device="cuda") * torch.rand(n, 1, generator=gen, device="cuda").add(0.1)
+    bias = torch.randn(n, generator=gen, device="cuda").to(torch.bfloat16)
+    return x, w, bias
+
+
+def _w_scale(q, mode):
+    return q.scale.reshape(1, -1) if mode == "row" else q.scale
+
+
+def _check(out, ref, baseline, what, ratio=1.25):
+    nan = torch.isnan(out).sum().item()
+    assert nan == 0, f"{what}: {nan} elements not written"
+    err, base = oracle.rel_error(out, ref), oracle.rel_error(baseline, ref)
+    assert err <= ratio * max(base, 2.0**-10), f"{what}: rel error {err:.3e} vs the reference path's {base:.3e}"
+
+
+def _ag_case(rank, tp, seed, rows, k, n, pair, mode, accum, direction, order):
+    from flux_layers import ops
+    from flux_layers.ops.fp8 import dequantize, quantize
+    group = dist.group.WORLD
+    x, w, bias = _global(seed, rows * tp, k, n * tp)
+    # Each rank casts its own shard with its own scale (no collective before the cast).
+    shards = [quantize(s, pair[0], rowwise=mode == "row") for s in x.chunk(tp)]
+    wq = quantize(w.chunk(tp)[rank].contiguous(), pair[1], rowwise=mode == "row")
+    mine, ws_ = shards[rank], _w_scale(wq, mode)
+    fast = accum == "fast"
+    out, gathered = ops.ag_gemm(mine.data, wq.data, bias[rank * n:(rank + 1) * n], group=group, return_gathered=True,
+                                x_scale=mine.scale, w_scale=ws_, fast_accum=fast, backend="fused")
+    what = f"rank {rank} ag fp8 {rows}x{k}x{n} {pair} {mode} {accum} {direction} {order}"
+    decision = ops.decide("ag_gemm", mine.data, wq.data, group=group, backend="fused", fast_accum=fast)
+    assert decision.path == "fused" and decision.plan.mode == direction and decision.plan.order == order, \
+        f"{what}: ran {decision}"
+    assert decision.plan.accumulation == accum, f"{what}: ran {decision.plan}"
+    reference = ops.ag_gemm(mine.data, wq.data, bias[rank * n:(rank + 1) * n], group=group, x_scale=mine.scale,
+                            w_scale=ws_, fast_accum=fast, backend="reference")
+    ref = torch.cat([dequantize(s) for s in shards]) @ dequantize(wq).t() + bias[rank * n:(rank + 1) * n].float()
+    _check(out, ref, reference, what)
+    assert torch.equal(gathered.data.view(torch.uint8), torch.cat([s.data for s in shards]).view(torch.uint8)), \
+        f"{what}: gathered FP8 rows differ"
+    scales = torch.cat([s.scale.reshape(-1) for s in shards])
+    assert torch.equal(gathered.scale.reshape(-1), scales), f"{what}: gathered scales differ"
+
+
+def _ag_matrix(rank, tp, seed):
+    poison_outputs()
+    i = 0
+    for direction, order in (("push", "mesh"), ("pull", "mesh"), ("push", "ring"), ("pull", "ring")):
+        _settings(AG_MODE=direction, AG_ORDER=order)
+        for pair in ((E4M3, E4M3), (E5M2, E4M3)):
+            for mode in ("tensor", "row"):
+                for accum in ("split", "fast"):
+                    for rows, k, n in ((512, 1024, 512), (500, 528, 272)):
+                        _ag_case(rank, tp, seed + i, rows, k, n, pair, mode, accum, direction, order)
+                        i += 1
+    torch.cuda.synchronize()
+
+
+def test_ag_gemm_fp8_modes_orders_scales():
+    run_distributed(_ag_matrix, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl")
+
+
+def _rs_case(rank, tp, seed, m, k_local, n, mode, accum, transport):
+    from flux_layers import ops
+    from flux_layers.ops.fp8 import dequantize, quantize
+    group = dist.group.WORLD
+    x, w, bias = _global(seed, m, k_local * tp, n)
+    xq = quantize(x.chunk(tp, dim=1)[rank].contiguous(), E4M3, rowwise=mode == "row")
+    wq = quantize(w.chunk(tp, dim=1)[rank].contiguous(), E4M3, rowwise=mode == "row")
+    fast = accum == "fast"
+    args = dict(group=group, x_scale=xq.scale, w_scale=_w_scale(wq, mode), fast_accum=fast)
+    out = ops.gemm_rs(xq.data, wq.data, bias, backend="fused", **args)
+    again = ops.gemm_rs(xq.data, wq.data, bias, backend="fused", **args)
+    what = f"rank {rank} rs fp8 {m}x{k_local}x{n} {mode} {accum} {transport}"
+    decision = ops.decide("gemm_rs", xq.data, wq.data, group=group, backend="fused", fast_accum=fast)
+    assert decision.path == "fused" and decision.transport == transport, f"{what}: ran {decision}"
+    assert torch.equal(out, again), f"{what}: two runs differ bitwise"
+    reference = ops.gemm_rs(xq.data, wq.data, bias, backend="reference", **args)
+    partial = dequantize(xq) @ dequantize(wq).t()
+    dist.all_reduce(partial, group=group)
+    ref = partial.chunk(tp)[rank] + bias.float()
+    _check(out, ref, reference, what)
+
+
+def _rs_matrix(rank, tp, seed):
+    poison_outputs()
+    i = 0
+    for transport in ("direct", "copy_engine"):
+        _settings(RS_TRANSPORT=transport)
+        for mode in ("tensor", "row"):
+            for accum in ("split", "fast"):
+                for m, k_local, n in ((1024, 512, 512), (1000, 272, 528)):
+                    _rs_case(rank, tp, seed + i, m * tp // 2, k_local, n, mode, accum, transport)
+                    i += 1
+    torch.cuda.synchronize()
+
+
+def test_gemm_rs_fp8_transports_scales():
+    run_distributed(_rs_matrix, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl")
+
+
+def _graphs_and_bad_inputs(rank, tp, seed):
+    from flux_layers import ops
+    from flux_layers.ops.fp8 import quantize
+    from flux_layers.runtime import workspace
+    poison_outputs()
+    workspace.enable_cuda_graphs()  # before the warm-up that makes the workspaces (and their twins)
+    group = dist.group.WORLD
+    x, w, bias = _global(seed, 512 * tp, 512, 512 * tp)
+    xq = quantize(x.chunk(tp)[rank].contiguous())
+    wq = quantize(w.chunk(tp)[rank].contiguous())
+    xk = quantize(x[:, :512].contiguous())  # the reduce-scatter's x [M, K/tp]
+    wk = quantize(w[:512, :512].contiguous())
+    eager_ag = ops.ag_gemm(xq.data, wq.data, None, group=group, x_scale=xq.scale, w_scale=wq.scale, backend="fused")
+    eager_rs = ops.gemm_rs(xk.data, wk.data, None, group=group, x_scale=xk.scale, w_scale=wk.scale, backend="fused")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ag = ops.ag_gemm(xq.data, wq.data, None, group=group, x_scale=xq.scale, w_scale=wq.scale, backend="fused")
+        rs = ops.gemm_rs(xk.data, wk.data, None, group=group, x_scale=xk.scale, w_scale=wk.scale, backend="fused")
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(ag, eager_ag), f"rank {rank}: the replayed FP8 all-gather differs from the eager call"
+        assert torch.equal(rs, eager_rs), f"rank {rank}: the replayed FP8 reduce-scatter differs from the eager call"
+    workspace.check_graph_replays()
+    # Bad FP8 calls are refused before anything is enqueued; the next call is right.
+    for call, match in (
+            (lambda: ops.ag_gemm(xq.data, wq.data, None, group=group, x_scale=xq.scale, backend="fused"),
+             "x_scale and w_scale"),
+            (lambda: ops.ag_gemm(xq.data, wq.data, None, group=group, x_scale=torch.ones(3, 1, device="cuda"),
+                                 w_scale=wq.scale, backend="fused"), "row-wise"),
+            (lambda: ops.gemm_rs(xk.data, wk.data, None, group=group, x_scale=xk.scale, w_scale=wk.scale.double(),
+                                 backend="fused"), "float32"),
+            (lambda: ops.gemm_rs(xk.data, wk.data, torch.zeros(512, device="cuda"), group=group, x_scale=xk.scale,
+                                 w_scale=wk.scale, backend="fused"), "bias")):
+        with pytest.raises(ValueError, match=match):
+            call()
+    again_ag = ops.ag_gemm(xq.data, wq.data, None, group=group, x_scale=xq.scale, w_scale=wq.scale, backend="fused")
+    again_rs = ops.gemm_rs(xk.data, wk.data, None, group=group, x_scale=xk.scale, w_scale=wk.scale, backend="fused")
+    assert torch.equal(again_ag, eager_ag) and torch.equal(again_rs, eager_rs), f"rank {rank}: a later call differs"
+    torch.cuda.synchronize()
+
+
+def test_fp8_cuda_graphs_and_bad_inputs():
+    run_distributed(_graphs_and_bad_inputs, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl")
