@@ -84,7 +84,7 @@ def _decide_every_shape(rank, tp, shapes, table, gpu):
     os.environ.update(FLUX_LAYERS_TUNING=table, FLUX_LAYERS_DISPATCH="table", FLUX_LAYERS_RS_TRANSPORT="auto")
     ops.refresh_settings()
     tuning._gpu_name = lambda: gpu
-    asked = _recorded_keys((_dispatch, ops))
+    asked = _recorded_keys((_dispatch,))
     group = dist.group.WORLD
     for s in shapes:
         op, expected_key = s["op"], tuple(s["key"])
