@@ -1,6 +1,6 @@
 """Timing only: cuBLAS and the op library's default GEMM ('nt', bf16) in interleaved rounds; no correctness check.
 
-    FLUX_LAYERS_OPS_LIB=<instrumented build> python -m benchmarks.time_gemm_ablation 16384x2048x4096,... OUT.json
+    FLUX_LAYERS_OPS_LIB=<instrumented build> python -m experiments.time_gemm_ablation 16384x2048x4096,... OUT.json
 
 For ablations: an instrumented op library (e.g. one whose epilogue is switched off) computes wrong results on
 purpose, which bench_gemm would reject. Run it with the packaged library before and after, in one session, and

@@ -1,12 +1,12 @@
-"""The per-shape dispatch table: how benchmarks/make_dispatch_table.py derives it from benchmark results, and that
+"""The per-shape dispatch table: how tools/make_dispatch_table.py derives it from benchmark results, and that
 the packaged table (flux_layers/tuning_tables/) still says what the result files it cites measured."""
 import json
 import os
 
 import pytest
 
-from benchmarks.make_dispatch_table import entries_from
 from flux_layers.runtime import tuning
+from tools.make_dispatch_table import entries_from
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -71,7 +71,7 @@ def test_packaged_table_matches_the_results_it_cites():
 
 def test_loop_times_decide_where_measured(tmp_path):
     """A shape whose fused op wins on GPU time but loses in the plain loop (host cost) goes sequential."""
-    from benchmarks.make_dispatch_table import apply_loop_times, loop_times
+    from tools.make_dispatch_table import apply_loop_times, loop_times
     loop = tmp_path / "overhead.json"
     rows = [{"op": "gemm_rs", "m": 2048, "k": 4096, "n": 4096, "layout": layout, "impl": impl, "loop_ms": ms}
             for layout, impl, ms in (("nt", "fused", 0.20), ("nn", "fused", 0.16), ("nt", "sequential", 0.12),

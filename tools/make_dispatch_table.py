@@ -1,7 +1,7 @@
 """Turn operator benchmark results into the per-shape dispatch table the library reads (flux_layers/tuning_tables/,
 package data of flux_layers).
 
-    python -m benchmarks.make_dispatch_table benchmarks/results/ag_gemm_h200x2.json \
+    python -m tools.make_dispatch_table benchmarks/results/ag_gemm_h200x2.json \
         benchmarks/results/gemm_rs_h200x2.json --out flux_layers/tuning_tables/dispatch_h200.json
 
 The benchmarks name a shape by its global M x K x N (bench_ag_gemm: N split over the ranks; bench_gemm_rs: K split);
@@ -104,7 +104,7 @@ def main():
         apply_loop_times(entries, loop_times(path), f"{path} @ {commit}")
     with open(args.out, "w") as f:
         command = " ".join(args.results + [f"--loop {p}" for p in args.loop])
-        json.dump({"gpu": gpu, "generated_by": "python -m benchmarks.make_dispatch_table " + command,
+        json.dump({"gpu": gpu, "generated_by": "python -m tools.make_dispatch_table " + command,
                    "key": tuning.TABLE_KEY, "entries": entries}, f, indent=2)
     print(f"wrote {args.out}: {sum(e['path'] == 'sequential' for e in entries)} of {len(entries)} shapes sequential")
 

@@ -1,6 +1,6 @@
 """Host cost of a few torch calls from Python on the GPU machine: the scale of the Python side of a fused call. One
 process; each figure the wall time per call of 300 calls queued behind a GPU sleep, median of 7 (results in
-benchmarks/results/cuda_api_cost_h200.json, beside the CUDA calls'). Run: python benchmarks/torch_host_cost.py"""
+benchmarks/results/cuda_api_cost_h200.json, beside the CUDA calls'). Run: python experiments/torch_host_cost.py"""
 import statistics
 import time
 
