@@ -224,21 +224,22 @@ c10::Dict<std::string, int64_t> rs_workspace_layout(int64_t tp, int64_t max_m, i
 // flux::WorkspaceState plus its CUDA-graph twin, the workspace whose state calls captured into a graph use.
 // The ops take it by handle, an integer: passing the object itself from Python costs several times more than the
 // rest of the op's argument parsing (torch converts a script object argument by its class type on every call).
-struct Workspace;
+struct NativeWorkspace;
 
 // Handle -> live workspace, read without a lock on every call (handles are never reused).
 class Registry {
  public:
-  int64_t add(Workspace* w) {
+  int64_t add(NativeWorkspace* w) {
     std::lock_guard<std::mutex> lock(mu_);
-    return table_.push([&](std::atomic<Workspace*>& entry) { entry.store(w, std::memory_order_relaxed); }) + 1;
+    return table_.push([&](std::atomic<NativeWorkspace*>& entry) { entry.store(w, std::memory_order_relaxed); }) + 1;
   }
   void remove(int64_t handle) {
-    if (std::atomic<Workspace*>* entry = table_.find(handle - 1)) entry->store(nullptr, std::memory_order_release);
+    if (std::atomic<NativeWorkspace*>* entry = table_.find(handle - 1))
+      entry->store(nullptr, std::memory_order_release);
   }
-  Workspace& find(int64_t handle) const {
-    std::atomic<Workspace*> const* entry = table_.find(handle - 1);
-    Workspace* const w = entry != nullptr ? entry->load(std::memory_order_acquire) : nullptr;
+  NativeWorkspace& find(int64_t handle) const {
+    std::atomic<NativeWorkspace*> const* entry = table_.find(handle - 1);
+    NativeWorkspace* const w = entry != nullptr ? entry->load(std::memory_order_acquire) : nullptr;
     TORCH_CHECK_VALUE(w != nullptr, "no live flux_layers workspace has handle ", handle,
                       " (a workspace lives as long as its Python object)");
     return *w;
@@ -246,7 +247,7 @@ class Registry {
 
  private:
   std::mutex mu_;
-  flux::AppendOnlyTable<std::atomic<Workspace*>> table_;
+  flux::AppendOnlyTable<std::atomic<NativeWorkspace*>> table_;
 };
 
 Registry& registry() {
@@ -258,13 +259,13 @@ Registry& registry() {
   throw flux::bindings::WorkspaceFailed({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, std::move(why));
 }
 
-struct Workspace : torch::CustomClassHolder {
+struct NativeWorkspace : torch::CustomClassHolder {
   // The memory the state's pointers name (symmetric storage, error record and claim, staging area), kept alive
   // here so that it outlives the state: members are destroyed in reverse order, and the state's destructor waits
   // for a release the watchdog may still have in flight on it (from Python the storage could go first).
   std::vector<Tensor> memory;
   std::unique_ptr<flux::WorkspaceState> state;
-  c10::intrusive_ptr<Workspace> twin;
+  c10::intrusive_ptr<NativeWorkspace> twin;
   int64_t handle_ = 0;
   // The stream-K tail's scratch, allocated at the first call that splits and kept: a workspace's calls are
   // ordered on the GPU (their flags require it), so one scratch serves them all.
@@ -274,10 +275,10 @@ struct Workspace : torch::CustomClassHolder {
   // One registration at a time, here and on the twin, so that a plan has the same index on both.
   std::mutex plans_mu;
 
-  Workspace(std::string kind, std::string dtype, int64_t rank, int64_t device, int64_t max_m, int64_t inner,
-            int64_t capacity, std::vector<int64_t> data_ptrs, std::vector<int64_t> flag_ptrs,
-            std::vector<int64_t> comm_streams, std::vector<int64_t> error_ptrs, bool graph_protocol, double timeout_s,
-            bool poison_outputs, std::string what) {
+  NativeWorkspace(std::string kind, std::string dtype, int64_t rank, int64_t device, int64_t max_m, int64_t inner,
+                  int64_t capacity, std::vector<int64_t> data_ptrs, std::vector<int64_t> flag_ptrs,
+                  std::vector<int64_t> comm_streams, std::vector<int64_t> error_ptrs, bool graph_protocol,
+                  double timeout_s, bool poison_outputs, std::string what) {
     flux::WorkspaceConfig c;
     c.kind = named<flux::WorkspaceKind>("workspace_kind", kind);
     c.dtype = named<flux::DType>("dtype", dtype);
@@ -309,7 +310,7 @@ struct Workspace : torch::CustomClassHolder {
     translate_errors([&] { state = std::make_unique<flux::WorkspaceState>(std::move(c)); });
     handle_ = registry().add(this);
   }
-  ~Workspace() override { registry().remove(handle_); }
+  ~NativeWorkspace() override { registry().remove(handle_); }
 
   int64_t handle() const { return handle_; }
   const flux::WorkspaceConfig& config() const { return state->config(); }
@@ -376,7 +377,7 @@ struct Workspace : torch::CustomClassHolder {
 
   // The twin runs every plan of this workspace under the same index: the plans registered so far are registered
   // with it now, later ones with both.
-  void set_twin(c10::intrusive_ptr<Workspace> t) {
+  void set_twin(c10::intrusive_ptr<NativeWorkspace> t) {
     std::lock_guard<std::mutex> lock(plans_mu);
     TORCH_CHECK_VALUE(t->config().graph_protocol, "a CUDA-graph twin must use the CUDA-graph flag protocol");
     TORCH_CHECK_VALUE(t->state->plan_count() == 0, "a CUDA-graph twin must be new (it holds plans)");
@@ -409,7 +410,7 @@ struct Workspace : torch::CustomClassHolder {
   Tensor empty_scale;
 
   // The workspace a call on `stream` uses: its CUDA-graph twin while the stream is being captured.
-  Workspace& for_stream(cudaStream_t stream) {
+  NativeWorkspace& for_stream(cudaStream_t stream) {
     if (config().graph_protocol) return *this;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
@@ -559,7 +560,7 @@ struct FusedCall {
   flux::bindings::Scales scales;     // FP8: set by the op (check_scales) before arguments()
   c10::cuda::CUDAGuard const guard;  // x's device, current for the rest of the call
   cudaStream_t const stream;
-  Workspace& runs;
+  NativeWorkspace& runs;
   flux::PlannedCall const& planned;
   flux::WorkspaceConfig const& config;
 };
@@ -713,7 +714,7 @@ void typed_error_probe(std::string which) {
 }  // namespace flux::bindings
 
 TORCH_LIBRARY(flux_layers, m) {
-  m.class_<Workspace>("Workspace")
+  m.class_<NativeWorkspace>("NativeWorkspace")
       .def(torch::init<std::string, std::string, int64_t, int64_t, int64_t, int64_t, int64_t, std::vector<int64_t>,
                        std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, bool, double, bool,
                        std::string>(),
@@ -722,23 +723,24 @@ TORCH_LIBRARY(flux_layers, m) {
             torch::arg("inner"), torch::arg("capacity"), torch::arg("data_ptrs"), torch::arg("flag_ptrs"),
             torch::arg("comm_streams"), torch::arg("error_ptrs"), torch::arg("graph_protocol"), torch::arg("timeout_s"),
             torch::arg("poison_outputs"), torch::arg("what")})
-      .def("add_ag_plan", &Workspace::add_ag_plan, "",
+      .def("add_ag_plan", &NativeWorkspace::add_ag_plan, "",
            {torch::arg("tile"), torch::arg("swizzle"), torch::arg("stream_k_fill"), torch::arg("sm_count"),
             torch::arg("mode"), torch::arg("order"), torch::arg("rows_per_chunk"), torch::arg("group_order"),
             torch::arg("accumulation")})
-      .def("add_rs_plan", &Workspace::add_rs_plan, "",
+      .def("add_rs_plan", &NativeWorkspace::add_rs_plan, "",
            {torch::arg("tile"), torch::arg("swizzle"), torch::arg("stream_k_fill"), torch::arg("sm_count"),
             torch::arg("transport"), torch::arg("chunk_cols"), torch::arg("accumulation")})
-      .def("flag_index", &Workspace::flag_index, "", {torch::arg("region"), torch::arg("rank"), torch::arg("chunk")})
-      .def("stage_slot", &Workspace::stage_slot, "", {torch::arg("dst")})
-      .def("set_twin", &Workspace::set_twin)
-      .def("set_stage", &Workspace::set_stage)
-      .def("keep_memory", &Workspace::keep_memory)
-      .def("set_timeout", &Workspace::set_timeout)
-      .def("failure", &Workspace::failure)
-      .def("mark_failed", &Workspace::mark_failed)
-      .def("epoch", &Workspace::epoch)
-      .def("handle", &Workspace::handle);
+      .def("flag_index", &NativeWorkspace::flag_index, "",
+           {torch::arg("region"), torch::arg("rank"), torch::arg("chunk")})
+      .def("stage_slot", &NativeWorkspace::stage_slot, "", {torch::arg("dst")})
+      .def("set_twin", &NativeWorkspace::set_twin)
+      .def("set_stage", &NativeWorkspace::set_stage)
+      .def("keep_memory", &NativeWorkspace::keep_memory)
+      .def("set_timeout", &NativeWorkspace::set_timeout)
+      .def("failure", &NativeWorkspace::failure)
+      .def("mark_failed", &NativeWorkspace::mark_failed)
+      .def("epoch", &NativeWorkspace::epoch)
+      .def("handle", &NativeWorkspace::handle);
   m.def(
       "gemm(Tensor x, Tensor weight, Tensor? bias, Tensor? x_scale, Tensor? w_scale, Tensor(a!) out, bool weight_nn, "
       "int tile, int sm_count, int swizzle, int stream_k_fill, bool fast_accum) -> ()");

@@ -34,7 +34,7 @@ void ag_group_order(int rank, int tp, AgOrder order, int* group_order) {
 
 namespace {
 
-struct AgPlan {
+struct AgCall {
   const AgGemmArgs& a;
   AgFlagLayout flags;
   int chunks;
@@ -113,7 +113,7 @@ struct AgPlan {
 
 // Pull modes: stage our shard into our buffer (unless the caller wrote x there) and announce each chunk to
 // the ranks that pull from us.
-void stage_own(const AgPlan& p, bool x_in_buffer, cudaStream_t stage) {
+void stage_own(const AgCall& p, bool x_in_buffer, cudaStream_t stage) {
   const AgGemmArgs& a = p.a;
   const int r = a.rank, tp = a.tp, right = (r + 1) % tp;
   if (p.scaled())  // the whole shard's scales, ahead of every avail flag
@@ -131,7 +131,7 @@ void stage_own(const AgPlan& p, bool x_in_buffer, cudaStream_t stage) {
   }
 }
 
-void pull(const AgPlan& p) {
+void pull(const AgCall& p) {
   const AgGemmArgs& a = p.a;
   const int r = a.rank, tp = a.tp, right = (r + 1) % tp, left = (r - 1 + tp) % tp;
   if (a.order == AgOrder::kMesh) {
@@ -162,7 +162,7 @@ void pull(const AgPlan& p) {
   }
 }
 
-void push(const AgPlan& p) {
+void push(const AgCall& p) {
   const AgGemmArgs& a = p.a;
   const int r = a.rank, tp = a.tp, right = (r + 1) % tp;
   if (a.order == AgOrder::kMesh) {
@@ -202,7 +202,7 @@ void push(const AgPlan& p) {
 
 // gathered_out = the whole gathered input (and gathered_scale_out its scales), on comm[0] once every chunk is in
 // (overlaps the GEMM's tail).
-void copy_out_gathered(const AgPlan& p, bool own_in_buffer) {
+void copy_out_gathered(const AgCall& p, bool own_in_buffer) {
   const AgGemmArgs& a = p.a;
   cudaStream_t s = a.comm[0];
   char* out = static_cast<char*>(a.gathered_out);
@@ -229,7 +229,7 @@ void copy_out_gathered(const AgPlan& p, bool own_in_buffer) {
 
 // Comm streams this call issues work on (the others are neither forked nor joined: each fork or join is an event
 // record and wait that the GPU pays for on every call).
-int comm_streams_used(const AgPlan& p) {
+int comm_streams_used(const AgCall& p) {
   const AgGemmArgs& a = p.a;
   if (a.order == AgOrder::kRing) return 1;
   int streams = a.tp - 1;
@@ -239,7 +239,7 @@ int comm_streams_used(const AgPlan& p) {
 
 // The persistent GEMM of a call: own shard from x at once, the others from our gathered buffer, each tile after
 // the flag of the chunk its A tile reads.
-GemmProblem gemm_problem(const AgPlan& p) {
+GemmProblem gemm_problem(const AgCall& p) {
   const AgGemmArgs& a = p.a;
   GemmProblem g;
   g.rows_per_group = a.rows_per_group;
@@ -310,7 +310,7 @@ void check_ag_gemm_args(const AgGemmArgs& a) {
 
 void ag_gemm(const AgGemmArgs& a) {
   if (a.rows_per_group == 0) return;
-  AgPlan p{a,
+  AgCall p{a,
            AgFlagLayout{a.tp, a.chunk_capacity},
            (a.rows_per_group + a.rows_per_chunk - 1) / a.rows_per_chunk,
            size_t(a.k) * dtype_bytes(a.dtype),

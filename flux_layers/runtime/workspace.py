@@ -11,7 +11,7 @@ memory, other nodes, or FLUX_LAYERS_TRANSPORT=nccl) makes one local allocation i
 null, NCCL moves the all-gather's chunks (flux_layers/runtime/nccl_transport.py) or the reduce-scatter's partials
 (flux_layers/runtime/nccl_rs_transport.py), and it has no CUDA-graph twin.
 
-Each workspace owns one long-lived C++ object, ``Workspace.native`` (``torch.classes.flux_layers.Workspace``,
+Each workspace owns one long-lived C++ object, ``Workspace.native`` (``torch.classes.flux_layers.NativeWorkspace``,
 csrc/include/flux/workspace_state.h): the peers' buffer and flag pointers, the communication streams, the events of
 a call, the error record, the flag protocol, the epoch counter and the kernel/transfer plans registered for the
 shapes seen so far. A call passes its tensors, a plan index and that object; the op checks everything before the
@@ -137,7 +137,7 @@ class Workspace:
         self.retired = False  # replaced by a larger workspace (the calls decided on this one were dropped)
         self._plans: dict[AgCallPlan | RsCallPlan, int] = {}
         self._plans_lock = threading.Lock()
-        self.native = torch.classes.flux_layers.Workspace(
+        self.native = torch.classes.flux_layers.NativeWorkspace(
             kind=kind, dtype=dtype_name(dtype), rank=self.rank, device=self.device.index, max_m=max_m, inner=inner,
             capacity=sizes["capacity"], data_ptrs=self.data_ptrs, flag_ptrs=self.flag_ptrs,
             comm_streams=[s.cuda_stream for s in self.comm_streams],

@@ -240,7 +240,7 @@ def test_every_native_workspace_method_python_calls_is_registered():
     schemas = {}
     for schema in torch._C._jit_get_custom_class_schemas():
         text = str(schema)
-        if "flux_layers.Workspace _0" in text:
+        if "flux_layers.NativeWorkspace _0" in text:
             name, args = text.split("(", 1)
             schemas[name] = args.split(")")[0].count(",")  # arguments besides the object itself
     from flux_layers.runtime import call_plan, workspace

@@ -22,7 +22,7 @@ def _workspace_schemas() -> dict[str, list[str]]:
     """The native workspace's methods: name -> argument names (without the object)."""
     schemas = {}
     for schema in torch._C._jit_get_custom_class_schemas():
-        if "flux_layers.Workspace _0" in str(schema):
+        if "flux_layers.NativeWorkspace _0" in str(schema):
             schemas[schema.name] = [a.name for a in schema.arguments][1:]
     return schemas
 
@@ -45,7 +45,7 @@ def test_the_native_workspace_is_made_with_the_arguments_it_declares():
     with open(workspace.__file__) as f:
         tree = ast.parse(f.read())
     made = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and ast.unparse(node.func).endswith(
-        "torch.classes.flux_layers.Workspace")]
+        "torch.classes.flux_layers.NativeWorkspace")]
     assert len(made) == 1 and not made[0].args, "made once, every argument by name"
     assert [kw.arg for kw in made[0].keywords] == _workspace_schemas()["__init__"]
 
