@@ -25,7 +25,9 @@ launchers can set them per process.
 | FLUX_LAYERS_STREAM_K_MAX_FILL | most % of the persistent grid a split last wave may fill (0: never) (2) | 75 |
 | FLUX_LAYERS_CUDA_GRAPHS | ``1``: every fused-op workspace gets a CUDA-graph twin, so calls can be captured (3) | 0 |
 | FLUX_LAYERS_POISON_OUTPUTS | ``1``: fused ops fill their outputs with NaN before launching (tests) (4) | 0 |
-| FLUX_LAYERS_TEST_SHARED_GPU | ``1``: the GPU tests' ranks share one GPU (flux_layers/devtools/launch.py) | 0 |
+| FLUX_LAYERS_TEST_SHARED_GPU | ``1``: the GPU tests' ranks share one GPU (flux_layers/devtools/launch.py); the NCCL transports' send/recv then run on a host-staged stand-in (flux_layers/runtime/sendrecv.py) | 0 |
+| FLUX_LAYERS_TEST_TP | ranks of the GPU tests' groups, 2 to 8 (0: every visible GPU, at least 2 and at most 8; 2 where the ranks share one GPU) | 0 |
+| FLUX_LAYERS_TEST_NODES | emulated nodes of the NCCL-transport GPU tests (tests/gpu/test_nccl_transport_gpu.py: FLUX_LAYERS_TEST_TP / N ranks per node); 0: their default layouts | 0 |
 
 (1) ``direct``: the epilogue stores into the peer; ``copy_engine``: staged locally, moved by the copy engine per
 chunk; ``auto``: the tuning table's choice for the shape, else direct.
@@ -59,6 +61,8 @@ _DEFAULTS = {
     "DISPATCH": "table",
     "POISON_OUTPUTS": "0",
     "TEST_SHARED_GPU": "0",
+    "TEST_TP": "0",
+    "TEST_NODES": "0",
     "CUDA_GRAPHS": "0",
     "STREAM_K": "1",
     "STREAM_K_MAX_FILL": "75",

@@ -11,9 +11,16 @@
 # (benchmarks/bench_layer_ops.py), e2e_ceiling (examples/gpt/ceiling.py), layer_profile
 # (benchmarks/profile_layer.py), stock_bench (benchmarks/bench_cutlass_stock.py). GRAPH_TEST_K / LAYERS_TEST_K
 # narrow graph_test / layers_test to a pytest -k expression.
-# On a machine with ONE GPU: env gemm_test shared_tests shared_overhead baseline_overhead reliability_bench.
+# On a machine with ONE GPU: env gemm_test shared_tests shared_overhead baseline_overhead reliability_bench, and
+# shared_tp shared_nodes.
 # shared_tests runs the fused ops' GPU tests with their ranks as processes sharing the GPU
-# (FLUX_LAYERS_TEST_SHARED_GPU=1; results checked, timings meaningless; SHARED_TESTS_K narrows it); shared_overhead times the host cost per call that way
+# (FLUX_LAYERS_TEST_SHARED_GPU=1; results checked, timings meaningless; SHARED_TESTS_K narrows it). shared_tp runs them
+# (the fused ops, CUDA graphs, direct and compiled calls, reliability, layers) at each TP of $SHARED_TP (default
+# "2 4 8"; lean matrices above 2, tests/gpu/gpu_support.py lean()); shared_nodes runs the NCCL transports' tests on
+# emulated nodes, their send/recv by the host-staged stand-in, for each TPxNODES of $SHARED_NODES (default
+# "4x2 8x2 8x4": 2x2, 2x4 and 4x2 ranks; internode and numa2d orders). Both write
+# OUTDIR/gpu_tests_shared_h200.json from the runs' own pytest counts (scripts/shared_gpu_runs.py; $SHARED_RUNS_MERGE:
+# the summary of an earlier call of the same commit, to add up). shared_overhead times the host cost per call that way
 # (benchmarks/bench_overhead.py --shared-gpu $OVERHEAD_ARGS), baseline_overhead the same for a prebuilt older tree
 # in .baseline/ (its flux_layers package and configs). Set FLUX_LAYERS_COMMIT where the repository is: a copy of the
 # tree on the GPU machine may report another commit. Each step runs under its own
@@ -95,6 +102,17 @@ step() {  # step NAME LIMIT_S COMMAND...
   pack
 }
 
+shared_runs=""  # TP:NODES:REPORT of each shared_tp / shared_nodes run, for the summary
+
+shared_limit() {  # shared_limit tp|nodes TP: a step's time limit (seconds), larger with more ranks time-slicing
+  local kind=$1 tp=$2
+  if [ "$kind" = tp ]; then echo $(( 300 + 30 * tp )); else echo $(( 150 + 30 * tp )); fi
+}
+
+shared_run() {  # shared_run TP NODES STEP: the step's report joins the summary, if it wrote one
+  [ -f "$WORK/$3.junit.xml" ] && shared_runs="$shared_runs $1:$2:$WORK/$3.junit.xml"
+}
+
 for s in $STEPS; do
   case $s in
     env) step env 60 bash -c "nvidia-smi; nvidia-smi topo -m; $PY -c 'import torch, flux_layers; \
@@ -112,6 +130,24 @@ flux_layers._library.path(), flux_layers._library.unavailable_reason())'" ;;
       tests/gpu/test_cuda_graph_ops_gpu.py tests/gpu/test_compile_ops_gpu.py tests/gpu/test_direct_calls_gpu.py \
       tests/gpu/test_reliability_gpu.py \
       ${SHARED_TESTS_K:+-k "$SHARED_TESTS_K"} ;;
+    shared_tp)  # ranks sharing one GPU at each TP of $SHARED_TP: the fused ops' GPU tests (the NCCL ones: shared_nodes)
+      for tp in ${SHARED_TP:-2 4 8}; do
+        step "shared_tp$tp" "$(shared_limit tp "$tp")" env FLUX_LAYERS_TEST_SHARED_GPU=1 FLUX_LAYERS_TEST_TP="$tp" \
+          FLUX_LAYERS_TIMEOUT_S=${SHARED_TIMEOUT_S:-60} $PY -m pytest -q -p no:cacheprovider \
+          tests/gpu/test_ag_gemm_gpu.py tests/gpu/test_gemm_rs_gpu.py tests/gpu/test_cuda_graph_ops_gpu.py \
+          tests/gpu/test_compile_ops_gpu.py tests/gpu/test_direct_calls_gpu.py tests/gpu/test_reliability_gpu.py \
+          tests/gpu/test_layers_gpu.py ${SHARED_TESTS_K:+-k "$SHARED_TESTS_K"}
+        shared_run "$tp" 1 "shared_tp$tp"
+      done ;;
+    shared_nodes)  # emulated nodes on one GPU (TPxNODES of $SHARED_NODES): the NCCL transports over the stand-in
+      for layout in ${SHARED_NODES:-4x2 8x2 8x4}; do
+        tp=${layout%x*} nodes=${layout#*x}
+        step "shared_nodes_$layout" "$(shared_limit nodes "$tp")" env FLUX_LAYERS_TEST_SHARED_GPU=1 \
+          FLUX_LAYERS_TEST_TP="$tp" FLUX_LAYERS_TEST_NODES="$nodes" FLUX_LAYERS_TIMEOUT_S=${SHARED_TIMEOUT_S:-60} \
+          $PY -m pytest -q -p no:cacheprovider tests/gpu/test_sendrecv_gpu.py tests/gpu/test_nccl_transport_gpu.py \
+          ${SHARED_TESTS_K:+-k "$SHARED_TESTS_K"}
+        shared_run "$tp" "$nodes" "shared_nodes_$layout"
+      done ;;
     reliability_bench)  # one GPU: two ranks sharing it (--shared-gpu), results checked, times not TP times
       if [ "$GPUS" -ge 2 ]; then
         step reliability_bench 540 $PY -m benchmarks.reliability ${RELIABILITY_ARGS:-} \
@@ -174,6 +210,10 @@ benchmarks.bench_overhead --shared-gpu ${OVERHEAD_ARGS:-} --out $WORK/results/op
   esac
 done
 
+if [ -n "$shared_runs" ]; then
+  $PY scripts/shared_gpu_runs.py "$OUTDIR/gpu_tests_shared_h200.json" $shared_runs \
+    ${SHARED_RUNS_MERGE:+--merge "$SHARED_RUNS_MERGE"} | tee -a "$summary"
+fi
 echo "steps not passed: $not_passed" >> "$summary"
 pack
 echo "=== summary"

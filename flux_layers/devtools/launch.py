@@ -24,6 +24,22 @@ def shared_gpu() -> bool:
     return _env.get("TEST_SHARED_GPU") == "1"
 
 
+def tp_under_test() -> int:
+    """Ranks of the GPU tests' groups: FLUX_LAYERS_TEST_TP (2 to 8), else every visible GPU (at least 2, at most 8),
+    or 2 where the ranks share one GPU. Ranks sharing a GPU may be any of 2 to 8; with a GPU per rank, the machine
+    must have that many (the tests skip where it has fewer)."""
+    import torch
+
+    from flux_layers import _env
+    from flux_layers.runtime.schedules import MAX_TP
+    tp = _env.get_int("TEST_TP")
+    if tp == 0:
+        return 2 if shared_gpu() else min(max(torch.cuda.device_count(), 2), MAX_TP)
+    if not 2 <= tp <= MAX_TP:
+        raise ValueError(f"FLUX_LAYERS_TEST_TP={tp} must be 0 (the visible GPUs) or 2 to {MAX_TP}")
+    return tp
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -73,9 +73,9 @@ def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int,
         blockers.append(f"x and weight have dtype {dtype}, the fused kernels need bfloat16, float16 or FP8")
     # Any process-group backend serves the fused path: its group only exchanges the workspaces' addresses when
     # they are made (the transfers are the op library's own), so gloo works too, e.g. for ranks sharing one GPU.
-    nccl = False
+    nccl, stand_in = False, ""
     if op != "gemm" and not blockers and group is not None:
-        from flux_layers.runtime import topology
+        from flux_layers.runtime import sendrecv, topology
         tp = dist.get_world_size(group)
         reason = None
         if tp > 1:
@@ -85,6 +85,8 @@ def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int,
             blockers.append(reason)
         elif nccl and dtype in FP8_DTYPES:
             blockers.append(f"{op}'s transport is NCCL, and FP8 operands run on the peer-mapped transports only")
+        elif nccl and sendrecv.stands_in(group):  # ranks sharing one GPU: NCCL's send/recv stood in
+            stand_in = "; " + sendrecv.STAND_IN_NOTE
         elif nccl and dist.get_backend(group) != "nccl":
             why = ("the GPUs cannot map each other's memory, the group spans nodes, or FLUX_LAYERS_TRANSPORT=nccl"
                    if op == "ag_gemm" else "FLUX_LAYERS_TRANSPORT=nccl")
@@ -103,6 +105,7 @@ def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int,
 
     # NOTE: the reduce-scatter's NCCL transport is taken only when forced and has not run on GPUs: say so.
     untried = " (over NCCL, FLUX_LAYERS_TRANSPORT=nccl: not yet run on GPUs)" if nccl and op == "gemm_rs" else ""
+    untried += stand_in
     if requested == "fused":
         if blockers:
             raise _library.FusedOpsUnavailable(f"{op}: fused backend requested but " + "; ".join(blockers))

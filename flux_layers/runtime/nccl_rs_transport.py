@@ -50,7 +50,8 @@ op therefore runs the flat transport for groups that span nodes.
 
 The executor is generic over how a chunk's count is awaited, its flag set and which tensors hold the partials
 (:meth:`RsExecutor.run` takes callables), so the CPU tests run this very code with gloo and CPU tensors
-(tests/cpu/test_nccl_rs_transport.py).
+(tests/cpu/test_nccl_rs_transport.py), and over the send/recv primitive under each batch
+(flux_layers/runtime/sendrecv.py: torch.distributed's, or the host-staged stand-in for ranks sharing one GPU).
 
 CUDA graphs: not supported; a captured call is refused (:data:`CAPTURE_REFUSAL`).
 """
@@ -60,9 +61,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from flux_layers.runtime import schedules
+from flux_layers.runtime.sendrecv import for_group
 from flux_layers.runtime.transfer_plan import PlanError, RsPlan
 
 CAPTURE_REFUSAL = ("the NCCL transport of the fused GEMM+ReduceScatter cannot run under CUDA-graph capture (its "
@@ -151,12 +152,14 @@ class RsExecutor:
     issues them. ``batches``: None for the flat transport's (:func:`rs_batches`), else those of a two-level plan
     (:func:`node_partial_batches`)."""
 
-    def __init__(self, rank: int, tp: int, chunks: int, group, batches: tuple[RsBatch, ...] | None = None):
+    def __init__(self, rank: int, tp: int, chunks: int, group, batches: tuple[RsBatch, ...] | None = None,
+                 sendrecv=None):
         self.rank = rank
         self.tp = tp
         self.chunks = chunks
         self.group = group
         self.batches = rs_batches(rank, tp, chunks) if batches is None else batches
+        self.sendrecv = sendrecv if sendrecv is not None else for_group(group)
 
     def run(self, ready: Callable[[int, int], None], staged: Callable[[int, int], torch.Tensor],
             slot: Callable[[int, int], torch.Tensor], announce: Callable[[int, int], None]) -> None:
@@ -165,13 +168,9 @@ class RsExecutor:
         s's partial of chunk c of our rows lands (received into); ``announce(s, c)``: set that chunk's flag, called
         once its receive completed (on the stream for NCCL: ``wait`` orders the current stream after the transfer;
         gloo's ``wait`` blocks)."""
-        isend, irecv = dist.isend, dist.irecv
         for b in self.batches:
             ready(b.dst, b.chunk)
-            ops = [dist.P2POp(isend, staged(b.dst, b.chunk), group=self.group, group_peer=b.dst),
-                   dist.P2POp(irecv, slot(b.src, b.chunk), group=self.group, group_peer=b.src)]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            self.sendrecv.exchange([(staged(b.dst, b.chunk), b.dst)], [(slot(b.src, b.chunk), b.src)])
             announce(b.src, b.chunk)
 
 

@@ -27,7 +27,10 @@ batch's partners are all in their own batch of that key, so by induction every b
 pair's calls in issue order, which is the plan order on both sides).
 
 The executor is generic over how a chunk's flag is set and which tensors hold the buffers (``AgExecutor.run``
-takes callables), so the CPU tests run this very code with gloo and CPU tensors (tests/cpu/test_nccl_transport.py).
+takes callables), so the CPU tests run this very code with gloo and CPU tensors (tests/cpu/test_nccl_transport.py),
+and over the send/recv primitive under each batch (flux_layers/runtime/sendrecv.py): torch.distributed's, or, for
+ranks sharing one GPU (FLUX_LAYERS_TEST_SHARED_GPU=1, where NCCL cannot run), a host-staged stand-in with NCCL's
+stream semantics, so that emulated nodes on one GPU run every other line of this path.
 
 Plans across nodes whose ranks inside a node can map each other's memory (``hybrid_plan``: NCCL between nodes, the
 copy engine inside them) also have copy-engine transfers: a node's own shards, and each chunk that crossed the
@@ -52,9 +55,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from flux_layers import _env
+from flux_layers.runtime.sendrecv import for_group
 from flux_layers.runtime.transfer_plan import AgPlan, Chunk, GroupLayout, Transfer, build_ag_plan
 
 CAPTURE_REFUSAL = ("the NCCL transport of the fused all-gather cannot run under CUDA-graph capture (its transfers "
@@ -128,13 +131,15 @@ def gemm_sms_beside_nccl(device: torch.device) -> int:
 
 
 class AgExecutor:
-    """This rank's batches of one plan and the group they run on; :meth:`run` issues them."""
+    """This rank's batches of one plan and the group they run on; :meth:`run` issues them through ``sendrecv``, the
+    group's send/recv primitive (None: :func:`flux_layers.runtime.sendrecv.for_group`'s)."""
 
-    def __init__(self, plan: AgPlan, rank: int, group, copy_engine: bool = False):
+    def __init__(self, plan: AgPlan, rank: int, group, copy_engine: bool = False, sendrecv=None):
         self.plan = plan
         self.rank = rank
         self.group = group
         self.batches = rank_batches(plan, rank, copy_engine)
+        self.sendrecv = sendrecv if sendrecv is not None else for_group(group)
 
     @property
     def gemm_order(self) -> tuple[int, ...]:
@@ -152,7 +157,6 @@ class AgExecutor:
         ``push(dst, g, c, data)``: the copy-engine transfers (copy ``data`` into chunk c of shard g in rank dst's
         buffer, then set its flag there), issued after the batch's NCCL part; ``wait_arrival(g, c)``: wait until a
         local peer's push of that chunk here has landed (its flag), before the batch that forwards it."""
-        isend, irecv = dist.isend, dist.irecv
         if push is None and any(batch.copies for batch in self.batches):
             raise ValueError(f"rank {self.rank}: the plan has copy-engine transfers and no push was given")
         if wait_arrival is None and any(batch.waits for batch in self.batches):
@@ -160,12 +164,10 @@ class AgExecutor:
         for batch in self.batches:
             for chunk in batch.waits:
                 wait_arrival(*chunk)
-            ops = [dist.P2POp(isend, own(t.chunk[1]) if t.chunk[0] == self.rank else region(*t.chunk),
-                              group=self.group, group_peer=t.dst) for t in batch.sends]
-            ops += [dist.P2POp(irecv, region(*t.chunk), group=self.group, group_peer=t.src) for t in batch.recvs]
-            if ops:
-                for work in dist.batch_isend_irecv(ops):
-                    work.wait()
+            if batch.sends or batch.recvs:
+                self.sendrecv.exchange(
+                    [(own(t.chunk[1]) if t.chunk[0] == self.rank else region(*t.chunk), t.dst) for t in batch.sends],
+                    [(region(*t.chunk), t.src) for t in batch.recvs])
             for t in batch.recvs:
                 announce(*t.chunk)
             for t in batch.copies:

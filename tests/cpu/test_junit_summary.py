@@ -64,3 +64,36 @@ def test_a_run_that_ran_no_test_is_told_apart(tmp_path, body):
 def test_a_missing_report_is_said(tmp_path):
     rc, lines = _summary(str(tmp_path / "absent.xml"))
     assert rc == 4 and lines[0].startswith("no readable pytest report")
+
+
+RUNS_SCRIPT = os.path.join(ROOT, "scripts", "shared_gpu_runs.py")
+
+
+def _runs(*args, commit="c0ffee"):
+    env = dict(os.environ, FLUX_LAYERS_COMMIT=commit)
+    return subprocess.run([sys.executable, RUNS_SCRIPT, *args], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_shared_gpu_runs_summary_counts_each_run_and_merges_earlier_ones(tmp_path):
+    import json
+    two = tmp_path / "two"
+    two.mkdir()
+    four = tmp_path / "four"
+    four.mkdir()
+    report_two = _pytest_report(two, "def test_a():\n    pass\n\ndef test_b():\n    assert False\n\n"
+                                     "@pytest.mark.skip(reason='runs at TP = 2')\ndef test_c():\n    pass\n")
+    report_four = _pytest_report(four, "def test_a():\n    pass\n\n@pytest.fixture\ndef broken():\n"
+                                       "    raise OSError\n\ndef test_b(broken):\n    pass\n")
+    first = tmp_path / "first.json"
+    proc = _runs(str(first), f"2:1:{report_two}")
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "out.json"
+    proc = _runs(str(out), f"4:2:{report_four}", "--merge", str(first))
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(out.read_text())
+    assert record["commit"] == "c0ffee" and record["date"]
+    assert record["runs"] == [{"tp": 2, "nodes": 1, "tests": 3, "passed": 1, "failed": 1, "skipped": 1},
+                              {"tp": 4, "nodes": 2, "tests": 2, "passed": 1, "failed": 1, "skipped": 0}]
+    proc = _runs(str(out), f"4:2:{report_four}", "--merge", str(first), commit="other")
+    assert proc.returncode == 1 and "cannot merge" in proc.stderr
+    assert _runs(str(out), f"8:1:{tmp_path / 'missing.xml'}").returncode == 1

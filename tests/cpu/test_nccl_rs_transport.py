@@ -5,7 +5,8 @@ in the staging slot only when its count wait is reached), the flags (each checks
 set once) and the owner's reduction (the partials it received summed in rank order, as the kernel adds them, against
 the library's reference reduce-scatter of every rank's partial product, ops/reference.py).
 The same for the inter-node part of a two-level plan across nodes: collectors' node partials (their intra-node sum
-stood in), summed by the owner in the plan's node order."""
+stood in), summed by the owner in the plan's node order. Both through torch.distributed's send/recv and through the
+host-staged stand-in of ranks sharing one GPU (runtime/sendrecv.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from flux_layers.devtools.launch import run_distributed
 from flux_layers.ops import reference
 from flux_layers.runtime import nccl_rs_transport as rs
-from flux_layers.runtime import schedules
+from flux_layers.runtime import schedules, sendrecv
 from flux_layers.runtime.transfer_plan import GroupLayout, PlanError, build_rs_plan
 
 
@@ -116,11 +117,17 @@ def _run_with_stand_ins(executor, rank, chunks, stage, recv, mine, theirs, late)
     return ready_seen, flags
 
 
-def _run_calls(rank, tp, late_rank):
+def _primitive(name: str, group):
+    """torch.distributed's send/recv (the executors' default off a shared GPU) or the host-staged stand-in."""
+    return sendrecv.HostStagedSendRecv(group, timeout_s=60) if name == "stand_in" else None
+
+
+def _run_calls(rank, tp, late_rank, primitive):
     group = dist.group.WORLD
+    stand_in = _primitive(primitive, group)
     for rows, n, tile, swizzle in ((300, 24, 1, 2), (5, 8, 1, 0)):
         chunks = rs.full_width_chunks(rows, n, tile, swizzle)
-        executor = rs.RsExecutor(rank, tp, len(chunks), group)
+        executor = rs.RsExecutor(rank, tp, len(chunks), group, sendrecv=stand_in)
         results = []
         for call in range(2):
             # Staging slots start empty: a chunk's rows appear only when its count is complete (the kernel stand-in).
@@ -147,9 +154,9 @@ def _run_calls(rank, tp, late_rank):
         dist.barrier()
 
 
-@pytest.mark.parametrize("tp", [2, 4, 8])
-def test_executor_moves_every_partial_once_with_gloo(tp):
-    run_distributed(_run_calls, tp, 1)  # rank 1 starts late
+@pytest.mark.parametrize("tp,primitive", [(2, "torch"), (4, "torch"), (8, "torch"), (4, "stand_in")])
+def test_executor_moves_every_partial_once_with_gloo(tp, primitive):
+    run_distributed(_run_calls, tp, 1, primitive)  # rank 1 starts late
 
 
 TWO_LEVEL = [(2, 1), (2, 2), (2, 4), (4, 2), (2, 8), (8, 1), (3, 2)]  # nodes x ranks per node
@@ -199,13 +206,15 @@ def _node_partial(layout, node: int, d: int, rows: int, n: int) -> torch.Tensor:
     return _reduce([_partial(q, d, rows, n) for q in layout.members(node)])
 
 
-def _run_two_level(rank, tp, nnodes, size, late_rank):
+def _run_two_level(rank, tp, nnodes, size, late_rank, primitive):
     layout = GroupLayout.uniform(nnodes, size)
     node = layout.node_of[rank]
+    stand_in = _primitive(primitive, dist.group.WORLD)
     for rows, n, tile, swizzle in ((300, 24, 1, 2), (5, 8, 1, 0)):
         chunks = rs.full_width_chunks(rows, n, tile, swizzle)
         plan = build_rs_plan(layout, chunks=len(chunks))
-        executor = rs.RsExecutor(rank, tp, len(chunks), dist.group.WORLD, rs.node_partial_batches(plan, rank))
+        executor = rs.RsExecutor(rank, tp, len(chunks), dist.group.WORLD, rs.node_partial_batches(plan, rank),
+                                 sendrecv=stand_in)
         results = []
         for call in range(2):
             collected = {b.dst for b in executor.batches}
@@ -231,9 +240,13 @@ def _run_two_level(rank, tp, nnodes, size, late_rank):
         dist.barrier()
 
 
-@pytest.mark.parametrize("nnodes,size", [(2, 1), (2, 2), (2, 4), (4, 2)], ids=["2x1", "2x2", "2x4", "4x2"])
-def test_executor_sends_each_node_partial_once_with_gloo(nnodes, size):
-    run_distributed(_run_two_level, nnodes * size, nnodes, size, 1)  # rank 1 starts late
+TWO_LEVEL_RUNS = [(2, 1, "torch"), (2, 2, "torch"), (2, 4, "torch"), (4, 2, "torch"), (2, 2, "stand_in"),
+                  (2, 4, "stand_in"), (4, 2, "stand_in")]
+
+
+@pytest.mark.parametrize("nnodes,size,primitive", TWO_LEVEL_RUNS, ids=[f"{a}x{b}-{p}" for a, b, p in TWO_LEVEL_RUNS])
+def test_executor_sends_each_node_partial_once_with_gloo(nnodes, size, primitive):
+    run_distributed(_run_two_level, nnodes * size, nnodes, size, 1, primitive)  # rank 1 starts late
 
 
 def _selection(rank, tp):

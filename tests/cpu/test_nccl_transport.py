@@ -1,7 +1,8 @@
 """The NCCL transport's executor (flux_layers/runtime/nccl_transport.py) on CPU: its batches for every layout, and the
 very code that drives NCCL run with gloo on CPU tensors across 2-8 processes, a flag stand-in that checks each
-chunk's data is in place when its flag is set; the transport's selection (topology.ag_transport,
-fused_path_blocker, the declared node size)."""
+chunk's data is in place when its flag is set, through torch.distributed's send/recv and through the host-staged
+stand-in of ranks sharing one GPU (runtime/sendrecv.py: its thread, staging and ordering, with exactly the plan's
+chunks received); the transport's selection (topology.ag_transport, fused_path_blocker, the declared node size)."""
 from __future__ import annotations
 
 import time
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from flux_layers.devtools.launch import run_distributed
-from flux_layers.runtime import nccl_transport, topology
+from flux_layers.runtime import nccl_transport, sendrecv, topology
 from flux_layers.runtime.transfer_plan import GroupLayout
 
 # (nnodes, ranks per node, NUMA map of a node or None, order or None (auto))
@@ -78,12 +79,29 @@ def _shard(g: int, rows: int, k: int) -> torch.Tensor:
     return (g * 10_000 + torch.arange(rows * k, dtype=torch.float64)).view(rows, k)
 
 
-def _run_cases(rank, tp, rows, rows_per_chunk, k, late_rank):
+def _primitive(name: str, group):
+    """The send/recv primitive under test: torch.distributed's (the executors' default off a shared GPU) or the
+    host-staged stand-in."""
+    return sendrecv.HostStagedSendRecv(group, timeout_s=60) if name == "stand_in" else None
+
+
+def _received_by_plan(executor, rows, rows_per_chunk, k, itemsize):
+    """Bytes this rank's batches receive from each peer."""
+    want: dict[int, int] = {}
+    for b in executor.batches:
+        for t in b.recvs:
+            want[t.src] = want.get(t.src, 0) + min(rows_per_chunk, rows - t.chunk[1] * rows_per_chunk) * k * itemsize
+    return want
+
+
+def _run_cases(rank, tp, rows, rows_per_chunk, k, late_rank, primitive):
     group = dist.group.WORLD
     chunks = -(-rows // rows_per_chunk)
+    stand_in = _primitive(primitive, group)
     for nnodes, size, numa, order in CASES[tp]:
         plan = _plan(nnodes, size, numa, order, chunks)
-        executor = nccl_transport.AgExecutor(plan, rank, group)
+        executor = nccl_transport.AgExecutor(plan, rank, group, sendrecv=stand_in)
+        received = dict(stand_in.received_bytes) if stand_in else {}
         x = _shard(rank, rows, k)
         buffer = torch.full((tp * rows, k), float("nan"), dtype=torch.float64)
         flags: dict[tuple[int, int], int] = {}
@@ -102,7 +120,12 @@ def _run_cases(rank, tp, rows, rows_per_chunk, k, late_rank):
         if rank == late_rank:
             time.sleep(0.2)
         executor.run(lambda c: x[c * rows_per_chunk:(c + 1) * rows_per_chunk], region, announce)
-        what = f"rank {rank}, {nnodes}x{size} {plan.order}"
+        what = f"rank {rank}, {nnodes}x{size} {plan.order} ({primitive})"
+        if stand_in is not None:
+            got = {p: n - received.get(p, 0) for p, n in stand_in.received_bytes.items() if n > received.get(p, 0)}
+            assert got == _received_by_plan(executor, rows, rows_per_chunk, k, x.element_size()), what
+        else:
+            assert isinstance(executor.sendrecv, sendrecv.GroupSendRecv), what
         assert sorted(flags) == [(g, c) for g in range(tp) if g != rank for c in range(chunks)], what
         for g in range(tp):
             if g != rank:
@@ -114,10 +137,11 @@ def _run_cases(rank, tp, rows, rows_per_chunk, k, late_rank):
         dist.barrier()
 
 
-@pytest.mark.parametrize("tp", [2, 4, 8])
-def test_executor_moves_every_chunk_once_with_gloo(tp):
-    # 5 rows per shard in chunks of 2 (a short last chunk); rank 1 starts late.
-    run_distributed(_run_cases, tp, 5, 2, 3, 1)
+@pytest.mark.parametrize("tp,primitive", [(2, "torch"), (4, "torch"), (8, "torch"), (4, "stand_in"), (8, "stand_in")])
+def test_executor_moves_every_chunk_once_with_gloo(tp, primitive):
+    # 5 rows per shard in chunks of 2 (a short last chunk); rank 1 starts late. TP 4 and 8 hold the 2x2, 2x4 and 4x2
+    # layouts.
+    run_distributed(_run_cases, tp, 5, 2, 3, 1, primitive)
 
 
 # Hybrid plans (NCCL between nodes, the copy engine inside): (nnodes, ranks per node, NUMA map of a node, order).
@@ -155,18 +179,19 @@ def test_hybrid_batches_cross_the_network_once_and_push_only_what_arrived(case):
         nccl_transport.rank_batches(plan, 0)
 
 
-def _run_hybrid_cases(rank, tp, rows, rows_per_chunk, k, late_rank, buffers, counts):
+def _run_hybrid_cases(rank, tp, rows, rows_per_chunk, k, late_rank, buffers, counts, primitive):
     """Each rank's gathered buffer is buffers[rank] (shared memory, standing in for peer-mapped GPU memory), its
     flags counts[rank] (how many times each chunk's flag was set)."""
     group = dist.group.WORLD
     chunks = -(-rows // rows_per_chunk)
+    stand_in = _primitive(primitive, group)
     for nnodes, size, numa, order in HYBRID_CASES[tp]:
         if rank == 0:
             buffers.fill_(float("nan"))
             counts.zero_()
         dist.barrier()
         plan = nccl_transport.hybrid_plan(GroupLayout.uniform(nnodes, size, numa=numa), chunks, order)
-        executor = nccl_transport.AgExecutor(plan, rank, group, copy_engine=True)
+        executor = nccl_transport.AgExecutor(plan, rank, group, copy_engine=True, sendrecv=stand_in)
         x = _shard(rank, rows, k)
 
         def at(q, g, c):
@@ -206,13 +231,13 @@ def _run_hybrid_cases(rank, tp, rows, rows_per_chunk, k, late_rank, buffers, cou
         dist.barrier()
 
 
-@pytest.mark.parametrize("tp", [4, 8])
-def test_hybrid_executor_fans_out_every_chunk_once_with_gloo(tp):
+@pytest.mark.parametrize("tp,primitive", [(4, "torch"), (8, "torch"), (8, "stand_in")])
+def test_hybrid_executor_fans_out_every_chunk_once_with_gloo(tp, primitive):
     # 5 rows per shard in chunks of 2 (a short last chunk); rank 1 starts late.
     rows, rows_per_chunk, k = 5, 2, 3
     buffers = torch.full((tp, tp * rows, k), float("nan"), dtype=torch.float64).share_memory_()
     counts = torch.zeros((tp, tp * -(-rows // rows_per_chunk)), dtype=torch.int32).share_memory_()
-    run_distributed(_run_hybrid_cases, tp, rows, rows_per_chunk, k, 1, buffers, counts)
+    run_distributed(_run_hybrid_cases, tp, rows, rows_per_chunk, k, 1, buffers, counts, primitive)
 
 
 def test_ag_transport_and_blocker(monkeypatch):

@@ -24,6 +24,49 @@ def needs_gpus(n: int, shared: bool = True):
     return pytest.mark.skipif(not enough, reason=f"needs {n} CUDA GPUs, {have} visible")
 
 
+def lean() -> bool:
+    """Whether the tests run their lean matrices: ranks sharing one GPU at TP > 2, where every call time-slices TP
+    processes. A lean matrix keeps every transfer variant (direction, order, store, chunking) and spreads the other
+    axes (dtype, weight layout, shape, tile) over them; tests that do not depend on the group size run at TP = 2."""
+    from flux_layers.devtools.launch import shared_gpu, tp_under_test
+    return shared_gpu() and tp_under_test() > 2
+
+
+def at_tp2_when_lean(reason: str):
+    """Skip a test in lean runs (:func:`lean`): what it checks does not depend on the group size (``reason``), and
+    the TP = 2 run checks it."""
+    return pytest.mark.skipif(lean(), reason=f"runs at TP = 2 where ranks share one GPU: {reason}")
+
+
+def lean_params(values, kept, reason: str, unpack: bool = False) -> list:
+    """pytest parameters of ``values`` (``unpack``: each a tuple of several arguments); in lean runs those not in
+    ``kept`` skip (``reason``: why the kept ones stand for them)."""
+    def param(v, *marks):
+        return pytest.param(*(v if unpack else (v,)), marks=marks)
+    return [param(v) if v in kept else param(v, at_tp2_when_lean(reason)) for v in values]
+
+
+# Ranks sharing one GPU time-slice it: a persistent grid over more output tiles than this can hold the GPU spinning
+# on a peer that cannot run until the timeout (../shared/environment.md: <= 128 tiles of 128 x 256 per rank ran).
+SHARED_TILE_BUDGET = 128
+
+
+def check_shared_budget(m: int, n: int, what: str) -> None:
+    """Where the ranks share one GPU, a rank's GEMM [m, n] must stay within SHARED_TILE_BUDGET tiles of 128 x 256
+    (a test whose shape breaks it is wrong, not slow)."""
+    from flux_layers.devtools.launch import shared_gpu
+    tiles = -(-m // 128) * -(-n // 256)
+    assert not shared_gpu() or tiles <= SHARED_TILE_BUDGET, \
+        f"{what}: [{m}, {n}] is {tiles} tiles of 128 x 256 per rank, over {SHARED_TILE_BUDGET} on a shared GPU"
+
+
+def rows_per_rank(rows_at_tp2: int, tp: int) -> int:
+    """Rows per rank of a shape written for TP = 2: as written with a GPU per rank; where the ranks share one GPU,
+    scaled by 2 / tp, so that each rank's GEMM (M = rows x tp) keeps its TP = 2 size and the budget."""
+    from flux_layers.devtools.launch import shared_gpu
+    return rows_at_tp2 * 2 // tp if shared_gpu() and tp > 2 else rows_at_tp2
+
+
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return oracle.rel_error(out, ref)
 
@@ -95,6 +138,7 @@ def ag_gemm_checked(rank: int, tp: int, seed: int, m: int, k: int, n: int, dtype
     checked against the references and its gathered input bitwise against the global x. ``op_kwargs`` go to
     fused_ag_gemm.ag_gemm (ws, tile, transport, chunk_rows, ...); ``late_rank`` sleeps 10 ms on the host first."""
     from flux_layers.ops import fused_ag_gemm
+    check_shared_budget(m, n // tp, what)
     x, w, b = global_inputs(seed, m, k, n, dtype, layout)
     x_shard_m = x.chunk(tp)[rank]
     w_shard_n = w.chunk(tp, dim=0 if layout == "nt" else 1)[rank].contiguous()
@@ -113,6 +157,7 @@ def gemm_rs_checked(rank: int, tp: int, seed: int, m: int, k: int, n: int, dtype
     """One fused GEMM+ReduceScatter call on this rank's K shards of fresh global inputs, checked against the
     references; returns its output. ``op_kwargs`` go to fused_gemm_rs.gemm_rs (ws, tile, transport, ...)."""
     from flux_layers.ops import fused_gemm_rs
+    check_shared_budget(m, n, what)
     x, w, b = global_inputs(seed, m, k, n, dtype, layout)
     bias = b if with_bias else None
     x_shard_k = x.chunk(tp, dim=1)[rank].contiguous()

@@ -7,12 +7,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flux_layers.devtools.launch import run_distributed
-from tests.gpu.gpu_support import assert_close_rel, needs_gpus, poison_outputs, random_matrix, references
+from flux_layers.devtools.launch import run_distributed, tp_under_test
+from tests.gpu.gpu_support import (
+    assert_close_rel,
+    at_tp2_when_lean,
+    needs_gpus,
+    poison_outputs,
+    random_matrix,
+    references,
+)
 
-pytestmark = [pytest.mark.gpu, needs_gpus(2)]
-
-TP = min(max(torch.cuda.device_count(), 2), 8)
+TP = tp_under_test()
+pytestmark = [pytest.mark.gpu, needs_gpus(TP),
+              at_tp2_when_lean("a compiled call runs the eager call's kernels and plan")]
 
 
 def _compiled_equals_eager(rank, tp, seed, layout):

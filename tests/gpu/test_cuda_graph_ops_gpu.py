@@ -1,4 +1,5 @@
-"""The fused operators captured in CUDA graphs on 2 GPUs (one process each, NCCL), against an fp32 reference.
+"""The fused operators captured in CUDA graphs on TP GPUs (one process each, NCCL), or TP ranks sharing one GPU
+(FLUX_LAYERS_TEST_SHARED_GPU=1, FLUX_LAYERS_TEST_TP), against an fp32 reference.
 
 A graph holds two calls of one operator (two sizes of M, so that the workspace serves both); it is replayed
 back to back with fresh inputs copied into its static tensors in stream order, one rank starting some replays
@@ -17,13 +18,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flux_layers.devtools.launch import run_distributed
+from flux_layers.devtools.launch import run_distributed, tp_under_test
 from flux_layers.runtime.tuning import RS_TRANSPORTS
-from tests.gpu.gpu_support import assert_close_rel, needs_gpus, poison_outputs, random_matrix, references
+from tests.gpu.gpu_support import (
+    assert_close_rel,
+    lean_params,
+    needs_gpus,
+    poison_outputs,
+    random_matrix,
+    references,
+)
 
-pytestmark = [pytest.mark.gpu, needs_gpus(2)]
-
-TP = min(max(torch.cuda.device_count(), 2), 8)
+TP = tp_under_test()
+pytestmark = [pytest.mark.gpu, needs_gpus(TP)]
 REPLAYS = 6
 ROWS = (512, 264)  # per-rank rows of the two captured calls (the second not a multiple of the tile)
 
@@ -94,7 +101,9 @@ def _ag(rank, tp, seed, mode, order):
     _replay_and_check(rank, tp, seed, make_inputs, call, reference, f"ag_gemm {mode} {order}")
 
 
-@pytest.mark.parametrize("mode,order", [("push", "mesh"), ("pull", "mesh"), ("push", "ring"), ("pull", "ring")])
+@pytest.mark.parametrize("mode,order", lean_params(
+    [("push", "mesh"), ("pull", "mesh"), ("push", "ring"), ("pull", "ring")], [("push", "mesh"), ("pull", "ring")],
+    "push-mesh and pull-ring replay at every TP", unpack=True))
 def test_ag_gemm_cuda_graph_replays(mode, order):
     run_distributed(_ag, TP, int(torch.randint(0, 2**30, ()).item()), mode, order, backend="nccl")
 

@@ -8,12 +8,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flux_layers.devtools.launch import run_distributed
-from tests.gpu.gpu_support import assert_close_rel, global_inputs, needs_gpus, poison_outputs, references
+from flux_layers.devtools.launch import run_distributed, tp_under_test
+from tests.gpu.gpu_support import (
+    assert_close_rel,
+    at_tp2_when_lean,
+    global_inputs,
+    needs_gpus,
+    poison_outputs,
+    references,
+)
 
-pytestmark = [pytest.mark.gpu, needs_gpus(2)]
-
-TP = min(max(torch.cuda.device_count(), 2), 8)
+TP = tp_under_test()
+pytestmark = [pytest.mark.gpu, needs_gpus(TP),
+              at_tp2_when_lean("a direct call runs the registered op's kernels and plan")]
 
 
 def _direct_equals_registered(rank, tp, seed, layout):

@@ -1,44 +1,76 @@
-"""Fused GEMM+ReduceScatter on 2 GPUs (one process each, NCCL) against an fp32 reference."""
+"""Fused GEMM+ReduceScatter on TP GPUs (one process each, NCCL), or TP ranks sharing one GPU
+(FLUX_LAYERS_TEST_SHARED_GPU=1, FLUX_LAYERS_TEST_TP), against an fp32 reference; each call's plan (the store,
+the copy engine's chunk columns) is checked to be the variant asked for. At TP > 2 every tile of this rank's rows adds
+tp - 1 partials (the own-row loads' second partial replacing the first in the sub-tile buffer)."""
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from flux_layers.devtools.launch import run_distributed, shared_gpu
+from flux_layers.devtools.launch import run_distributed, shared_gpu, tp_under_test
 from flux_layers.runtime.tuning import RS_TRANSPORTS as TRANSPORTS
 from tests.gpu.gpu_support import (
     assert_close_rel,
+    at_tp2_when_lean,
     gemm_rs_checked,
     global_inputs,
+    lean,
     needs_gpus,
     poison_outputs,
     references,
+    rows_per_rank,
     split_sm_count,
 )
 
-pytestmark = [pytest.mark.gpu, needs_gpus(2)]
-
-# Every visible GPU takes part (2 on the 2-GPU machine; 4 or 8 where lent), at least 2.
-TP = min(max(torch.cuda.device_count(), 2), 8)
+TP = tp_under_test()
+pytestmark = [pytest.mark.gpu, needs_gpus(TP)]
+DTYPES = (torch.bfloat16, torch.float16)
+LAYOUTS = ("nt", "nn")
+# N of the larger shapes: where the ranks share one GPU, within its budget (gpu_support.check_shared_budget)
+N_LARGE = 1024 if shared_gpu() else 2048
 
 
 def _one_call(rank, tp, seed, m, k, n, dtype, layout, **kwargs):
     return gemm_rs_checked(rank, tp, seed, m, k, n, dtype, layout, what="gemm_rs", **kwargs)
 
 
+def _check_plan(rank, tp, m, k, n, dtype, tile, transport, chunk_cols) -> None:
+    """The call just made on the cached workspace registered the plan asked for: ``transport``'s store and
+    ``chunk_cols`` copy-engine columns."""
+    from flux_layers.ops import fused_gemm_rs
+    from flux_layers.runtime import workspace
+    ws = workspace.get_rs_workspace(dist.group.WORLD, dtype, m, n)
+    plan = fused_gemm_rs.plan_call(ws, m=m, k=k // tp, n=n, tile=tile, transport=transport, chunk_cols=chunk_cols)
+    assert (plan.transport, plan.chunk_cols) == (transport, chunk_cols), f"rank {rank}: plan {plan}"
+    assert plan in ws._plans, f"rank {rank}: the call did not run {plan}"
+
+
+def _matrix_cases(tp):
+    """(transport, chunk columns, dtype, weight layout, (M, K, N), tile, bias): every combination (chunk columns
+    varied along), or where lean each store with both tiles and the copy engine with 1, 2 and 4 tiles' columns (0:
+    the default width), the other axes varied across them."""
+    # M/tp a multiple of the tile, one that is not a multiple of 128, and several chunks per peer
+    shapes = ((rows_per_rank(1024, tp) * tp, 512 * tp, 768), (rows_per_rank(1000, tp) * tp, 264 * tp, 264),
+              (rows_per_rank(2048, tp) * tp, 1024 * tp, N_LARGE))
+    if not lean():
+        return [(transport, (0, 256, 512)[i % 3], dtype, layout, shape, tile, bool(i % 2)) for i, (
+            dtype, layout, shape, tile, transport) in enumerate(itertools.product(DTYPES, LAYOUTS, shapes, (0, 1),
+                                                                                   TRANSPORTS))]
+    variants = [("direct", 0, 0), ("direct", 0, 1), ("copy_engine", 0, 1), ("copy_engine", 256, 0),
+                ("copy_engine", 512, 1)]
+    return [(transport, cols, DTYPES[i % 2], LAYOUTS[(i // 2) % 2], shapes[i % 3], tile, bool(i % 2))
+            for i, (transport, cols, tile) in enumerate(variants)]
+
+
 def _matrix(rank, tp, seed):
     poison_outputs()
-    i = 0
-    for dtype in (torch.bfloat16, torch.float16):
-        for layout in ("nt", "nn"):
-            for (m, k, n) in ((1024 * tp, 512 * tp, 768), (1000 * tp, 264 * tp, 264), (2048 * tp, 1024 * tp, 2048)):
-                for tile in (0, 1):
-                    for transport in TRANSPORTS:
-                        # copy-engine chunks of 1, 2 or 4 tiles' columns (0: the default width)
-                        _one_call(rank, tp, seed + i, m, k, n, dtype, layout, with_bias=bool(i % 2), tile=tile,
-                                  transport=transport, chunk_cols=(0, 256, 512)[i % 3])
-                        i += 1
+    for i, (transport, cols, dtype, layout, (m, k, n), tile, bias) in enumerate(_matrix_cases(tp)):
+        _one_call(rank, tp, seed + i, m, k, n, dtype, layout, with_bias=bias, tile=tile, transport=transport,
+                  chunk_cols=cols)
+        _check_plan(rank, tp, m, k, n, dtype, tile, transport, cols)
     torch.cuda.synchronize()
 
 
@@ -48,22 +80,25 @@ def test_gemm_rs_dtypes_layouts_shapes():
 
 def _late_many_deterministic(rank, tp, seed):
     poison_outputs()
+    m = rows_per_rank(2048, tp) * tp
     for transport in TRANSPORTS:
         for late in (0, 1):
-            _one_call(rank, tp, seed + late, 2048 * tp, 1024 * tp, 1024, torch.bfloat16, "nt", late_rank=late,
+            _one_call(rank, tp, seed + late, m, 1024 * tp, 1024, torch.bfloat16, "nt", late_rank=late,
                       transport=transport)
-        first = _one_call(rank, tp, seed + 5, 2048 * tp, 2048 * tp, 2048, torch.bfloat16, "nt", transport=transport)
-        again = _one_call(rank, tp, seed + 5, 2048 * tp, 2048 * tp, 2048, torch.bfloat16, "nt", transport=transport)
+        first = _one_call(rank, tp, seed + 5, m, 2048 * tp, N_LARGE, torch.bfloat16, "nt", transport=transport)
+        again = _one_call(rank, tp, seed + 5, m, 2048 * tp, N_LARGE, torch.bfloat16, "nt", transport=transport)
         assert torch.equal(first, again), f"rank {rank}: two {transport} runs on the same inputs differ bitwise"
     from flux_layers.runtime.workspace import RsWorkspace
     ws = RsWorkspace(dist.group.WORLD, torch.bfloat16, 2048 * tp, 256)
     rows = [2048, 1000, 128, 2048, 64, 1536, 8, 1024]
-    for i in range(200):  # the two transports alternate in pairs on one workspace
+    for i in range(40 if lean() else 200):  # the two transports alternate in pairs on one workspace
         m = rows[i % len(rows)] * tp
         _one_call(rank, tp, seed + 100 + i, m, 256 * tp, 256, torch.bfloat16, "nt" if i % 3 else "nn",
                   with_bias=bool(i % 2), ws=ws, transport=TRANSPORTS[(i // 2) % 2])
-    with pytest.raises(ValueError, match="max_m"):
-        _one_call(rank, tp, seed, 4096 * tp, 256 * tp, 256, torch.bfloat16, "nt", ws=ws)
+    from flux_layers.ops import fused_gemm_rs
+    with pytest.raises(ValueError, match="max_m"):  # rejected before anything runs
+        fused_gemm_rs.gemm_rs(torch.empty(4096 * tp, 256, device="cuda", dtype=torch.bfloat16),
+                              torch.empty(256, 256, device="cuda", dtype=torch.bfloat16), group=dist.group.WORLD, ws=ws)
     torch.cuda.synchronize()
 
 
@@ -72,7 +107,7 @@ def _stream_k(rank, tp, seed):
     i = 0
     for layout in ("nt", "nn"):
         # (M / tp, K / tp, N); the SM limit makes the split items (the last wave) all lie in this rank's own rows
-        for (rows, k_local, n) in ((2048, 2048, 1024), (1000, 4096, 520)):
+        for (rows, k_local, n) in ((rows_per_rank(2048, tp), 2048, 1024), (rows_per_rank(1000, tp), 4096, 520)):
             sms = split_sm_count(rows, n, k_local, tp, reduce_scatter=True)
             transport = TRANSPORTS[i % 2]
             first = _one_call(rank, tp, seed + i, rows * tp, k_local * tp, n, torch.bfloat16, layout, tile=1,
@@ -106,6 +141,7 @@ def _timeout(rank, tp, transport):
     torch.cuda.synchronize()
 
 
+@at_tp2_when_lean("one rank calls alone")
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_gemm_rs_timeout_raises_instead_of_hanging(transport):
     run_distributed(_timeout, TP, transport, backend="nccl", timeout_s=120)

@@ -1,7 +1,13 @@
-"""The layers on 2 GPUs (one process each, NCCL), bf16: against megatron-core's own layers and an fp32 reference,
-on the reference (NCCL, then GEMM) and the fused path; CUDA-graph capture; torch.compile; the GPT specs.
+"""The layers on TP GPUs (one process each, NCCL; TP from FLUX_LAYERS_TEST_TP, else 2), bf16: against megatron-core's
+own layers and an fp32 reference, on the reference (NCCL, then GEMM) and the fused path; CUDA-graph capture;
+torch.compile; the GPT specs.
 
-Skipped where fewer than 2 GPUs are visible. Where they are, the fused cases need the op library and fail
+With FLUX_LAYERS_TEST_SHARED_GPU=1 the ranks share one GPU and the group is gloo, whose collectives (megatron-core's,
+and the reference path's) stage CUDA tensors through host memory: the layer comparisons run there at every TP; CUDA
+graphs and torch.compile run on the fused path only (gloo's collectives cannot be captured, and compiled collectives
+on gloo take host tensors); the GPT specs at TP = 2 (their 4 query groups do not split 8 ways).
+
+Skipped where the GPUs are not there. Where they are, the fused cases need the op library and fail
 (never skip) without it. Fused outputs are poisoned with NaN before every launch. megatron-core's
 gradient-accumulation fusion needs APEX, so the ``main_grad`` cases compare against fp32 only.
 """
@@ -14,12 +20,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from flux_layers.devtools.launch import run_distributed
+from flux_layers import _env
+from flux_layers.devtools.launch import run_distributed, shared_gpu, tp_under_test
+from tests.gpu.gpu_support import at_tp2_when_lean, needs_gpus
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason=(
-    f"needs 2 CUDA GPUs, {torch.cuda.device_count()} visible"))]
-
-TP = 2
+TP = tp_under_test() if shared_gpu() or _env.get_int("TEST_TP") else 2  # 2 on a machine of more GPUs unless asked
+pytestmark = [pytest.mark.gpu, needs_gpus(TP)]
+# Where the group is gloo (ranks sharing one GPU): its collectives run on the host, so nothing that calls them can be
+# captured into a CUDA graph, and a compiled collective hands gloo the CUDA tensors themselves.
+FUSED_ONLY_ON_GLOO = pytest.mark.skipif(shared_gpu(), reason="the reference path's collectives run on the group's gloo "
+                                        "backend here, which CUDA graphs and torch.compile cannot take")
 REL_TOL = 1e-2  # bf16
 
 
@@ -228,7 +238,8 @@ def _cuda_graph(rank, tp, backend, seed):
                     _close(a, b, what)
 
 
-@pytest.mark.parametrize("backend", ["reference", "fused"])
+@at_tp2_when_lean("a replay runs the eager call's kernels")
+@pytest.mark.parametrize("backend", [pytest.param("reference", marks=FUSED_ONLY_ON_GLOO), "fused"])
 def test_cuda_graph_capture(backend):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     run_distributed(_cuda_graph, TP, backend, seed, backend="nccl")
@@ -263,7 +274,8 @@ def _compiled(rank, tp, backend, seed):
                 _close(a, b, what)
 
 
-@pytest.mark.parametrize("backend", ["reference", "fused"])
+@at_tp2_when_lean("a compiled call runs the eager call's kernels")
+@pytest.mark.parametrize("backend", [pytest.param("reference", marks=FUSED_ONLY_ON_GLOO), "fused"])
 def test_torch_compile(backend):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     run_distributed(_compiled, TP, backend, seed, backend="nccl")
@@ -308,6 +320,7 @@ def _gpt_specs(rank, tp, seed):
     _close(flux_fc2, base_fc2, f"rank {rank} GPT fc2 wgrad flux vs baseline")
 
 
+@at_tp2_when_lean("the specs' 4 query groups do not split 8 ways, and TP = 2 compares the specs")
 def test_gpt_specs_agree():
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     run_distributed(_gpt_specs, TP, seed, backend="nccl")
@@ -413,6 +426,7 @@ def _gpt_training(rank, tp, seed):
         f"rank {rank}: zeroed {ZEROED} outputs pass the step-0 bounds ({tokens_err:.3e}, {worst} {grad_err:.3e})"
 
 
+@at_tp2_when_lean("5 training steps of two models per rank; TP = 2 compares the specs")
 def test_gpt_spec_trains_the_baseline_losses_on_the_fused_path():
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     run_distributed(_gpt_training, TP, seed, backend="nccl")

@@ -1,4 +1,5 @@
-"""The fused ops when a peer misbehaves or a caller errs (2 GPUs, or one shared under FLUX_LAYERS_TEST_SHARED_GPU=1):
+"""The fused ops when a peer misbehaves or a caller errs (TP GPUs, or TP ranks sharing one under
+FLUX_LAYERS_TEST_SHARED_GPU=1; FLUX_LAYERS_TEST_TP):
 a dead peer raises instead of hanging; a rejected call leaves the ranks in step; M = 0 is a no-op; a graph replay
 that times out is reported; ranks making different calls raise on every rank (new calls on the host, calls and
 replays out of step on the device); the bad-input catalogue
@@ -16,12 +17,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flux_layers.devtools.launch import run_distributed, shared_gpu
-from tests.gpu.gpu_support import assert_close_rel, global_inputs, needs_gpus, poison_outputs, references
+from flux_layers.devtools.launch import run_distributed, shared_gpu, tp_under_test
+from tests.gpu.gpu_support import (
+    assert_close_rel,
+    at_tp2_when_lean,
+    global_inputs,
+    lean_params,
+    needs_gpus,
+    poison_outputs,
+    references,
+)
 
-pytestmark = [pytest.mark.gpu, needs_gpus(2)]
-
-TP = min(max(torch.cuda.device_count(), 2), 8)
+TP = tp_under_test()
+pytestmark = [pytest.mark.gpu, needs_gpus(TP)]
 TIMEOUT_S = 2.0
 
 
@@ -76,7 +84,7 @@ def _peer_death(rank, tp, seed):
 
 # The default, and the single hardware queue Megatron asks for, where a blocked stream wait holds every stream's work
 # (the host's release included): there the kernels release this rank's waits themselves.
-CONNECTIONS = ["8", "1"]
+CONNECTIONS = lean_params(["8", "1"], ["1"], "one hardware queue, the harder case, runs at every TP")
 
 
 @pytest.mark.parametrize("connections", CONNECTIONS)
@@ -217,6 +225,7 @@ def _graph_timeout(rank, tp, seed, done):
     os._exit(0)  # the twin is unusable: no collective shutdown
 
 
+@at_tp2_when_lean("one rank replays alone")
 @pytest.mark.parametrize("connections", CONNECTIONS)
 def test_graph_replay_timeout_is_reported(tmp_path, connections, monkeypatch):
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", connections)
@@ -225,8 +234,8 @@ def test_graph_replay_timeout_is_reported(tmp_path, connections, monkeypatch):
 
 def _mismatch(rank, tp, seed):
     poison_outputs()
-    with pytest.raises(ValueError, match=r"rank 0: \('ag_gemm', 512,.*rank 1: \('ag_gemm', 256,"):
-        _ag_call(rank, tp, seed, m=256 if rank == 0 else 128)  # M (gathered) 512 on rank 0, 256 elsewhere
+    with pytest.raises(ValueError, match=rf"rank 0: \('ag_gemm', {256 * tp},.*rank 1: \('ag_gemm', {128 * tp},"):
+        _ag_call(rank, tp, seed, m=256 if rank == 0 else 128)  # M (gathered) 256 * tp on rank 0, 128 * tp elsewhere
     with pytest.raises(ValueError, match=r"rank 0: \('ag_gemm'.*rank 1: \('gemm_rs'"):
         (_ag_call if rank == 0 else _rs_call)(rank, tp, seed)
     for i in range(2):  # every rank in step again
@@ -282,7 +291,9 @@ def _out_of_step(rank, tp, seed, transports):
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("transports", SIGNED_TRANSPORTS.values(), ids=SIGNED_TRANSPORTS.keys())
+@pytest.mark.parametrize("transports", lean_params(list(SIGNED_TRANSPORTS.values()),
+                                                [SIGNED_TRANSPORTS["push-mesh-direct"]],
+                                                "push-mesh-direct runs at every TP"), ids=SIGNED_TRANSPORTS.keys())
 def test_calls_out_of_step_raise_on_every_rank_from_the_device(transports):
     run_distributed(_out_of_step, TP, _seed(), transports, backend="nccl", timeout_s=240)
 
@@ -329,6 +340,7 @@ def _replays_out_of_step(rank, tp, seed):
     torch.cuda.synchronize()
 
 
+@at_tp2_when_lean("the twins compare signatures pairwise")
 def test_replays_out_of_step_are_reported_on_every_rank():
     run_distributed(_replays_out_of_step, TP, _seed(), backend="nccl", timeout_s=240)
 
@@ -348,6 +360,7 @@ def _bad_inputs(rank, tp, seed):
     torch.cuda.synchronize()
 
 
+@at_tp2_when_lean("the catalogue's checks")
 def test_bad_inputs_are_rejected_clearly_and_later_calls_are_right():
     run_distributed(_bad_inputs, TP, _seed(), backend="nccl")
 
@@ -375,6 +388,7 @@ def _growth(rank, tp, seed):
     torch.cuda.synchronize()
 
 
+@at_tp2_when_lean("the growth rule")
 def test_workspace_growth_is_bounded_and_capped():
     run_distributed(_growth, TP, _seed(), backend="nccl")
 
@@ -421,5 +435,6 @@ def _stress(rank, tp, seed):
     torch.cuda.synchronize()
 
 
+@at_tp2_when_lean("its 300 pipelined calls per rank take minutes among more time-sliced processes")
 def test_short_stress_of_pipelined_mixed_calls():
     run_distributed(_stress, TP, _seed(), backend="nccl", timeout_s=300 if shared_gpu() else 180)

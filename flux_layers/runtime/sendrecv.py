@@ -1,0 +1,336 @@
+"""The send/recv primitive of the NCCL transports, and its host-staged stand-in for ranks sharing one GPU.
+
+Both executors (flux_layers/runtime/nccl_transport.py ``AgExecutor``, nccl_rs_transport.py ``RsExecutor``) issue each
+batch of their plan as one :meth:`exchange`: its sends and receives issued together (pairs that exchange both ways
+cannot deadlock), after which the current stream is ordered after their completion. Everything else on those paths
+(the plans and batches, the flags, the kernels' external mode, the workspaces) is the same whichever primitive runs
+below it.
+
+* :class:`GroupSendRecv`: torch.distributed's ``batch_isend_irecv`` on the group, then ``wait`` on each work. NCCL on
+  GPUs (the wait orders the current stream after NCCL's; the host does not block); gloo on CPU tensors in the CPU
+  tests (the wait blocks).
+* :class:`HostStagedSendRecv`: the stand-in where NCCL cannot run, ranks as processes sharing one GPU
+  (FLUX_LAYERS_TEST_SHARED_GPU=1: NCCL refuses two ranks on one GPU, so their group is gloo, which moves host memory).
+  It is taken there only (:func:`stands_in`), and ``ops.plan`` / ``ops.decide(...).reason`` say so
+  (:data:`STAND_IN_NOTE`). Emulated nodes (FLUX_LAYERS_NODE_SIZE) on one GPU thus run the NCCL transports' real path.
+
+The stand-in: one per group, with its own thread and CUDA stream. Exchange number j is enqueued by the caller without
+any host wait:
+
+1. the stand-in's stream waits for the current stream, copies each distinct tensor to send into pinned host memory
+   and records ``staged``;
+2. the job (j, the pinned sends, pinned receive buffers, ``staged``) goes to the stand-in's thread;
+3. the stand-in's stream waits until the host word ``arrived`` holds >= j (``torch.ops.flux_layers.wait_flag``:
+   cuStreamWaitValue32 on mapped host memory), copies each receive buffer into its tensor and records ``done``; the
+   current stream waits for ``done``, as it waits for NCCL's stream.
+
+The thread, job by job in order: waits for ``staged``, issues a gloo isend / irecv for every send and receive of the
+job (tag :data:`TAG`), waits for them and stores ``arrived = j``. NOTE: the GPU waits on a host store, never on work
+enqueued after its wait: with one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) a stream wait holds every later
+operation of every stream, so a flag that later GPU work would write never comes. One thread and one stream per group
+keep the exchanges of every executor on the group in issue order, as NCCL's calls on one communicator are; every rank
+issues the same exchanges in the same order, so each pair's messages match in order.
+
+On CPU tensors (the CPU tests) the same thread, staging and word run; the caller waits for ``arrived`` itself.
+
+Failure. A peer process that died closes its sockets and gloo raises in the thread; a job not done ``timeout_s``
+(FLUX_LAYERS_TIMEOUT_S when the stand-in is made) after the thread took it is taken as hung by a watcher thread.
+Either way the stand-in records the failure, stores ``arrived`` = 2^31 - 1 (every stream wait returns; the receive
+copies then move stale data) and marks the group's cached NCCL-transport workspaces failed and releases them (their
+GEMMs' waits return): that call's outputs are garbage, its workspace's next call or ``check()`` raises WorkspaceError
+naming the failure, and every later exchange raises :class:`HostStagedTransferError` at once. A workspace made outside
+the cache learns of it from its next exchange or its own kernels' timeouts. As with NCCL, the group's transfers do
+not recover: a receive that hung stays posted (its buffer is kept).
+"""
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from flux_layers import _env
+from flux_layers.runtime.workspace import WorkspaceError
+
+TAG = 0x464C  # the stand-in's gloo messages ("FL"): apart from any other point-to-point traffic on the group
+_RELEASED = 2**31 - 1  # ``arrived`` after a failure: every wait on it returns
+_POLL_S = 50e-6  # the thread's poll of a staging copy's event
+
+STAND_IN_NOTE = ("NCCL's send/recv run by the host-staged stand-in (ranks sharing one GPU, "
+                 "FLUX_LAYERS_TEST_SHARED_GPU=1: gloo through pinned host memory, runtime/sendrecv.py)")
+
+Transfer = tuple[torch.Tensor, int]  # (tensor, the peer's rank in the group)
+
+
+class HostStagedTransferError(WorkspaceError):
+    """The host-staged stand-in's transfers failed (a peer died or stopped exchanging); the group's NCCL-transport
+    workspaces cannot be used any more."""
+
+
+class GroupSendRecv:
+    """torch.distributed's send/recv on ``group``: NCCL on GPUs, gloo on CPU tensors."""
+    name = "torch.distributed"
+
+    def __init__(self, group):
+        self.group = group
+
+    def exchange(self, sends: Sequence[Transfer], recvs: Sequence[Transfer]) -> None:
+        """Issue ``sends`` and ``recvs`` as one group of point-to-point calls and wait for them (on the stream for
+        NCCL)."""
+        isend, irecv = dist.isend, dist.irecv
+        ops = [dist.P2POp(isend, t, group=self.group, group_peer=peer) for t, peer in sends]
+        ops += [dist.P2POp(irecv, t, group=self.group, group_peer=peer) for t, peer in recvs]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+
+@dataclass
+class _Job:
+    seq: int
+    sends: list[Transfer]  # staged host tensors (as bytes) and their peers
+    recvs: list[Transfer]  # host receive buffers (as bytes) and their peers
+    staged: torch.cuda.Event | None  # the staging copies' end (None: host tensors, staged already)
+
+
+class _MappedWord:
+    """``__cuda_array_interface__`` of pinned host memory, which under unified addressing has one address on the host
+    and the device: the CUDA tensor torch makes of it is what the op library's stream waits take."""
+
+    def __init__(self, host: torch.Tensor):
+        self._host = host  # kept alive by the tensor made from this object
+        self.__cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": "<i4", "version": 3,
+                                         "data": (host.data_ptr(), False), "strides": None}
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+class HostStagedSendRecv:
+    """The stand-in for NCCL's send/recv on ``group`` (module docstring); :func:`stand_in` gives a group's one."""
+    name = "host-staged stand-in"
+
+    def __init__(self, group, timeout_s: float | None = None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.timeout_s = _env.get_float("TIMEOUT_S") if timeout_s is None else float(timeout_s)
+        if not self.timeout_s > 0:
+            raise ValueError(f"HostStagedSendRecv: timeout_s must be positive, got {self.timeout_s:g}")
+        # What the completed exchanges moved, by peer (bytes), and how many exchanges completed.
+        self.sent_bytes: collections.Counter = collections.Counter()
+        self.received_bytes: collections.Counter = collections.Counter()
+        self.exchanges = 0
+        self._cuda = torch.cuda.is_available()
+        self._arrived = torch.zeros(1, dtype=torch.int32, pin_memory=self._cuda)  # the word the GPU waits on
+        self._arrived_seq = 0  # its value, for the host side
+        self._arrived_on_device: torch.Tensor | None = None
+        self._stream: torch.cuda.Stream | None = None
+        self._seq = 0
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._current: tuple[_Job, float] | None = None  # the thread's job and when it took it
+        self._failure: str | None = None
+        self._abandoned: list = []  # a failed job's buffers: a receive still posted may write into them
+        for target, what in ((self._serve, "transfers"), (self._watch, "watcher")):
+            threading.Thread(target=target, name=f"flux-host-staged-{what}-rank{self.rank}", daemon=True).start()
+
+    # ---------------------------------------------------------------- the caller's side
+
+    def exchange(self, sends: Sequence[Transfer], recvs: Sequence[Transfer]) -> None:
+        """Enqueue ``sends`` and ``recvs`` (module docstring); on CUDA tensors the current stream then waits for
+        them, on CPU tensors this call does. Raises :class:`HostStagedTransferError` once the stand-in failed."""
+        self.raise_if_failed()
+        sends = [(t, p) for t, p in sends if t.numel() > 0]  # both sides of a transfer see the same shape
+        recvs = [(t, p) for t, p in recvs if t.numel() > 0]
+        if not sends and not recvs:
+            return
+        self._seq += 1
+        if self._seq >= _RELEASED:
+            raise HostStagedTransferError(f"rank {self.rank}: the host-staged stand-in's exchange counter is spent")
+        if any(t.is_cuda for t, _ in (*sends, *recvs)):
+            self._exchange_cuda(self._seq, sends, recvs)
+        else:
+            self._exchange_host(self._seq, sends, recvs)
+
+    def _exchange_cuda(self, seq: int, sends: Sequence[Transfer], recvs: Sequence[Transfer]) -> None:
+        current = torch.cuda.current_stream()
+        stream = self._stream_on(current.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            staged_sends = self._stage(sends, pinned=True)
+            staged = None
+            if staged_sends:
+                staged = torch.cuda.Event()
+                staged.record(stream)
+            buffers = [(torch.empty(t.shape, dtype=t.dtype, pin_memory=True), t, peer) for t, peer in recvs]
+            self._jobs.put(_Job(seq, staged_sends, [(_as_bytes(b), peer) for b, _, peer in buffers], staged))
+            if buffers:
+                torch.ops.flux_layers.wait_flag.default(self._arrived_on_device, 0, seq)
+                for b, t, _ in buffers:
+                    t.copy_(b, non_blocking=True)
+        current.wait_stream(stream)
+
+    def _exchange_host(self, seq: int, sends: Sequence[Transfer], recvs: Sequence[Transfer]) -> None:
+        buffers = [(torch.empty(t.shape, dtype=t.dtype), t, peer) for t, peer in recvs]
+        self._jobs.put(_Job(seq, self._stage(sends, pinned=False), [(_as_bytes(b), p) for b, _, p in buffers], None))
+        with self._cond:
+            while self._arrived_seq < seq:
+                self._cond.wait()
+        self.raise_if_failed()
+        for b, t, _ in buffers:
+            t.copy_(b)
+
+    @staticmethod
+    def _stage(sends: Sequence[Transfer], pinned: bool) -> list[Transfer]:
+        """Host copies of the tensors to send (each distinct tensor once: a mesh sends one chunk to every peer), as
+        bytes, with their peers; on the current stream where ``pinned``."""
+        copies: dict[tuple, torch.Tensor] = {}
+        staged = []
+        for t, peer in sends:
+            key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+            host = copies.get(key)
+            if host is None:
+                host = copies[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+                host.copy_(t, non_blocking=pinned)
+            staged.append((_as_bytes(host), peer))
+        return staged
+
+    def _stream_on(self, device: torch.device) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=device, priority=-1)
+            self._arrived_on_device = torch.as_tensor(_MappedWord(self._arrived), device=device)
+        elif self._stream.device != device:
+            raise ValueError(f"rank {self.rank}: the host-staged stand-in serves {self._stream.device}, got tensors "
+                             f"on {device}")
+        return self._stream
+
+    # ---------------------------------------------------------------- failures
+
+    @property
+    def failure(self) -> str | None:
+        return self._failure
+
+    def raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise HostStagedTransferError(self._failure)
+
+    def _fail(self, message: str, job: _Job | None) -> None:
+        """Record the first failure, release every wait on ``arrived``, and fail the group's cached NCCL-transport
+        workspaces (module docstring)."""
+        with self._cond:
+            if self._failure is not None:
+                return
+            self._failure = message
+            if job is not None:
+                self._abandoned.append(job)
+            self._arrived[0] = _RELEASED
+            self._arrived_seq = _RELEASED
+            self._cond.notify_all()
+        from flux_layers.runtime import workspace
+        name = self._group_name(self.group)
+        for ws in list(workspace._cache.values()):  # a snapshot: the caller's thread may add to the cache
+            if not ws.peer_mapped and self._group_name(ws.group) == name:
+                ws.native.mark_failed(message)
+                ws.release()
+
+    @staticmethod
+    def _group_name(group) -> str:
+        return (group if group is not None else dist.group.WORLD).group_name
+
+    def _describe(self, job: _Job) -> str:
+        to = sorted({p for _, p in job.sends})
+        frm = sorted({p for _, p in job.recvs})
+        return (f"rank {self.rank}: the host-staged stand-in for NCCL's send/recv failed in exchange {job.seq} "
+                f"(sends to ranks {to}, receives from ranks {frm})")
+
+    # ---------------------------------------------------------------- the threads
+
+    def _serve(self) -> None:
+        """The transfers: one job at a time, in order."""
+        while True:
+            job = self._jobs.get()
+            with self._cond:
+                if self._failure is not None:
+                    continue  # released: its waits returned with the failure
+                self._current = (job, time.monotonic())
+                self._cond.notify_all()
+            try:
+                while job.staged is not None and not job.staged.query():
+                    if self._failure is not None:  # the watcher gave up on it
+                        break
+                    time.sleep(_POLL_S)
+                if self._failure is not None:
+                    continue
+                works = [dist.isend(t, group=self.group, group_dst=peer, tag=TAG) for t, peer in job.sends]
+                works += [dist.irecv(t, group=self.group, group_src=peer, tag=TAG) for t, peer in job.recvs]
+                for work in works:
+                    work.wait()
+            except Exception as exc:  # a peer that died closes its sockets: gloo raises here
+                self._fail(f"{self._describe(job)}: {type(exc).__name__}: {exc}", job)
+                continue
+            with self._cond:
+                self._current = None
+                if self._failure is not None:
+                    continue
+                for t, peer in job.sends:
+                    self.sent_bytes[peer] += t.numel()
+                for t, peer in job.recvs:
+                    self.received_bytes[peer] += t.numel()
+                self.exchanges += 1
+                self._arrived[0] = job.seq  # NOTE: after the receives completed: the GPU's wait sees the data
+                self._arrived_seq = job.seq
+                self._cond.notify_all()
+
+    def _watch(self) -> None:
+        """The bound on a job: taken as hung ``timeout_s`` after the transfer thread took it."""
+        with self._cond:
+            while self._failure is None:
+                if self._current is None:
+                    self._cond.wait()
+                    continue
+                job, began = self._current
+                left = began + self.timeout_s - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                break
+            else:
+                return
+        self._fail(f"{self._describe(job)}: not complete after {self.timeout_s:g} s (FLUX_LAYERS_TIMEOUT_S); a peer "
+                   "did not make the exchange, crashed, or is slower than the timeout allows", job)
+
+
+_stand_ins: dict[str, HostStagedSendRecv] = {}
+_stand_ins_lock = threading.Lock()
+
+
+def stands_in(group) -> bool:
+    """Whether the NCCL transports of ``group`` run on the host-staged stand-in: ranks sharing one GPU
+    (FLUX_LAYERS_TEST_SHARED_GPU=1) on a group whose backend is not NCCL. Nowhere else."""
+    return _env.get("TEST_SHARED_GPU") == "1" and dist.get_backend(group) != "nccl"
+
+
+def stand_in(group) -> HostStagedSendRecv:
+    """The group's one stand-in (made at its first use: every executor on the group shares its order)."""
+    name = HostStagedSendRecv._group_name(group)
+    with _stand_ins_lock:
+        found = _stand_ins.get(name)
+        if found is None:
+            found = _stand_ins[name] = HostStagedSendRecv(group)
+        return found
+
+
+def for_group(group) -> GroupSendRecv | HostStagedSendRecv:
+    """The primitive the NCCL transports of ``group`` use: the stand-in where :func:`stands_in`, else
+    torch.distributed's."""
+    return stand_in(group) if stands_in(group) else GroupSendRecv(group)
+
+
+__all__ = ["TAG", "STAND_IN_NOTE", "HostStagedTransferError", "GroupSendRecv", "HostStagedSendRecv", "stands_in",
+           "stand_in", "for_group"]

@@ -1,0 +1,168 @@
+"""The NCCL transports' send/recv primitive (flux_layers/runtime/sendrecv.py) on CPU, gloo across processes: which
+primitive a group gets (the host-staged stand-in only where ranks share one GPU), the stand-in's exchanges (dtypes,
+a tensor sent to several peers, empty tensors, the bytes it accounts), its failures (a dead peer raises at once, a peer
+that never exchanges raises after the timeout, later exchanges raise, the group's cached NCCL-transport workspaces are
+failed and released) and the dispatcher's choice and reason where it runs the NCCL transports. The executors through
+the stand-in: tests/cpu/test_nccl_transport.py and test_nccl_rs_transport.py."""
+from __future__ import annotations
+
+import os
+import time
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flux_layers.devtools.launch import run_distributed
+from flux_layers.runtime import sendrecv
+
+
+def _selection(rank, tp):
+    group = dist.group.WORLD
+    os.environ.pop("FLUX_LAYERS_TEST_SHARED_GPU", None)
+    assert not sendrecv.stands_in(group)
+    assert isinstance(sendrecv.for_group(group), sendrecv.GroupSendRecv)
+    os.environ["FLUX_LAYERS_TEST_SHARED_GPU"] = "1"
+    assert sendrecv.stands_in(group)
+    first = sendrecv.for_group(group)
+    assert isinstance(first, sendrecv.HostStagedSendRecv) and sendrecv.for_group(group) is first  # one per group
+    real = dist.get_backend
+    dist.get_backend = lambda g=None: "nccl"  # an NCCL group runs NCCL, shared GPU or not
+    assert not sendrecv.stands_in(group) and isinstance(sendrecv.for_group(group), sendrecv.GroupSendRecv)
+    dist.get_backend = real
+
+
+def test_stand_in_only_for_ranks_sharing_a_gpu():
+    run_distributed(_selection, 2)
+
+
+def _exchanges(rank, tp):
+    s = sendrecv.HostStagedSendRecv(dist.group.WORLD, timeout_s=30)
+    right, left = (rank + 1) % tp, (rank - 1) % tp
+    for i, dtype in enumerate((torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.float64)):
+        mine = (torch.arange(24) + 100 * rank + i).to(dtype).view(4, 6)
+        # one tensor to every peer (staged once), a strided view, and an empty tensor (no message)
+        sends = [(mine, q) for q in range(tp) if q != rank] + [(mine[:, ::2], right), (mine[:0], left)]
+        got = {q: torch.empty(4, 6, dtype=dtype) for q in range(tp) if q != rank}
+        strided = torch.full((4, 3), -1).to(dtype)
+        s.exchange(sends, [(t, q) for q, t in got.items()] + [(strided, left), (torch.empty(0, 6, dtype=dtype),
+                                                                                right)])
+        for q, t in got.items():
+            assert torch.equal(t, (torch.arange(24) + 100 * q + i).to(dtype).view(4, 6)), (rank, q, dtype)
+        assert torch.equal(strided, (torch.arange(24) + 100 * left + i).to(dtype).view(4, 6)[:, ::2]), (rank, dtype)
+    assert s.exchanges == 5 and s.failure is None
+    itemsizes = sum(torch.tensor([], dtype=d).element_size() for d in (torch.bfloat16, torch.float16, torch.float32,
+                                                                      torch.int32, torch.float64))
+    want = {q: 24 * itemsizes + (12 * itemsizes if q == left else 0) for q in range(tp) if q != rank}
+    assert dict(s.received_bytes) == want, (rank, dict(s.received_bytes), want)
+    s.exchange([], [])  # nothing to move: no exchange
+    assert s.exchanges == 5
+
+
+def test_stand_in_moves_every_tensor_it_is_given():
+    run_distributed(_exchanges, 3)
+
+
+class _Native:
+    def __init__(self):
+        self.failed = None
+
+    def mark_failed(self, message):
+        self.failed = self.failed or message
+
+
+def _dead_peer(rank, tp):
+    from flux_layers.runtime import workspace
+    s = sendrecv.HostStagedSendRecv(dist.group.WORLD, timeout_s=60)
+    x = torch.full((64,), float(rank))
+    ys = {q: torch.empty(64) for q in range(tp) if q != rank}
+    s.exchange([(x, q) for q in ys], list((t, q) for q, t in ys.items()))
+    assert all(torch.equal(t, torch.full((64,), float(q))) for q, t in ys.items())
+    # A cached workspace of the NCCL transport on this group, and one peer-mapped (which the stand-in leaves alone).
+    stand_ins = [types.SimpleNamespace(peer_mapped=peer_mapped, group=dist.group.WORLD, native=_Native(), released=0)
+                 for peer_mapped in (False, True)]
+    for ws in stand_ins:
+        ws.release = lambda ws=ws: setattr(ws, "released", ws.released + 1)
+    workspace._cache.update({f"stand-in {i}": ws for i, ws in enumerate(stand_ins)})
+    dist.barrier()
+    if rank == tp - 1:
+        os._exit(0)  # gone between exchanges, sockets closed
+    began = time.monotonic()
+    with pytest.raises(sendrecv.HostStagedTransferError, match=rf"rank {rank}: the host-staged stand-in .* exchange 2 "
+                       rf"\(sends to ranks .*{tp - 1}.*receives from ranks .*{tp - 1}"):
+        s.exchange([(x, q) for q in ys], list((t, q) for q, t in ys.items()))
+    elapsed = time.monotonic() - began
+    assert elapsed < 10, f"rank {rank}: the dead peer took {elapsed:.1f} s to show (the watcher's 60 s?)"
+    with pytest.raises(sendrecv.HostStagedTransferError):  # every later exchange, at once
+        s.exchange([(x, 0)], [])
+    nccl_ws, peer_ws = stand_ins
+    assert nccl_ws.native.failed == s.failure and nccl_ws.released == 1, "the NCCL-transport workspace was not failed"
+    assert peer_ws.native.failed is None and peer_ws.released == 0
+    os._exit(0)  # the peer is gone: no collective shutdown
+
+
+def test_dead_peer_raises_at_once_and_fails_the_groups_nccl_workspaces():
+    run_distributed(_dead_peer, 3, timeout_s=120)
+
+
+def _absent_peer(rank, tp, done):
+    s = sendrecv.HostStagedSendRecv(dist.group.WORLD, timeout_s=1.0)
+    if rank == 1:  # alive, never exchanges: rank 0's receive stays posted until the watcher gives up
+        deadline = time.monotonic() + 60
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os._exit(0)
+    began = time.monotonic()
+    with pytest.raises(sendrecv.HostStagedTransferError, match=r"not complete after 1 s .*FLUX_LAYERS_TIMEOUT_S"):
+        s.exchange([], [(torch.empty(8), 1)])
+    elapsed = time.monotonic() - began
+    assert 1.0 <= elapsed < 5, f"the watcher gave up after {elapsed:.1f} s, not the timeout"
+    open(done, "w").close()
+    os._exit(0)
+
+
+def test_absent_peer_raises_after_the_timeout(tmp_path):
+    run_distributed(_absent_peer, 2, str(tmp_path / "done"), timeout_s=120)
+
+
+def _dispatcher(rank, tp):
+    """backend.choose on a gloo group of processes standing for ranks sharing one GPU (the op library and the GPUs
+    stood in): the NCCL transports are blocked on a gloo group, and taken, saying so, where the stand-in runs them."""
+    from flux_layers import _library
+    from flux_layers.ops import backend
+    from flux_layers.runtime import topology
+    _library.unavailable_reason = lambda: None
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.is_current_stream_capturing = lambda: False
+    group, cuda = dist.group.WORLD, torch.device("cuda", 0)
+    os.environ["FLUX_LAYERS_DISPATCH"] = "always"  # no tuning-table choice for the made-up shape
+    os.environ["FLUX_LAYERS_NODE_SIZE"] = "1"  # every peer on another node: the all-gather takes NCCL by itself
+    topology.peer_access_matrix.cache_clear()
+
+    def choose(op, **kw):
+        return backend.choose(op, device=cuda, dtype=torch.bfloat16, mkn=(256, 64, 64), group=group, **kw)
+
+    os.environ.pop("FLUX_LAYERS_TEST_SHARED_GPU", None)
+    c = choose("ag_gemm")
+    assert c.path == "reference" and "backend is gloo" in c.reason, c
+    os.environ["FLUX_LAYERS_TEST_SHARED_GPU"] = "1"
+    for requested, start in ((None, "auto"), ("fused", "requested")):
+        c = choose("ag_gemm", backend=requested)
+        assert c.path == "fused" and c.reason.startswith(start) and sendrecv.STAND_IN_NOTE in c.reason, c
+    c = choose("gemm_rs")  # the reduce-scatter takes NCCL only when forced, stand-in or not
+    assert c.path == "reference" and "FLUX_LAYERS_TRANSPORT=nccl" in c.reason, c
+    os.environ["FLUX_LAYERS_TRANSPORT"] = "nccl"
+    c = choose("gemm_rs")
+    assert c.path == "fused" and "not yet run on GPUs" in c.reason and sendrecv.STAND_IN_NOTE in c.reason, c
+    os.environ["FLUX_LAYERS_NODE_SIZE"] = "0"  # one node, NCCL forced: the stand-in still runs it
+    c = choose("ag_gemm")
+    assert c.path == "fused" and sendrecv.STAND_IN_NOTE in c.reason, c
+    os.environ["FLUX_LAYERS_TRANSPORT"] = "auto"  # one node, copy engine: no stand-in
+    c = choose("ag_gemm")
+    assert c.path == "fused" and sendrecv.STAND_IN_NOTE not in c.reason, c
+
+
+def test_dispatcher_takes_the_nccl_transports_on_the_stand_in_and_says_so():
+    run_distributed(_dispatcher, 2)
