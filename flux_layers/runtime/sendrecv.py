@@ -205,6 +205,9 @@ class HostStagedSendRecv:
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=device, priority=-1)
             self._arrived_on_device = torch.as_tensor(_MappedWord(self._arrived), device=device)
+            if not (self._arrived_on_device.is_cuda and self._arrived_on_device.data_ptr() == self._arrived.data_ptr()):
+                raise RuntimeError(f"rank {self.rank}: the host-staged stand-in's host word is not mapped in place on "
+                                   f"{device} (a copy would never see the host's stores)")
         elif self._stream.device != device:
             raise ValueError(f"rank {self.rank}: the host-staged stand-in serves {self._stream.device}, got tensors "
                              f"on {device}")
