@@ -168,7 +168,8 @@ def bench_shape_nccl(rank, tp, m, k, n, dtype, reps, sets=2):
     """bench_shape for the NCCL transport (the module docstring's variants)."""
     from flux_layers import ops
     from flux_layers.ops import fused_ag_gemm
-    from flux_layers.runtime import nccl_transport, tuning, workspace
+    from flux_layers.runtime import tuning, workspace
+    from flux_layers.runtime.multinode import nccl_transport
 
     group = dist.group.WORLD
     n_local = n // tp

@@ -14,7 +14,7 @@ the NCCL transport, which the reduce-scatter takes only when forced (across node
 
 ) the variants are: cuBLAS GEMM alone, our GEMM alone on all SMs and on the SMs the fused op leaves it beside
 NCCL, NCCL reduce-scatter alone, cuBLAS then NCCL reduce-scatter, torch's fused op, and the fused operator over
-NCCL (flux_layers/runtime/nccl_rs_transport.py) with the default and the other kernel configurations; bound =
+NCCL (flux_layers/runtime/multinode/nccl_rs_transport.py) with the default and the other kernel configurations; bound =
 max(GEMM alone, NCCL reduce-scatter alone).
 """
 from __future__ import annotations
@@ -153,7 +153,8 @@ def bench_shape_nccl(rank, tp, m, k, n, dtype, reps, sets=2):
     """bench_shape for the NCCL transport (the module docstring's variants)."""
     from flux_layers import ops
     from flux_layers.ops import fused_gemm_rs
-    from flux_layers.runtime import nccl_transport, tuning, workspace
+    from flux_layers.runtime import tuning, workspace
+    from flux_layers.runtime.multinode import nccl_transport
 
     group = dist.group.WORLD
     k_local = k // tp
@@ -183,7 +184,7 @@ def bench_shape_nccl(rank, tp, m, k, n, dtype, reps, sets=2):
             "implementation": "fused = flux_layers._C gemm_rs in external-transfer mode (partials staged locally, "
                               "counted per full-width chunk) + NCCL send/recv batches (torch.distributed) each "
                               "after its chunk's count and followed by the received chunk's flag "
-                              "(flux_layers/runtime/nccl_rs_transport.py); the owner reduces in its epilogue"}
+                              "(flux_layers/runtime/multinode/nccl_rs_transport.py); the owner reduces in its epilogue"}
 
 
 def run(rank, tp, args):

@@ -12,7 +12,7 @@ launchers can set them per process.
 | FLUX_LAYERS_AG_ORDER | all-gather order: ``auto`` (from topology), ``mesh``, ``ring`` (one node), ``internode`` (several nodes, NVLink inside each) or ``numa2d`` (PCIe nodes with two NUMA domains); flux_layers/runtime/topology.py | auto |
 | FLUX_LAYERS_NODE_SIZE | ranks per node, declaring node boundaries (global rank // N is the node); emulates several nodes on one machine. ``0``: torchrun's LOCAL_WORLD_SIZE where the job spans nodes, else one node | 0 |
 | FLUX_LAYERS_TRANSPORT | how chunks move between two ranks: ``copy_engine`` (peer-mapped memory, cudaMemcpy), ``nccl`` (send/recv through the group's NCCL communicator) or ``auto`` (copy engine where the pair can map each other's memory, else NCCL; always NCCL across nodes). GEMM+ReduceScatter takes its NCCL transport only with ``nccl`` (not yet run on GPUs); under ``auto`` a group without peer access takes its reference path | auto |
-| FLUX_LAYERS_NCCL_SMS | SMs the fused all-gather's GEMM leaves to NCCL's kernels on the ``nccl`` transport (flux_layers/runtime/nccl_transport.py) | 20 |
+| FLUX_LAYERS_NCCL_SMS | SMs the fused all-gather's GEMM leaves to NCCL's kernels on the ``nccl`` transport (flux_layers/runtime/multinode/nccl_transport.py) | 20 |
 | FLUX_LAYERS_NUMA_MAP | comma-separated NUMA node of each local rank's GPU (e.g. ``0,0,0,0,1,1,1,1``), overriding detection (NVML, else sysfs); with ``FLUX_LAYERS_AG_ORDER=numa2d`` it forces the NUMA-2D order. Empty: detect | (empty) |
 | FLUX_LAYERS_CHUNK_ROWS | rows per copy-engine chunk (0: per-shape heuristic) | 0 |
 | FLUX_LAYERS_RS_TRANSPORT | GEMM+ReduceScatter's move of peer tiles: ``direct``, ``copy_engine``, ``auto`` (1) | auto |
@@ -25,7 +25,7 @@ launchers can set them per process.
 | FLUX_LAYERS_STREAM_K_MAX_FILL | most % of the persistent grid a split last wave may fill (0: never) (2) | 75 |
 | FLUX_LAYERS_CUDA_GRAPHS | ``1``: every fused-op workspace gets a CUDA-graph twin, so calls can be captured (3) | 0 |
 | FLUX_LAYERS_POISON_OUTPUTS | ``1``: fused ops fill their outputs with NaN before launching (tests) (4) | 0 |
-| FLUX_LAYERS_TEST_SHARED_GPU | ``1``: the GPU tests' ranks share one GPU (flux_layers/devtools/launch.py); the NCCL transports' send/recv then run on a host-staged stand-in (flux_layers/runtime/sendrecv.py) | 0 |
+| FLUX_LAYERS_TEST_SHARED_GPU | ``1``: the GPU tests' ranks share one GPU (flux_layers/devtools/launch.py); the NCCL transports' send/recv then run on a host-staged stand-in (flux_layers/runtime/multinode/sendrecv.py) | 0 |
 | FLUX_LAYERS_TEST_TP | ranks of the GPU tests' groups, 2 to 8 (0: every visible GPU, at least 2 and at most 8; 2 where the ranks share one GPU) | 0 |
 | FLUX_LAYERS_TEST_NODES | emulated nodes of the NCCL-transport GPU tests (tests/gpu/test_nccl_transport_gpu.py: FLUX_LAYERS_TEST_TP / N ranks per node); 0: their default layouts | 0 |
 

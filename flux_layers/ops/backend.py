@@ -75,7 +75,8 @@ def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int,
     # they are made (the transfers are the op library's own), so gloo works too, e.g. for ranks sharing one GPU.
     nccl, stand_in = False, ""
     if op != "gemm" and not blockers and group is not None:
-        from flux_layers.runtime import sendrecv, topology
+        from flux_layers.runtime import topology
+        from flux_layers.runtime.multinode import sendrecv
         tp = dist.get_world_size(group)
         reason = None
         if tp > 1:
@@ -92,7 +93,7 @@ def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int,
                    if op == "ag_gemm" else "FLUX_LAYERS_TRANSPORT=nccl")
             blockers.append(f"{op}'s transport is NCCL ({why}) but the group's backend is {dist.get_backend(group)}")
     if nccl and torch.cuda.is_current_stream_capturing():
-        from flux_layers.runtime import nccl_rs_transport, nccl_transport
+        from flux_layers.runtime.multinode import nccl_rs_transport, nccl_transport
         blockers.append((nccl_transport if op == "ag_gemm" else nccl_rs_transport).CAPTURE_REFUSAL)
     elif op != "gemm" and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         from flux_layers.runtime import workspace

@@ -18,7 +18,7 @@ makes the call.
 Transport ``nccl`` (a group whose GPUs cannot map each other's memory, one that spans nodes, or
 FLUX_LAYERS_TRANSPORT=nccl): the workspace is local memory, the chunks arrive by NCCL send/recv driven from the
 host on the workspace's transfer stream, each followed by its flag, and the GEMM runs in external-transfer mode,
-in the plan's arrival order, on all SMs but FLUX_LAYERS_NCCL_SMS (flux_layers/runtime/nccl_transport.py;
+in the plan's arrival order, on all SMs but FLUX_LAYERS_NCCL_SMS (flux_layers/runtime/multinode/nccl_transport.py;
 :func:`plan_nccl_call`, :func:`run_nccl`). Not under CUDA-graph capture.
 """
 from __future__ import annotations
@@ -32,8 +32,9 @@ from flux_layers import _env, _library
 from flux_layers.ops import _opcalls
 from flux_layers.ops._checks import check_fused_dims, check_fused_tensor, check_matmul_args
 from flux_layers.ops.fp8 import FP8_DTYPES
-from flux_layers.runtime import nccl_transport, schedules, tuning, workspace
+from flux_layers.runtime import schedules, tuning, workspace
 from flux_layers.runtime.call_plan import AgCallPlan
+from flux_layers.runtime.multinode import nccl_transport
 
 DIRECTIONS = ("pull", "push")  # the copy engine's (the plan's third mode, 'external', is the NCCL transport's)
 ORDERS = ("mesh", "ring")

@@ -18,7 +18,7 @@ Transport ``nccl`` (``transport='nccl'`` here, FLUX_LAYERS_TRANSPORT=nccl for ``
 local memory, the kernel stages every peer's partial locally and counts it per full-width chunk as with the copy
 engine, and the partials move by NCCL send/recv driven from the host on the workspace's transfer stream, each
 received chunk followed by its flag; the GEMM runs on all SMs but FLUX_LAYERS_NCCL_SMS
-(flux_layers/runtime/nccl_rs_transport.py; :func:`plan_nccl_call`, :func:`run_nccl`). Not under CUDA-graph
+(flux_layers/runtime/multinode/nccl_rs_transport.py; :func:`plan_nccl_call`, :func:`run_nccl`). Not under CUDA-graph
 capture. It has not run on GPUs yet (tests/gpu/test_nccl_transport_gpu.py is its check).
 """
 from __future__ import annotations
@@ -31,8 +31,9 @@ import torch.distributed as dist
 from flux_layers import _env, _library
 from flux_layers.ops import _opcalls
 from flux_layers.ops._checks import check_fused_dims, check_fused_tensor, check_matmul_args
-from flux_layers.runtime import nccl_rs_transport, nccl_transport, tuning, workspace
+from flux_layers.runtime import tuning, workspace
 from flux_layers.runtime.call_plan import RsCallPlan
+from flux_layers.runtime.multinode import nccl_rs_transport, nccl_transport
 
 
 def check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_layout: str,
@@ -105,9 +106,9 @@ def plan_nccl_call(ws: workspace.RsWorkspace, *, m: int, k: int, n: int, tile: i
 
 def run_nccl(ws: workspace.RsWorkspace, call: NcclCall, x: torch.Tensor, weight: torch.Tensor,
              bias: torch.Tensor | None, weight_nn: bool) -> torch.Tensor:
-    """One call on a workspace of the NCCL transport (flux_layers/runtime/nccl_rs_transport.py): the op clears the
-    counts, forks the transfer stream and enqueues the GEMM; then this rank's batches on the transfer stream (per
-    chunk: wait for its count, send it, receive the peer's partial of our rows, set that chunk's flag to the call's
+    """One call on a workspace of the NCCL transport (flux_layers/runtime/multinode/nccl_rs_transport.py): the op
+    clears the counts, forks the transfer stream and enqueues the GEMM; then this rank's batches on the transfer stream
+    (per chunk: wait for its count, send it, receive the peer's partial of our rows, set that chunk's flag to the call's
     epoch), and the compute stream joins it."""
     if torch.cuda.is_current_stream_capturing():
         raise workspace.NoGraphTwin(f"gemm_rs: {nccl_rs_transport.CAPTURE_REFUSAL}")

@@ -10,10 +10,10 @@
 Transports (:func:`ag_transport`): the copy engine between peer-mapped GPUs of one node (orders ``mesh`` and
 ``ring``; csrc/runtime/ag_gemm.cpp), and NCCL send/recv through the group's process group for a group that spans
 nodes or whose GPUs cannot map each other's memory, or when ``FLUX_LAYERS_TRANSPORT=nccl`` (every order of
-transfer_plan.py, every transfer on NCCL; flux_layers/runtime/nccl_transport.py). The reduce-scatter
+transfer_plan.py, every transfer on NCCL; flux_layers/runtime/multinode/nccl_transport.py). The reduce-scatter
 (:func:`rs_transport`) moves its partials by the epilogue's stores or the copy engine between peer-mapped GPUs of
-one node, and by NCCL (flux_layers/runtime/nccl_rs_transport.py) only when ``FLUX_LAYERS_TRANSPORT=nccl``: that
-path has not run on GPUs yet, so a group that spans nodes or lacks peer access keeps the reference path for it
+one node, and by NCCL (flux_layers/runtime/multinode/nccl_rs_transport.py) only when ``FLUX_LAYERS_TRANSPORT=nccl``:
+that path has not run on GPUs yet, so a group that spans nodes or lacks peer access keeps the reference path for it
 unless NCCL is forced. :func:`fused_path_blocker` names what keeps the fused kernels from serving a group.
 
 Inputs, each detected unless given or forced (``FLUX_LAYERS_*``, flux_layers/_env.py):
@@ -39,10 +39,10 @@ from typing import Sequence
 import torch
 
 from flux_layers import _env
-from flux_layers.runtime.transfer_plan import GroupLayout, choose_order, choose_transport
+from flux_layers.runtime.multinode.transfer_plan import GroupLayout, choose_order, choose_transport
 
 # Orders the copy-engine all-gather executes (csrc/runtime/ag_gemm.cpp); the NCCL transport executes every order
-# of transfer_plan.py (flux_layers/runtime/nccl_transport.py).
+# of transfer_plan.py (flux_layers/runtime/multinode/nccl_transport.py).
 BUILT_ORDERS = ("mesh", "ring")
 
 

@@ -8,8 +8,8 @@ Symmetric memory comes from ``torch.distributed._symmetric_memory`` (IPC mapping
 Each workspace makes one symmetric allocation holding its data buffer and its 32-bit flag words, so the
 offsets of both are identical on every rank. A workspace of the NCCL transport (GPUs that cannot map each other's
 memory, other nodes, or FLUX_LAYERS_TRANSPORT=nccl) makes one local allocation instead: its peers' pointers are
-null, NCCL moves the all-gather's chunks (flux_layers/runtime/nccl_transport.py) or the reduce-scatter's partials
-(flux_layers/runtime/nccl_rs_transport.py), and it has no CUDA-graph twin.
+null, NCCL moves the all-gather's chunks (flux_layers/runtime/multinode/nccl_transport.py) or the reduce-scatter's
+partials (flux_layers/runtime/multinode/nccl_rs_transport.py), and it has no CUDA-graph twin.
 
 Each workspace owns one long-lived C++ object, ``Workspace.native`` (``torch.classes.flux_layers.NativeWorkspace``,
 csrc/include/flux/workspace_state.h): the peers' buffer and flag pointers, the communication streams, the events of
@@ -230,7 +230,7 @@ class AgWorkspace(Workspace):
     """AllGather+GEMM: a gathered-input buffer [max_m, k] per rank + chunk/avail/done flags (AgFlagLayout).
 
     ``transport``: 'copy_engine' (symmetric memory, the op's copy-engine transfers) or 'nccl' (local memory; the
-    chunks arrive by NCCL, flux_layers/runtime/nccl_transport.py, driven from :attr:`transfer_stream`)."""
+    chunks arrive by NCCL, flux_layers/runtime/multinode/nccl_transport.py, driven from :attr:`transfer_stream`)."""
 
     def __init__(self, group, dtype: torch.dtype, max_m: int, k: int, *, chunk_capacity: int = 16,
                  graph_protocol: bool = False, transport: str = "copy_engine"):
@@ -293,8 +293,8 @@ class RsWorkspace(Workspace):
     copy-engine transport's chunk counts (csrc/runtime/gemm_rs.cpp); one comm stream per peer and, once the
     copy-engine transport is used, a local staging area of one slot per peer.
 
-    ``nccl``: the NCCL transport's workspace (flux_layers/runtime/nccl_rs_transport.py): local memory, the staging
-    area at once, and one stream, :attr:`transfer_stream`, on which the partials move (the op forks it)."""
+    ``nccl``: the NCCL transport's workspace (flux_layers/runtime/multinode/nccl_rs_transport.py): local memory, the
+    staging area at once, and one stream, :attr:`transfer_stream`, on which the partials move (the op forks it)."""
 
     def __init__(self, group, dtype: torch.dtype, max_m: int, n: int, *, min_tile: int = 128,
                  graph_protocol: bool = False, nccl: bool = False):

@@ -1,7 +1,7 @@
 """The fused operators over their NCCL transports, against an fp32 reference with NaN-poisoned outputs
 (flux_layers/devtools/oracle.py): TP GPUs with a process each and NCCL, or TP ranks sharing one GPU
 (FLUX_LAYERS_TEST_SHARED_GPU=1, FLUX_LAYERS_TEST_TP), whose send/recv the host-staged stand-in runs
-(flux_layers/runtime/sendrecv.py; every other line is the transports' own: plans, batches, flags, the kernels'
+(flux_layers/runtime/multinode/sendrecv.py; every other line is the transports' own: plans, batches, flags, the kernels'
 external mode, the workspaces).
 
 Layouts (FLUX_LAYERS_TEST_NODES): 0, the default: node size 1 (every peer on another "node"), one node with NCCL
@@ -9,13 +9,13 @@ forced, and the NUMA-2D order forced inside one node; N >= 2: N emulated nodes o
 (FLUX_LAYERS_NODE_SIZE) in the internode order and, where a node holds two NUMA halves, in numa2d
 (FLUX_LAYERS_NUMA_MAP forced).
 
-AllGather+GEMM (flux_layers/runtime/nccl_transport.py): every layout, both dtypes, both weight layouts, M/tp a
+AllGather+GEMM (flux_layers/runtime/multinode/nccl_transport.py): every layout, both dtypes, both weight layouts, M/tp a
 multiple of the tile and not, chunked and not (lean runs: each layout's chunkings and shapes, the other axes varied
 across them); each call's plan (order, nodes) and, on the stand-in, the bytes this rank received against the plan's
 chunks; a late rank; back-to-back calls with varying M; the dispatched op taking NCCL by itself where the group
 spans nodes (saying so where the stand-in runs it); captured calls refused.
 
-GEMM+ReduceScatter (flux_layers/runtime/nccl_rs_transport.py): both weight layouts, both dtypes, both tile
+GEMM+ReduceScatter (flux_layers/runtime/multinode/nccl_rs_transport.py): both weight layouts, both dtypes, both tile
 configurations, M/tp a multiple of 128 and not, several chunks per peer; a late rank; back-to-back calls with varying
 M; bitwise equal results across runs; the dispatched op taking NCCL only when FLUX_LAYERS_TRANSPORT=nccl; captured
 calls refused.
@@ -83,7 +83,7 @@ def _layout_name() -> str:
 
 def _received_bytes(rank) -> collections.Counter:
     """What the stand-in received so far, by peer (empty off the stand-in), once this rank's work is done."""
-    from flux_layers.runtime import sendrecv
+    from flux_layers.runtime.multinode import sendrecv
     torch.cuda.synchronize()
     if not shared_gpu():
         return collections.Counter()
@@ -94,7 +94,8 @@ def _check_ag_plan(rank, tp, m, k, n_local, dtype, chunk_rows, received_before) 
     """The call just made ran the NCCL transport's plan of the layout set (its nodes and order) and, on the stand-in,
     received exactly this rank's batches' chunks, no more."""
     from flux_layers.ops import fused_ag_gemm
-    from flux_layers.runtime import sendrecv, workspace
+    from flux_layers.runtime import workspace
+    from flux_layers.runtime.multinode import sendrecv
     ws = workspace.get_ag_workspace(dist.group.WORLD, dtype, m, k, "nccl")
     registered = len(ws._plans)
     call = fused_ag_gemm.plan_nccl_call(ws, m=m, k=k, n=n_local, chunk_rows=chunk_rows)
@@ -182,8 +183,8 @@ def test_nccl_ag_gemm_late_rank_and_back_to_back():
 
 def _dispatched(rank, tp, seed):
     from flux_layers import ops
-    from flux_layers.runtime.nccl_transport import CAPTURE_REFUSAL
-    from flux_layers.runtime.sendrecv import STAND_IN_NOTE
+    from flux_layers.runtime.multinode.nccl_transport import CAPTURE_REFUSAL
+    from flux_layers.runtime.multinode.sendrecv import STAND_IN_NOTE
     poison_outputs()
     _set_layout(*MULTI_NODE)
     os.environ["FLUX_LAYERS_TRANSPORT"] = "auto"  # the group spans nodes, so NCCL by itself
@@ -277,8 +278,8 @@ def test_nccl_gemm_rs_late_rank_back_to_back_and_bitwise_repeatable():
 
 def _rs_dispatched(rank, tp, seed):
     from flux_layers import ops
-    from flux_layers.runtime.nccl_rs_transport import CAPTURE_REFUSAL
-    from flux_layers.runtime.sendrecv import STAND_IN_NOTE
+    from flux_layers.runtime.multinode.nccl_rs_transport import CAPTURE_REFUSAL
+    from flux_layers.runtime.multinode.sendrecv import STAND_IN_NOTE
     poison_outputs()
     m, k, n = rows_per_rank(1536, tp) * tp, 512 * tp, 1024
     x, w, b = global_inputs(seed, m, k, n, torch.bfloat16, "nt")

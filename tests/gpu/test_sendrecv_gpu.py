@@ -1,4 +1,4 @@
-"""The host-staged stand-in for NCCL's send/recv (flux_layers/runtime/sendrecv.py) on TP ranks sharing one GPU
+"""The host-staged stand-in for NCCL's send/recv (flux_layers/runtime/multinode/sendrecv.py) on TP ranks sharing one GPU
 (FLUX_LAYERS_TEST_SHARED_GPU=1, FLUX_LAYERS_TEST_TP): NCCL's stream semantics, with one hardware queue
 (CUDA_DEVICE_MAX_CONNECTIONS=1) as with eight. Sends read their tensors where the current stream stands, not when
 the host calls; the host does not wait for the GPU; the current stream's later work sees what was received; an
@@ -29,7 +29,7 @@ def _value(rank: int, step: int) -> float:
 
 
 def _stream_semantics(rank, tp):
-    from flux_layers.runtime import sendrecv
+    from flux_layers.runtime.multinode import sendrecv
     stand_in = sendrecv.for_group(dist.group.WORLD)
     assert isinstance(stand_in, sendrecv.HostStagedSendRecv), type(stand_in)
     right, left = (rank + 1) % tp, (rank - 1) % tp

@@ -1,9 +1,9 @@
-"""The NCCL transports' send/recv primitive (flux_layers/runtime/sendrecv.py) on CPU, gloo across processes: which
-primitive a group gets (the host-staged stand-in only where ranks share one GPU), the stand-in's exchanges (dtypes,
-a tensor sent to several peers, empty tensors, the bytes it accounts), its failures (a dead peer raises at once, a peer
-that never exchanges raises after the timeout, later exchanges raise, the group's cached NCCL-transport workspaces are
-failed and released) and the dispatcher's choice and reason where it runs the NCCL transports. The executors through
-the stand-in: tests/cpu/test_nccl_transport.py and test_nccl_rs_transport.py."""
+"""The NCCL transports' send/recv primitive (flux_layers/runtime/multinode/sendrecv.py) on CPU, gloo across processes:
+which primitive a group gets (the host-staged stand-in only where ranks share one GPU), the stand-in's exchanges
+(dtypes, a tensor sent to several peers, empty tensors, the bytes it accounts), its failures (a dead peer raises at
+once, a peer that never exchanges raises after the timeout, later exchanges raise, the group's cached NCCL-transport
+workspaces are failed and released) and the dispatcher's choice and reason where it runs the NCCL transports. The
+executors through the stand-in: tests/cpu/multinode/test_nccl_transport.py and test_nccl_rs_transport.py."""
 from __future__ import annotations
 
 import os
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from flux_layers.devtools.launch import run_distributed
-from flux_layers.runtime import sendrecv
+from flux_layers.runtime.multinode import sendrecv
 
 
 def _selection(rank, tp):

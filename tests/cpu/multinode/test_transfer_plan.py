@@ -1,5 +1,5 @@
-"""Transfer plans (flux_layers/runtime/transfer_plan.py) and the topology that feeds them: every order delivers every
-chunk to every rank once, crosses between nodes once per destination node, never waits on later data; the
+"""Transfer plans (flux_layers/runtime/multinode/transfer_plan.py) and the topology that feeds them: every order
+delivers every chunk to every rank once, crosses between nodes once per destination node, never waits on later data; the
 validator rejects hand-broken plans; topology detection and the fused-path blocker run on CPU with the CUDA
 queries replaced."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from flux_layers import _env
 from flux_layers.runtime import schedules, topology
-from flux_layers.runtime.transfer_plan import (
+from flux_layers.runtime.multinode.transfer_plan import (
     Arrival,
     GroupLayout,
     PlanError,
@@ -503,7 +503,7 @@ def test_ag_order_keeps_single_node_behaviour_and_plans_multi_node(monkeypatch):
 
 def test_fused_path_blocker(monkeypatch):
     # The reduce-scatter needs one node and peer access unless its NCCL transport is forced; the all-gather takes
-    # NCCL where they are missing (tests/cpu/test_nccl_transport.py, test_nccl_rs_transport.py).
+    # NCCL where they are missing (tests/cpu/multinode/test_nccl_transport.py, test_nccl_rs_transport.py).
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
     rs = dict(op="gemm_rs")
     assert topology.fused_path_blocker((0, 1, 2, 3), **rs) is None

@@ -1,8 +1,9 @@
-"""The NCCL transport's executor (flux_layers/runtime/nccl_transport.py) on CPU: its batches for every layout, and the
-very code that drives NCCL run with gloo on CPU tensors across 2-8 processes, a flag stand-in that checks each
-chunk's data is in place when its flag is set, through torch.distributed's send/recv and through the host-staged
-stand-in of ranks sharing one GPU (runtime/sendrecv.py: its thread, staging and ordering, with exactly the plan's
-chunks received); the transport's selection (topology.ag_transport, fused_path_blocker, the declared node size)."""
+"""The NCCL transport's executor (flux_layers/runtime/multinode/nccl_transport.py) on CPU: its batches for every
+layout, and the very code that drives NCCL run with gloo on CPU tensors across 2-8 processes, a flag stand-in that
+checks each chunk's data is in place when its flag is set, through torch.distributed's send/recv and through the
+host-staged stand-in of ranks sharing one GPU (runtime/multinode/sendrecv.py: its thread, staging and ordering, with
+exactly the plan's chunks received); the transport's selection (topology.ag_transport, fused_path_blocker, the declared
+node size)."""
 from __future__ import annotations
 
 import time
@@ -12,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 from flux_layers.devtools.launch import run_distributed
-from flux_layers.runtime import nccl_transport, sendrecv, topology
-from flux_layers.runtime.transfer_plan import GroupLayout
+from flux_layers.runtime import topology
+from flux_layers.runtime.multinode import nccl_transport, sendrecv
+from flux_layers.runtime.multinode.transfer_plan import GroupLayout
 
 # (nnodes, ranks per node, NUMA map of a node or None, order or None (auto))
 CASES = {
@@ -69,7 +71,7 @@ def test_batches_receive_every_chunk_once_and_forward_only_what_arrived(case, ch
 
 
 def test_batches_refuse_copy_engine_transfers():
-    from flux_layers.runtime.transfer_plan import build_ag_plan
+    from flux_layers.runtime.multinode.transfer_plan import build_ag_plan
     plan = build_ag_plan(GroupLayout.uniform(2, 2), chunks=1)  # copy engine inside each node
     with pytest.raises(ValueError, match="all NCCL"):
         nccl_transport.rank_batches(plan, 0)

@@ -36,7 +36,7 @@ Back-to-back calls need no handshake: the next call's receives (into our receive
 queued on the transfer stream behind this call's GEMM (the fork follows the compute stream), and the next call's
 kernel, which overwrites the staging slots, follows this call's sends (the join). The GEMM must leave SMs to
 NCCL's kernels: the call plan's ``sm_count`` holds back ``FLUX_LAYERS_NCCL_SMS``
-(:func:`flux_layers.runtime.nccl_transport.gemm_sms_beside_nccl`, shared with the all-gather).
+(:func:`flux_layers.runtime.multinode.nccl_transport.gemm_sms_beside_nccl`, shared with the all-gather).
 
 This is a flat transport: every partial goes straight to its owner, intra-node pairs included. Across nodes the
 two-level plan of transfer_plan.build_rs_plan moves fewer bytes over the network: inside a node each block's
@@ -50,8 +50,8 @@ op therefore runs the flat transport for groups that span nodes.
 
 The executor is generic over how a chunk's count is awaited, its flag set and which tensors hold the partials
 (:meth:`RsExecutor.run` takes callables), so the CPU tests run this very code with gloo and CPU tensors
-(tests/cpu/test_nccl_rs_transport.py), and over the send/recv primitive under each batch
-(flux_layers/runtime/sendrecv.py: torch.distributed's, or the host-staged stand-in for ranks sharing one GPU).
+(tests/cpu/multinode/test_nccl_rs_transport.py), and over the send/recv primitive under each batch
+(flux_layers/runtime/multinode/sendrecv.py: torch.distributed's, or the host-staged stand-in for ranks sharing one GPU).
 
 CUDA graphs: not supported; a captured call is refused (:data:`CAPTURE_REFUSAL`).
 """
@@ -63,8 +63,8 @@ from typing import Callable
 import torch
 
 from flux_layers.runtime import schedules
-from flux_layers.runtime.sendrecv import for_group
-from flux_layers.runtime.transfer_plan import PlanError, RsPlan
+from flux_layers.runtime.multinode.sendrecv import for_group
+from flux_layers.runtime.multinode.transfer_plan import PlanError, RsPlan
 
 CAPTURE_REFUSAL = ("the NCCL transport of the fused GEMM+ReduceScatter cannot run under CUDA-graph capture (its "
                    "transfers are driven from the host per call); capture with the direct or copy-engine transport "

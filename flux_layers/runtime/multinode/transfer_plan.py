@@ -1,7 +1,7 @@
 """Transfer plans: which chunk moves from which rank to which, in which step, on which transport.
 
 Plain Python, no CUDA and no torch.distributed: the plan is data that CPU tests check and that an executor
-walks (flux_layers/runtime/nccl_transport.py runs plans whose transfers are all NCCL on GPUs, and hybrid plans,
+walks (flux_layers/runtime/multinode/nccl_transport.py runs plans whose transfers are all NCCL on GPUs, and hybrid plans,
 NCCL between nodes and copy-engine pushes inside them, in its CPU tests; the copy-engine executor,
 csrc/runtime/ag_gemm.cpp, runs its own mesh and ring inside one node). Topology detection that feeds it lives in
 flux_layers/runtime/topology.py.

@@ -27,10 +27,11 @@ batch's partners are all in their own batch of that key, so by induction every b
 pair's calls in issue order, which is the plan order on both sides).
 
 The executor is generic over how a chunk's flag is set and which tensors hold the buffers (``AgExecutor.run``
-takes callables), so the CPU tests run this very code with gloo and CPU tensors (tests/cpu/test_nccl_transport.py),
-and over the send/recv primitive under each batch (flux_layers/runtime/sendrecv.py): torch.distributed's, or, for
-ranks sharing one GPU (FLUX_LAYERS_TEST_SHARED_GPU=1, where NCCL cannot run), a host-staged stand-in with NCCL's
-stream semantics, so that emulated nodes on one GPU run every other line of this path.
+takes callables), so the CPU tests run this very code with gloo and CPU tensors
+(tests/cpu/multinode/test_nccl_transport.py), and over the send/recv primitive under each batch
+(flux_layers/runtime/multinode/sendrecv.py): torch.distributed's, or, for ranks sharing one GPU
+(FLUX_LAYERS_TEST_SHARED_GPU=1, where NCCL cannot run), a host-staged stand-in with NCCL's stream semantics, so that
+emulated nodes on one GPU run every other line of this path.
 
 Plans across nodes whose ranks inside a node can map each other's memory (``hybrid_plan``: NCCL between nodes, the
 copy engine inside them) also have copy-engine transfers: a node's own shards, and each chunk that crossed the
@@ -57,8 +58,8 @@ from typing import Callable
 import torch
 
 from flux_layers import _env
-from flux_layers.runtime.sendrecv import for_group
-from flux_layers.runtime.transfer_plan import AgPlan, Chunk, GroupLayout, Transfer, build_ag_plan
+from flux_layers.runtime.multinode.sendrecv import for_group
+from flux_layers.runtime.multinode.transfer_plan import AgPlan, Chunk, GroupLayout, Transfer, build_ag_plan
 
 CAPTURE_REFUSAL = ("the NCCL transport of the fused all-gather cannot run under CUDA-graph capture (its transfers "
                    "are driven from the host per call); capture with the copy-engine transport (peer-mapped GPUs) "
@@ -132,7 +133,7 @@ def gemm_sms_beside_nccl(device: torch.device) -> int:
 
 class AgExecutor:
     """This rank's batches of one plan and the group they run on; :meth:`run` issues them through ``sendrecv``, the
-    group's send/recv primitive (None: :func:`flux_layers.runtime.sendrecv.for_group`'s)."""
+    group's send/recv primitive (None: :func:`flux_layers.runtime.multinode.sendrecv.for_group`'s)."""
 
     def __init__(self, plan: AgPlan, rank: int, group, copy_engine: bool = False, sendrecv=None):
         self.plan = plan

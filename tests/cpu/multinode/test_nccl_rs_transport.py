@@ -1,12 +1,12 @@
-"""The reduce-scatter's NCCL transport (flux_layers/runtime/nccl_rs_transport.py) on CPU: its batches for every
-group size, the full-width chunks against the kernel's tile schedule, and the very executor that drives NCCL run
+"""The reduce-scatter's NCCL transport (flux_layers/runtime/multinode/nccl_rs_transport.py) on CPU: its batches for
+every group size, the full-width chunks against the kernel's tile schedule, and the very executor that drives NCCL run
 with gloo on CPU tensors across 2, 4 and 8 processes, with CPU stand-ins for the kernel (a chunk's partial appears
 in the staging slot only when its count wait is reached), the flags (each checks that its data is in place and is
 set once) and the owner's reduction (the partials it received summed in rank order, as the kernel adds them, against
 the library's reference reduce-scatter of every rank's partial product, ops/reference.py).
 The same for the inter-node part of a two-level plan across nodes: collectors' node partials (their intra-node sum
 stood in), summed by the owner in the plan's node order. Both through torch.distributed's send/recv and through the
-host-staged stand-in of ranks sharing one GPU (runtime/sendrecv.py)."""
+host-staged stand-in of ranks sharing one GPU (runtime/multinode/sendrecv.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,9 +18,10 @@ import torch.distributed as dist
 
 from flux_layers.devtools.launch import run_distributed
 from flux_layers.ops import reference
-from flux_layers.runtime import nccl_rs_transport as rs
-from flux_layers.runtime import schedules, sendrecv
-from flux_layers.runtime.transfer_plan import GroupLayout, PlanError, build_rs_plan
+from flux_layers.runtime import schedules
+from flux_layers.runtime.multinode import nccl_rs_transport as rs
+from flux_layers.runtime.multinode import sendrecv
+from flux_layers.runtime.multinode.transfer_plan import GroupLayout, PlanError, build_rs_plan
 
 
 @pytest.mark.parametrize("tp", range(2, schedules.MAX_TP + 1))
@@ -256,7 +257,8 @@ def _selection(rank, tp):
 
     from flux_layers import _library
     from flux_layers.ops import _dispatch, backend
-    from flux_layers.runtime import nccl_rs_transport, topology
+    from flux_layers.runtime import topology
+    from flux_layers.runtime.multinode import nccl_rs_transport
 
     _library.unavailable_reason = lambda: None
     torch.cuda.can_device_access_peer = lambda a, b: True

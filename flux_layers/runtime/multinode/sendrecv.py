@@ -1,10 +1,10 @@
 """The send/recv primitive of the NCCL transports, and its host-staged stand-in for ranks sharing one GPU.
 
-Both executors (flux_layers/runtime/nccl_transport.py ``AgExecutor``, nccl_rs_transport.py ``RsExecutor``) issue each
-batch of their plan as one :meth:`exchange`: its sends and receives issued together (pairs that exchange both ways
-cannot deadlock), after which the current stream is ordered after their completion. Everything else on those paths
-(the plans and batches, the flags, the kernels' external mode, the workspaces) is the same whichever primitive runs
-below it.
+Both executors (flux_layers/runtime/multinode/nccl_transport.py ``AgExecutor``, nccl_rs_transport.py ``RsExecutor``)
+issue each batch of their plan as one :meth:`exchange`: its sends and receives issued together (pairs that exchange
+both ways cannot deadlock), after which the current stream is ordered after their completion. Everything else on those
+paths (the plans and batches, the flags, the kernels' external mode, the workspaces) is the same whichever primitive
+runs below it.
 
 * :class:`GroupSendRecv`: torch.distributed's ``batch_isend_irecv`` on the group, then ``wait`` on each work. NCCL on
   GPUs (the wait orders the current stream after NCCL's; the host does not block); gloo on CPU tensors in the CPU
@@ -62,7 +62,7 @@ _RELEASED = 2**31 - 1  # ``arrived`` after a failure: every wait on it returns
 _POLL_S = 50e-6  # the thread's poll of a staging copy's event
 
 STAND_IN_NOTE = ("NCCL's send/recv run by the host-staged stand-in (ranks sharing one GPU, "
-                 "FLUX_LAYERS_TEST_SHARED_GPU=1: gloo through pinned host memory, runtime/sendrecv.py)")
+                 "FLUX_LAYERS_TEST_SHARED_GPU=1: gloo through pinned host memory, runtime/multinode/sendrecv.py)")
 
 Transfer = tuple[torch.Tensor, int]  # (tensor, the peer's rank in the group)
 
