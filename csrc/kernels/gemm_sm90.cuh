@@ -275,9 +275,9 @@ struct GemmKernel {
   // to the fp32 accumulators once its wgmmas have completed, while the next k tiles' wgmmas run into the other
   // fragment. (CUTLASS's FP8 mainloop, which waits for every wgmma before each promotion, had ptxas serialize every
   // wgmma of this kernel, C7514, and ran 0.8x cuBLASLt.) Releases every stage it reads; advances read_state.
-  // k tiles (128 deep each) the tensor cores accumulate before a promotion: 2 measured 0.93-0.95x cuBLASLt on the
-  // large shapes against 0.87-0.91x with 1 (each iteration drains the pipe once; benchmarks/results/
-  // gemm_fp8_h200.json), at 1.01x its error (the output's bf16 rounding dominates either way).
+  // k tiles (128 deep each) the tensor cores accumulate before a promotion: 2 measured 0.88-0.95x cuBLASLt at
+  // K >= 4096 against 0.86-0.92x with 1 (each iteration drains the pipe once; benchmarks/results/history/
+  // 1280a89-fp8-split-ab/), at 1.01x its error (the output's bf16 rounding dominates either way).
   static constexpr int kSplitTilesPerPromotion = 2;
   template <class Accum>
   CUTLASS_DEVICE static void mma_fp8_split(MainloopPipeline& pipeline, PipelineState& read_state, Accum& accum,

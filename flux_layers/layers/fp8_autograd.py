@@ -55,6 +55,7 @@ from flux_layers.ops.backend import Choice, choose
 from flux_layers.ops.fp8 import (
     OUT_DTYPE,
     ScaledTensor,
+    dequantize,
     quantize,
     quantize_with_transpose,
     transpose_blocks_to_common_scale,
@@ -86,16 +87,6 @@ def fp8_of(t: torch.Tensor, dtype: torch.dtype, margin: int, *,
         if transpose:
             return quantize_with_transpose(rows, dtype, margin=margin)
         return quantize(rows, dtype, margin=margin), None
-
-
-def dequantize_blocks(q: ScaledTensor, dtype: torch.dtype) -> torch.Tensor:
-    """The values of FP8 rows [M, K] whose scale is one element, one per block of M/len(scale) rows (an all-gather's
-    per-shard scales) or one per row, in ``dtype``."""
-    rows = q.data.shape[0]
-    scale = q.scale.reshape(-1)
-    if scale.numel() not in (1, rows):
-        scale = scale.repeat_interleave(rows // scale.numel())
-    return (q.data.float() * scale.reshape(-1, 1)).to(dtype)
 
 
 def all_gather_fp8(q_shard_m: ScaledTensor, group, *, async_op: bool = False):
@@ -165,7 +156,7 @@ def _wgrad(ctx, weight: torch.Tensor, dy: torch.Tensor, dy_t8: Optional[ScaledTe
         call.record["wgrad"] = _dtypes(dy_t8.data, x_t8.data)
         return weight_grad(ctx, weight, dy, None, dw=dw.to(weight.dtype))
     dy_rows = dy if dy_rows is None else dy_rows
-    x = dequantize_blocks(x_rows8, dy_rows.dtype)
+    x = dequantize(x_rows8).to(dy_rows.dtype)
     call.record["wgrad"] = _dtypes(dy_rows, x)
     return weight_grad(ctx, weight, dy_rows, x)
 
@@ -273,7 +264,7 @@ class Fp8ReduceScatterLinear(torch.autograd.Function):
                 dw = _wgrad(ctx, w_shard_k, dy_shard_m, transpose_blocks_to_common_scale(dy8_gathered), x8)
             else:
                 dw = _wgrad(ctx, w_shard_k, dy_shard_m, None, x8,
-                            dy_rows=dequantize_blocks(dy8_gathered, ctx.act_dtype))
+                            dy_rows=dequantize(dy8_gathered).to(ctx.act_dtype))
         db = dy_shard_m.sum(dim=0) if ctx.use_bias and ctx.needs_input_grad[2] else None
         return dx_shard_k, dw, db, None, None, None
 

@@ -338,8 +338,8 @@ def _fused_gemm_rs(decision: Decision, x, weight, group, weight_layout: str) -> 
 
 def fp8_key(op: str, group, x: torch.Tensor, weight: torch.Tensor, weight_layout: str, fast_accum: bool,
             backend: str | None) -> tuple:
-    return (op, group, x.shape, weight.shape, (x.dtype, weight.dtype, bool(fast_accum)), x.get_device(),
-            weight_layout, backend)
+    return call_key(op, group, x.shape, weight.shape, (x.dtype, weight.dtype, bool(fast_accum)), x.get_device(),
+                    weight_layout, backend)
 
 
 def fp8_decided(op: str, x: torch.Tensor, weight: torch.Tensor, group, weight_layout: str, fast_accum: bool,

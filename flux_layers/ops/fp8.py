@@ -20,6 +20,7 @@ layout; the layers keep a transposed FP8 weight for the backward). K and N must 
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -100,8 +101,16 @@ def _cast_kernels(t: torch.Tensor) -> bool:
             and (t.stride(1) == 1 or t.shape[1] <= 1) and t.data_ptr() % 16 == 0
             and (t.shape[0] <= 1 or t.stride(0) % 8 == 0)):
         return False
+    return _library_runs_on(t.device.index)
+
+
+@functools.cache
+def _library_runs_on(device_index: int) -> bool:
+    """Whether the op library's kernels run on this GPU (asked once per device: a cast is on the layers' hot
+    path)."""
     from flux_layers import _library
-    return _library.unavailable_reason() is None
+    with torch.cuda.device(device_index):
+        return _library.unavailable_reason() is None
 
 
 def _check_cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
@@ -129,10 +138,20 @@ def quantize(t: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, *, rowwi
     return ScaledTensor(data, scale.contiguous())
 
 
+def row_scales(scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows, 1] (or [1, 1] for one element) of a scale that is one element, one per row, or one per block of
+    rows / len(scale) rows (an all-gather's per-shard scales)."""
+    scale = scale.reshape(-1)
+    if scale.numel() in (1, rows):
+        return scale.reshape(-1, 1)
+    if rows % scale.numel() != 0:
+        raise ValueError(f"{scale.numel()} scales do not divide {rows} rows into blocks")
+    return scale.repeat_interleave(rows // scale.numel()).reshape(rows, 1)
+
+
 def dequantize(q: ScaledTensor) -> torch.Tensor:
-    """fp32 values of a ScaledTensor whose scale is one element or one per row."""
-    scale = q.scale.reshape(-1, 1) if q.scale.numel() > 1 else q.scale.reshape(1, 1)
-    return q.data.float() * scale
+    """fp32 values of a ScaledTensor whose scale is one element, one per row or one per block of rows."""
+    return q.data.float() * row_scales(q.scale, q.data.shape[0])
 
 
 def quantize_with_transpose(t: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, *,
@@ -158,15 +177,13 @@ def transpose_blocks_to_common_scale(q: ScaledTensor) -> ScaledTensor:
         raise ValueError(f"transpose_blocks_to_common_scale: {m} rows do not split into {blocks} scale blocks")
     data = q.data
     if (data.is_cuda and data.is_contiguous() and data.shape[1] % 8 == 0 and data.data_ptr() % 8 == 0
-            and q.scale.is_contiguous()):
-        from flux_layers import _library
-        if _library.unavailable_reason() is None:
-            out, common = torch.ops.flux_layers.transpose_fp8_to_common_scale(data, q.scale.reshape(-1))
-            return ScaledTensor(out, common)
+            and q.scale.is_contiguous() and _library_runs_on(data.device.index)):
+        out, common = torch.ops.flux_layers.transpose_fp8_to_common_scale(data, q.scale.reshape(-1))
+        return ScaledTensor(out, common)
     common = q.scale.reshape(-1).amax().reshape(1)
     if blocks == 1:
         return ScaledTensor(data.t().contiguous(), common)
-    ratio = (q.scale.reshape(-1) / common).repeat_interleave(m // blocks).reshape(m, 1)
+    ratio = row_scales(q.scale / common, m)
     fmax = FP8_MAX[data.dtype]
     recast = (data.float() * ratio).clamp_(-fmax, fmax).to(data.dtype)
     return ScaledTensor(recast.t().contiguous(), common)

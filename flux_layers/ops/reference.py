@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from flux_layers.ops._checks import check_matmul_args
-from flux_layers.ops.fp8 import OUT_DTYPE, ScaledTensor, check_fp8_args
+from flux_layers.ops.fp8 import OUT_DTYPE, ScaledTensor, check_fp8_args, row_scales
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_layout: str) -> torch.Tensor:
@@ -101,7 +101,7 @@ def ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     data = all_gather_rows(x_shard_m.contiguous().view(torch.uint8), group).view(x_shard_m.dtype)
     if modes[0] == "tensor":  # one scale per shard: each source rank's scale applies to its rows
         gathered_scale = all_gather_rows(x_scale.reshape(1), group)
-        row_scale = gathered_scale.repeat_interleave(rows).reshape(-1, 1)
+        row_scale = row_scales(gathered_scale, rows * gathered_scale.numel())
     else:
         gathered_scale = row_scale = all_gather_rows(x_scale, group)
     out = scaled_linear(data, weight, bias, row_scale, w_scale, fast_accum)
