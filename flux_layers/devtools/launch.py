@@ -46,7 +46,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, backend, fn, args, errors):
+def _worker(rank, world_size, port, backend, fn, args, errors, dump_after_s):
+    import faulthandler
+
     import torch
     import torch.distributed as dist
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -54,6 +56,9 @@ def _worker(rank, world_size, port, backend, fn, args, errors):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    # A rank still running shortly before the launcher kills it prints every thread's stack (to stderr, which pytest
+    # shows with the failure): what a hang was waiting for.
+    faulthandler.dump_traceback_later(dump_after_s, exit=False)
     try:
         if backend == "nccl" and shared_gpu():
             # Emulation on one GPU: every rank on GPU 0, gloo for the group (NCCL refuses two ranks on one GPU).
@@ -90,6 +95,10 @@ _PORT_TAKEN = "EADDRINUSE"
 
 def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float = 300.0,
                     port_attempts: int = 3) -> None:
+    from flux_layers import _env
+    cap = _env.get_float("TEST_LAUNCH_S")
+    if cap > 0:
+        timeout_s = min(timeout_s, cap)
     for attempt in range(port_attempts):
         hung, failures, procs = _launch(fn, world_size, args, backend, timeout_s)
         if not (any(_PORT_TAKEN in tb for _, tb in failures) and attempt + 1 < port_attempts):
@@ -112,7 +121,8 @@ def _launch(fn, world_size, args, backend, timeout_s, grace_s: float = 30.0):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, errors))
+    dump_after_s = max(timeout_s - min(10.0, timeout_s / 4), 0.5)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, errors, dump_after_s))
              for r in range(world_size)]
     for p in procs:
         p.start()

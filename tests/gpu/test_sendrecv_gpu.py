@@ -28,6 +28,39 @@ def _value(rank: int, step: int) -> float:
     return float(1000 * step + rank)
 
 
+def _host_word(rank, world_size):
+    """The stand-in's two GPU pieces alone: its pinned host word seen in place as a CUDA tensor, and a stream wait
+    on it that returns once the host stores the value (from another thread, as the stand-in's does)."""
+    import threading
+
+    from flux_layers import _library
+    from flux_layers.runtime.multinode.sendrecv import _MappedWord
+    _library.require_library()
+    word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+    on_device = torch.as_tensor(_MappedWord(word), device="cuda")
+    assert on_device.is_cuda and on_device.data_ptr() == word.data_ptr(), (on_device.device, on_device.data_ptr())
+    stream = torch.cuda.Stream()
+    out = torch.zeros(1, device="cuda")
+    with torch.cuda.stream(stream):
+        torch.ops.flux_layers.wait_flag.default(on_device, 0, 3)
+        out.fill_(1.0)
+    passed = torch.cuda.Event()
+    passed.record(stream)
+    word[0] = 2  # below the value waited for
+    time.sleep(0.3)
+    assert not passed.query(), "the stream wait returned before the host stored the value it waits for"
+    threading.Thread(target=lambda: word.fill_(3)).start()
+    deadline = time.monotonic() + 10
+    while not passed.query():
+        assert time.monotonic() < deadline, "the stream wait did not see the host's store within 10 s"
+        time.sleep(1e-3)
+    assert out.item() == 1.0
+
+
+def test_stream_wait_on_the_host_word_returns_on_a_host_store():
+    run_distributed(_host_word, 1, timeout_s=60)
+
+
 def _stream_semantics(rank, tp):
     from flux_layers.runtime.multinode import sendrecv
     stand_in = sendrecv.for_group(dist.group.WORLD)

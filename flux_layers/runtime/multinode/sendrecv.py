@@ -203,6 +203,8 @@ class HostStagedSendRecv:
 
     def _stream_on(self, device: torch.device) -> torch.cuda.Stream:
         if self._stream is None:
+            from flux_layers import _library
+            _library.require_library()  # the stream wait is the op library's (not loaded by importing this module)
             self._stream = torch.cuda.Stream(device=device, priority=-1)
             self._arrived_on_device = torch.as_tensor(_MappedWord(self._arrived), device=device)
             if not (self._arrived_on_device.is_cuda and self._arrived_on_device.data_ptr() == self._arrived.data_ptr()):
