@@ -162,6 +162,18 @@ void pull(const AgCall& p) {
   }
 }
 
+// Mesh push of a shard with one scale: that scale into every peer's slot, on comm[0] before the other comm streams
+// fork from it, so every chunk flag of every stream follows it (one copy per peer, not one per stream and peer: a
+// copy costs the host ~5 us).
+void push_shard_scale(const AgCall& p, cudaStream_t s0) {
+  const AgGemmArgs& a = p.a;
+  if (!p.scaled() || p.row_scales() || a.order != AgOrder::kMesh) return;
+  for (int o = 1; o < a.tp; ++o) {
+    int const dst = (a.rank + o) % a.tp;
+    FLUX_CUDA_CHECK(cudaMemcpyAsync(p.scale_slot(dst, a.rank), a.x_scale, sizeof(float), cudaMemcpyDefault, s0));
+  }
+}
+
 void push(const AgCall& p) {
   const AgGemmArgs& a = p.a;
   const int r = a.rank, tp = a.tp, right = (r + 1) % tp;
@@ -174,7 +186,7 @@ void push(const AgCall& p) {
       int dst = (r + o) % tp;
       for (int c = 0; c < p.chunks; ++c) {
         cudaStream_t s = a.comm[(o - 1 + (two_per_peer && c % 2 ? tp - 1 : 0)) % a.num_comm];
-        p.copy_scales(s, p.scale_slot(dst, r), a.x_scale, c, c < (two_per_peer ? 2 : 1));
+        p.copy_scales(s, p.scale_slot(dst, r), a.x_scale, c, false);  // a shard's one scale: push_shard_scale
         p.copy_rows(s, p.region(dst, r, p.chunk_begin(c)), p.x_rows(p.chunk_begin(c)), p.x_pitch(), p.chunk_rows(c));
         // The first flag of each stream carries the signature: the two streams' flags may land in either order.
         p.flag_at(s, dst, p.flags.chunk(r, c), c < (two_per_peer ? 2 : 1));
@@ -348,6 +360,7 @@ void ag_gemm(const AgGemmArgs& a) {
     if (a.run_gemm) launch_gemm(gemm_problem(p), a.types, a.layout, a.tile, a.compute);
     FLUX_CUDA_CHECK(cudaStreamWaitEvent(s0, ev[0], 0));
     p.wait_peers_done(s0);
+    push_shard_scale(p, s0);
     if (used > 1) FLUX_CUDA_CHECK(cudaEventRecord(ready, s0));
     for (int i = 1; i < used; ++i) FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.comm[i], ready, 0));
     push(p);
