@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 SHAPES = "2048x4096x4096,3000x4096x11008,4096x8192x8192,16384x4096x4096"
 IMPLS = ("fused", "auto", "sequential", "torch_symm_mem")
+DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
 SLEEP_CYCLES_PER_MS = 2_000_000  # H200 SM clock ~2 GHz: torch.cuda._sleep counts cycles
 
 
@@ -218,41 +219,46 @@ def _check(fn, data, what):
 
 
 def bench_case(rank, tp, op, m, k, n, layout, args, group, impls):
+    """Rows of one op, shape and layout: every implementation in every dtype of ``--dtype``, all interleaved in the
+    same rounds (so that the dtypes compare within one run)."""
     from flux_layers import ops
-    dtype = getattr(torch, args.dtype)
-    data = _inputs(op, rank, tp, m, k, n, layout, dtype, sets=2)
-    fp8 = dtype == torch.float8_e4m3fn
-    fns, rows = {}, []
-    for impl in impls:
-        try:
-            fn = _impl_fn(impl, op, layout, group, fp8)
-            _check(fn, data, f"rank {rank} {op} {m}x{k}x{n} {layout} {impl}")
-        except Exception as exc:  # an implementation that cannot run here is reported, not hidden
-            if impl == "torch_symm_mem":
-                if rank == 0:
-                    print(f"  {impl} skipped: {type(exc).__name__}: {exc}", flush=True)
-                continue
-            raise
-        fns[impl] = fn
-    x0, w0, _ = data[0]
-    auto_path = (ops.decide(op, x0.data, w0.data, group=group) if fp8 else
-                 ops.plan(op, x0, w0, group=group, weight_layout=layout)).path
-    samples = {impl: {"host_us": [], "gpu_ms": [], "loop_ms": []} for impl in fns}
+    fns, data, rows = {}, {}, []
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        fp8 = dtype == torch.float8_e4m3fn
+        data[name] = _inputs(op, rank, tp, m, k, n, layout, dtype, sets=2)
+        for impl in impls:
+            try:
+                fn = _impl_fn(impl, op, layout, group, fp8)
+                _check(fn, data[name], f"rank {rank} {op} {m}x{k}x{n} {layout} {impl} {name}")
+            except Exception as exc:  # an implementation that cannot run here is reported, not hidden
+                if impl == "torch_symm_mem":
+                    if rank == 0:
+                        print(f"  {impl} {name} skipped: {type(exc).__name__}: {exc}", flush=True)
+                    continue
+                raise
+            fns[impl, name] = fn
+    auto_paths = {}
+    for name in args.dtypes:
+        x0, w0, _ = data[name][0]
+        auto_paths[name] = (ops.decide(op, x0.data, w0.data, group=group) if name == "float8_e4m3fn" else
+                            ops.plan(op, x0, w0, group=group, weight_layout=layout)).path
+    samples = {key: {"host_us": [], "gpu_ms": [], "loop_ms": []} for key in fns}
     keys = list(fns)
     for r in range(args.rounds):
         shift = r * len(keys) // args.rounds
-        for impl in keys[shift:] + keys[:shift]:
-            fn = fns[impl]
-            samples[impl]["host_us"].append(_host_us(fn, data, args.calls, args.sleep_ms, args.in_flight))
+        for key in keys[shift:] + keys[:shift]:
+            fn, inputs = fns[key], data[key[1]]
+            samples[key]["host_us"].append(_host_us(fn, inputs, args.calls, args.sleep_ms, args.in_flight))
             if not args.shared_gpu:
-                samples[impl]["gpu_ms"].append(_gpu_ms(fn, data, args.reps))
-                samples[impl]["loop_ms"].append(_loop_ms(fn, data, args.calls))
-    for impl in fns:
-        med = {key: statistics.median(v) if v else None for key, v in samples[impl].items()}
-        row = {"op": op, "m": m, "k": k, "n": n, "layout": layout, "impl": impl, "dtype": args.dtype,
+                samples[key]["gpu_ms"].append(_gpu_ms(fn, inputs, args.reps))
+                samples[key]["loop_ms"].append(_loop_ms(fn, inputs, args.calls))
+    for (impl, name) in fns:
+        med = {key: statistics.median(v) if v else None for key, v in samples[impl, name].items()}
+        row = {"op": op, "m": m, "k": k, "n": n, "layout": layout, "impl": impl, "dtype": name,
                **{key: _max_over_ranks(v) for key, v in med.items()}}
         if impl == "auto":
-            row["auto_path"] = auto_path
+            row["auto_path"] = auto_paths[name]
         rows.append(row)
     return rows
 
@@ -271,9 +277,10 @@ def main_rank(rank, tp, args):
             for layout in args.layouts.split(","):
                 rows = bench_case(rank, tp, op, m, k, n, layout, args, group, impls)
                 results += rows
-                if args.breakdown and "fused" in impls and args.dtype != "float8_e4m3fn":
+                breakdown_dtype = next((d for d in args.dtypes if d != "float8_e4m3fn"), None)
+                if args.breakdown and "fused" in impls and breakdown_dtype is not None:
                     parts = _breakdown(rank, op, m, k, n, layout,
-                                       _inputs(op, rank, tp, m, k, n, layout, getattr(torch, args.dtype), sets=1),
+                                       _inputs(op, rank, tp, m, k, n, layout, getattr(torch, breakdown_dtype), sets=1),
                                        group, args)
                     breakdown += parts
                     if rank == 0:
@@ -282,8 +289,9 @@ def main_rank(rank, tp, args):
                     for r in rows:
                         gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.3f}"
                         loop = "-" if r["loop_ms"] is None else f"{r['loop_ms']:.3f}"
-                        print(f"{op:8s} {m}x{k}x{n} {layout} {r['impl']:15s} host {r['host_us']:7.1f} us  "
-                              f"gpu {gpu} ms  loop {loop} ms {r.get('auto_path', '')}", flush=True)
+                        print(f"{op:8s} {m}x{k}x{n} {layout} {r['dtype']:13s} {r['impl']:15s} "
+                              f"host {r['host_us']:7.1f} us  gpu {gpu} ms  loop {loop} ms {r.get('auto_path', '')}",
+                              flush=True)
     if rank == 0 and args.out:
         import json
         import platform
@@ -351,8 +359,9 @@ def main(argv=None):
     ap.add_argument("--ops", default="ag_gemm,gemm_rs")
     ap.add_argument("--layouts", default="nt,nn")
     ap.add_argument("--impls", default=",".join(IMPLS))
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float8_e4m3fn"],
-                    help="float8_e4m3fn: e4m3 x e4m3 with tensor-wise scales ('nt' only), out bfloat16")
+    ap.add_argument("--dtype", default="bfloat16",
+                    help=f"comma-separated, of {', '.join(DTYPES)}, timed in the same interleaved rounds; "
+                    "float8_e4m3fn: e4m3 x e4m3 with tensor-wise scales ('nt' only), out bfloat16")
     ap.add_argument("--calls", type=int, default=20, help="calls per host-cost and loop measurement")
     ap.add_argument("--reps", type=int, default=20, help="repetitions per GPU-time measurement")
     ap.add_argument("--rounds", type=int, default=5)
@@ -364,6 +373,12 @@ def main(argv=None):
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.dtypes = [d for d in args.dtype.split(",") if d]
+    bad = [d for d in args.dtypes if d not in DTYPES]
+    if bad or not args.dtypes:
+        ap.error(f"--dtype {args.dtype!r}: each must be one of {', '.join(DTYPES)}")
+    if "float8_e4m3fn" in args.dtypes and args.layouts != "nt":
+        ap.error("--dtype float8_e4m3fn is timed with --layouts nt only (FP8 operands are K-major)")
     args.in_flight = args.in_flight or args.calls
     if args.calls % args.in_flight:
         ap.error(f"--calls {args.calls} is not a multiple of --in-flight {args.in_flight}")
