@@ -154,7 +154,7 @@ constexpr NamedCode kNamedCodes[] = {
     {"ag_mode", "external", int(flux::AgMode::kExternal)},
     {"ag_order", "mesh", int(flux::AgOrder::kMesh)},
     {"ag_order", "ring", int(flux::AgOrder::kRing)},
-    {"rs_transport", "direct", int(flux::RsTransport::kDirect)},
+    {"rs_transport", "epilogue", int(flux::RsTransport::kEpilogue)},
     {"rs_transport", "copy_engine", int(flux::RsTransport::kCopyEngine)},
     {"rs_transport", "external", int(flux::RsTransport::kExternal)},
     {"accumulation", "split", int(flux::Accumulation::kSplit)},

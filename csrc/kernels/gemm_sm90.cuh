@@ -10,7 +10,7 @@
 //              fragment; TMA's 128-byte swizzle, conflict-free; 128 x 256 tiles have a buffer per sub-tile) ->
 //              one TMA store per sub-tile, draining under the next tile's mainloop. A ReduceScatter tile for a
 //              peer goes to the peer's receive slot (NVLink P2P) and is followed by a release flag in the peer's
-//              memory (direct transport), or goes to a local staging area and is counted into its chunk, which
+//              memory (epilogue transport), or goes to a local staging area and is counted into its chunk, which
 //              the host-side copy engine moves and flags (copy-engine transport); flag and count wait for the
 //              stores to complete and are deferred by a tile. A tile of own rows waits for the peers' flags of
 //              its chunk and TMA-loads the first peer's partial into the sub-tile buffers (128 x 256 tiles:
@@ -451,7 +451,7 @@ struct GemmKernel {
     int index = 0;
   };
 
-  // Called by all consumer threads; thread 0, which issued the pending tile's stores, acts. Direct stores: raise
+  // Called by all consumer threads; thread 0, which issued the pending tile's stores, acts. Epilogue transport: raise
   // the tile's flag at the peer. Copy-engine transport: count the tile into its chunk, which the copy engine
   // moves once complete.
   // kNewerGroups: TMA-store groups thread 0 committed after the pending tile's (they may stay in flight).
@@ -587,11 +587,11 @@ struct GemmKernel {
     bool const to_peer = is_rs && !reduce;                   // partial for a peer: signal afterwards
     bool const add_bias = p.bias != nullptr && (!is_rs || reduce);
     int const flag_index = is_rs ? rs_chunk_index(t.m, t.n, p.rs_chunk_tiles_m, p.rs_chunk_tiles_n, p.rs_chunks_n) : 0;
-    bool const direct = p.rs_stage_counters == nullptr;  // else the copy engine waits for the slot's release
+    bool const epilogue_transport = p.rs_stage_counters == nullptr;  // else the copy engine waits for the release
     constexpr int kSubTiles = kTileN / kEpiCols;
 
     if (mma_thread_idx == 0) {
-      if (to_peer && direct && !(consumed_seen & (1u << t.group))) {
+      if (to_peer && epilogue_transport && !(consumed_seen & (1u << t.group))) {
         // The peer must have finished reading its receive slots (and our signature) of the previous call before
         // we overwrite them (null: the host-side stream already waited).
         if (p.rs_consumed != nullptr) wait_flag(p.rs_consumed + t.group, p.epoch - 1, p, kConsumedTimeout, t.group);

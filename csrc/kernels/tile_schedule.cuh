@@ -105,7 +105,7 @@ struct RsChunkGrid {
     return with_chunks(s, rows_per_group, tile_m, tile_n, s.swizzle * s.cluster_m, chunk_tiles_n);
   }
 
-  // Direct transport: one chunk (one flag) per tile.
+  // Epilogue transport: one chunk (one flag) per tile.
   static RsChunkGrid per_tile(const TileSchedule& s, int rows_per_group, int tile_m, int tile_n) {
     return with_chunks(s, rows_per_group, tile_m, tile_n, 1, 1);
   }

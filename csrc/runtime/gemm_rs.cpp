@@ -2,7 +2,7 @@
 // a tile of own rows waits for the peers' flags and adds their partials in rank order, so the result is the
 // same bits on every run. How a peer's partial reaches it is the transport:
 //
-//   direct          : the epilogue stores each tile of a peer's rows straight into that peer's receive slot
+//   epilogue        : the epilogue stores each tile of a peer's rows straight into that peer's receive slot
 //                     (NVLink P2P) and raises a per-tile flag there;
 //   copy engine     : the epilogue stores it into a local staging area (tp - 1 slots, one per peer in group
 //                     order) and counts it into its chunk (a panel of the tile schedule x a strip of
@@ -19,13 +19,13 @@
 //
 // After the kernel, consumed[r] = e is written at every peer (not external): our receive slots are free again.
 // CUDA-graph protocol (FlagProtocol, e = 1): consumed[d] is waited for on a stream and cleared at once (for
-// direct stores on the compute stream before the kernel, which then skips its own wait); our tile flags are
+// the epilogue transport on the compute stream before the kernel, which then skips its own wait); our tile flags are
 // cleared after the kernel, before consumed is written (a peer sets them again only after it saw that write).
 // Flag words of one rank: flag[src][flags_per_source] (set for us by src), consumed[tp] (set by each peer),
 // count[dst][flags_per_source] (our tiles of dst's rows per chunk; copy-engine transport, cleared per call),
 // sig[src][kSignatureWords] (src's call signature, gemm_params.h): RsFlagLayout (workspace_layout.h).
 // Call signatures: before its first flag at a destination, a rank writes its signature into the destination's
-// slot for it (direct stores: each CTA, after its consumed wait; copy engine: in one batch with the first chunk's
+// slot for it (epilogue transport: each CTA, after its consumed wait; copy engine: in one batch with the first chunk's
 // flag), and the destination's kernel compares it with its own after each partial's flag. Not external.
 #include <cuda_runtime.h>  // before tile_schedule.cuh: defines __host__ / __device__ for the host compiler
 

@@ -69,7 +69,7 @@ const char* wait_error(int code) {
   }
 }
 
-// One rank's call from its signature words 1-2 (gemm_params.h), e.g. "gemm_rs(M=512, K=256, nt, direct stores)".
+// One rank's call from its signature words 1-2 (gemm_params.h), e.g. "gemm_rs(M=512, K=256, nt, epilogue stores)".
 std::string describe_call(uint32_t rows_word, uint32_t shape_word, int tp) {
   int const op = signature_op(shape_word);
   int const transport = signature_transport(shape_word);
@@ -80,7 +80,7 @@ std::string describe_call(uint32_t rows_word, uint32_t shape_word, int tp) {
     os << (transport / 2 == int(AgMode::kPush) ? "push" : "pull") << " "
        << (transport % 2 == int(AgOrder::kRing) ? "ring" : "mesh");
   } else {
-    os << (transport == 1 ? "copy engine" : "direct stores");
+    os << (transport == int(RsTransport::kCopyEngine) ? "copy engine" : "epilogue stores");
   }
   os << ")";
   return os.str();
@@ -329,7 +329,7 @@ PlannedCall WorkspaceState::plan_call(const CallPlan& plan) {
     FLUX_CHECK(int(plan.transport) >= 0 && int(plan.transport) <= int(RsTransport::kExternal),
                "unknown reduce-scatter transport ", int(plan.transport));
     bool const external = plan.transport == RsTransport::kExternal;
-    bool const staged = plan.transport != RsTransport::kDirect;
+    bool const staged = plan.transport != RsTransport::kEpilogue;
     FLUX_CHECK(!staged || stage_ != nullptr, "the copy-engine and external transports need the staging area");
     FLUX_CHECK(cfg_.peer_mapped || external, cfg_.what,
                ": a workspace in local memory only serves calls whose caller moves the partials (external mode)");

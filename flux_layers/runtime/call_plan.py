@@ -41,7 +41,7 @@ class AgCallPlan(_KernelFields):
 
 @dataclass(frozen=True)
 class RsCallPlan(_KernelFields):
-    """A reduce-scatter call: ``transport`` 'direct' (epilogue stores into the peers' slots), 'copy_engine' or
+    """A reduce-scatter call: ``transport`` 'epilogue' (its stores into the peers' slots), 'copy_engine' or
     'external' (the caller moves the staged partials: the NCCL transport), ``chunk_cols`` columns per copy-engine
     chunk (0: the default; external: N, whole rows)."""
     transport: str

@@ -39,7 +39,7 @@ enum class FlagProtocol : int { kEpoch = 0, kCudaGraph = 1 };
 // How a reduce-scatter plan moves the partials of the peers' rows (csrc/runtime/gemm_rs.cpp): the epilogue's stores
 // into the peers' receive slots, the copy engine from a local staging area, or the caller (the NCCL transport) from
 // that staging area.
-enum class RsTransport : int { kDirect = 0, kCopyEngine = 1, kExternal = 2 };
+enum class RsTransport : int { kEpilogue = 0, kCopyEngine = 1, kExternal = 2 };
 
 struct AgGemmArgs {
   // operands (this rank)

@@ -76,7 +76,7 @@ constexpr int kErrorRecordWords = 9;
 //   word 1: rows per rank (Mg)
 //   word 2: the other dimension the ranks share (N per rank for AllGather+GEMM, K per rank for GEMM+ReduceScatter)
 //           << 6 | transport << 2 | weight layout << 1 | op (0: ag_gemm, 1: gemm_rs)
-// transport: ag_gemm: AgMode * 2 + AgOrder (pull/push x mesh/ring); gemm_rs: 0 direct stores, 1 copy engine.
+// transport: ag_gemm: AgMode * 2 + AgOrder (pull/push x mesh/ring); gemm_rs: RsTransport (0 epilogue, 1 copy engine).
 // A dimension of 2^26 or more is written as 2^26 - 1 (never rejected: a call is checked before its epoch advances).
 constexpr int kSignatureWords = 3;
 constexpr int64_t kMaxSignatureDim = int64_t(1) << 26;  // the dimension's bits in word 2
@@ -143,12 +143,12 @@ struct GemmProblem {
   int rs_num_partials = 0;                          // summed in index order: deterministic
   const uint32_t* rs_partial_flags[kMaxGroups] = {nullptr};  // local: [tiles] flags of each partial's source
   uint32_t* rs_signal[kMaxGroups] = {nullptr};               // per destination group: dest's flag array for our partial
-  // local: rs_consumed[g] >= epoch-1 before writing into g's slot (direct stores, epoch flags; null when the
+  // local: rs_consumed[g] >= epoch-1 before writing into g's slot (epilogue transport, epoch flags; null when the
   // host-side stream already waited for it)
   const uint32_t* rs_consumed = nullptr;
   int rs_flags_per_source = 0;  // capacity of each source's flag array (one flag per chunk must fit)
   // Chunks: the unit a flag covers. Tile (m, n) of a group lies in chunk rs_chunk_index(m, n, ...)
-  // (tile_schedule.cuh), set by the host from its RsChunkGrid; direct stores: one tile per chunk.
+  // (tile_schedule.cuh), set by the host from its RsChunkGrid; epilogue transport: one tile per chunk.
   int rs_chunk_tiles_m = 0;
   int rs_chunk_tiles_n = 0;
   int rs_chunks_n = 0;
@@ -157,7 +157,7 @@ struct GemmProblem {
   // engine waits for a chunk's count, moves the chunk into g's receive slot and raises g's flag for it.
   uint32_t* rs_stage_counters = nullptr;
 
-  // ReduceScatter direct stores: destination g's signature slot for this rank (null: the host writes it, or
+  // ReduceScatter's epilogue transport: destination g's signature slot for this rank (null: the host writes it, or
   // there is none); a CTA writes it before its first flag at g.
   uint32_t* rs_signature_out[kMaxGroups] = {nullptr};
 

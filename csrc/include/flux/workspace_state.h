@@ -39,7 +39,7 @@ struct CallPlan {
   bool custom_group_order = false;  // the GEMM's shard order below, not the one `order` implies (kExternal)
   std::array<int, kMaxGroups> group_order{};
   // reduce-scatter
-  RsTransport transport = RsTransport::kDirect;
+  RsTransport transport = RsTransport::kEpilogue;
   int chunk_cols = 0;  // columns per copy-engine chunk (0: default)
 };
 

@@ -67,7 +67,7 @@ from flux_layers.runtime.multinode.sendrecv import for_group
 from flux_layers.runtime.multinode.transfer_plan import PlanError, RsPlan
 
 CAPTURE_REFUSAL = ("the NCCL transport of the fused GEMM+ReduceScatter cannot run under CUDA-graph capture (its "
-                   "transfers are driven from the host per call); capture with the direct or copy-engine transport "
+                   "transfers are driven from the host per call); capture with the epilogue or copy-engine transport "
                    "(peer-mapped GPUs) or keep these calls out of the graph")
 
 

@@ -274,9 +274,9 @@ def _selection(rank, tp):
     topology.peer_access_matrix.cache_clear()
     c = choose()
     assert c.path == "reference" and "spans 2 nodes" in c.reason and "FLUX_LAYERS_TRANSPORT=nccl" in c.reason, c
-    assert backend.transport("gemm_rs", group) == "peer"
+    assert not backend.over_nccl("gemm_rs", group)
     os.environ["FLUX_LAYERS_TRANSPORT"] = "nccl"
-    assert backend.transport("gemm_rs", group) == "nccl"
+    assert backend.over_nccl("gemm_rs", group)
     c = choose()
     assert c.path == "reference" and "backend is gloo" in c.reason, c  # NCCL transfers need an NCCL group
     dist.get_backend = lambda g=None: "nccl"
@@ -310,7 +310,7 @@ def _selection(rank, tp):
     _dispatch.refresh()
     with pytest.raises(Made):
         _dispatch.decided("gemm_rs", x, w, group, "nt", None)
-    assert made == ["Nccl", "Peer"] and signatures == ["nccl", "direct"], (made, signatures)
+    assert made == ["Nccl", "Peer"] and signatures == ["nccl", "epilogue"], (made, signatures)
     assert not _dispatch._decisions, "a call that did not get its workspace left a decision behind"
 
 
