@@ -117,7 +117,7 @@ def plan_nccl_call(ws: workspace.AgWorkspace, *, m: int, k: int, n: int, tile: i
                                stream_k=stream_k, sm_count=sm_count or nccl_transport.gemm_sms_beside_nccl(ws.device))
     plan = AgCallPlan(tile=kc.tile, swizzle=kc.swizzle, stream_k_fill=kc.stream_k_fill, sm_count=kc.sm_count,
                       mode="external", order="mesh", rows_per_chunk=rows_per_chunk,
-                      group_order=tuple(executor.gemm_order))
+                      shard_order=tuple(executor.gemm_order))
     chunk_flags = tuple(tuple(ws.flag_index("chunk", g, c) for c in range(chunks)) for g in range(ws.tp))
     return NcclCall(plan, ws.plan_index(plan), rows_per_chunk, executor, chunk_flags)
 

@@ -36,8 +36,8 @@ struct CallPlan {
   AgMode mode = AgMode::kPush;
   AgOrder order = AgOrder::kMesh;
   int rows_per_chunk = 0;
-  bool custom_group_order = false;  // the GEMM's shard order below, not the one `order` implies (kExternal)
-  std::array<int, kMaxGroups> group_order{};
+  bool custom_shard_order = false;  // the GEMM's shard order below, not the one `order` implies (kExternal)
+  std::array<int, kMaxTp> shard_order{};
   // reduce-scatter
   RsTransport transport = RsTransport::kEpilogue;
   int chunk_cols = 0;  // columns per copy-engine chunk (0: default)
