@@ -1,10 +1,10 @@
-// torch binding of the op library: the workspace object (a torch custom class around flux::WorkspaceState), the
-// fused calls' tensor checks and argument marshalling, then the torch-free launchers of csrc/runtime and
-// csrc/kernels; and what Python reads of the runtime's layouts and codes (codes, ag/rs_workspace_layout, the
-// workspace's flag_index). Registered with TORCH_LIBRARY (no Python C API here; fastcall.cpp calls the fused ops
-// from Python through the stable ABI). Bad arguments raise ValueError (TORCH_CHECK_VALUE); CUDA failures raise
-// RuntimeError; a workspace that failed raises WorkspaceFailed and a captured call without a CUDA-graph twin
-// NoGraphTwin (fused_calls.h), which each path turns into its Python type.
+// torch binding of the op library: the native workspace (NativeWorkspace, a torch custom class around
+// flux::WorkspaceState), the fused calls' tensor checks and argument marshalling, then the torch-free launchers of
+// csrc/runtime and csrc/kernels; and what Python reads of the runtime's layouts and codes (codes,
+// ag/rs_workspace_layout, the workspace's flag_index). Registered with TORCH_LIBRARY (no Python C API here;
+// fastcall.cpp calls the fused ops from Python through the stable ABI). Bad arguments raise ValueError
+// (TORCH_CHECK_VALUE); CUDA failures raise RuntimeError; a workspace that failed raises WorkspaceFailed and a captured
+// call without a CUDA-graph twin NoGraphTwin (fused_calls.h), which each path turns into its Python type.
 // Everything a call checks is checked before its epoch advances, so a rejected call leaves the ranks in step.
 #include <ATen/ATen.h>
 #include <ATen/cuda/EmptyTensor.h>
@@ -219,7 +219,7 @@ c10::Dict<std::string, int64_t> rs_workspace_layout(int64_t tp, int64_t max_m, i
   return sizes_dict(flux::rs_workspace_sizes(int(tp), max_m, n, int(min_tile), named<flux::DType>("dtype", dtype)));
 }
 
-// ---------------------------------------------------------------- the workspace object
+// ---------------------------------------------------------------- the native workspace
 // One per fused-op workspace (flux_layers/runtime/workspace.py makes it once, after the symmetric allocation):
 // flux::WorkspaceState plus its CUDA-graph twin, the workspace whose state calls captured into a graph use.
 // The ops take it by handle, an integer: passing the object itself from Python costs several times more than the

@@ -10,8 +10,8 @@
 //                     chunk's count, copies it into the peer's receive slot and raises the peer's flag for
 //                     it. The SMs never wait on NVLink.
 //   external        : the kernel as with the copy engine, but the caller moves the chunks (the NCCL transport,
-//                     flux_layers/runtime/nccl_rs_transport.py) on comm[0], its transfer stream, forked here after
-//                     the counts are cleared and before the kernel: per chunk it waits for the count, sends the
+//                     flux_layers/runtime/multinode/nccl_rs_transport.py) on comm[0], its transfer stream, forked here
+//                     after the counts are cleared and before the kernel: per chunk it waits for the count, sends the
 //                     chunk, receives the peer's partial of our rows into our receive slot and raises our flag for
 //                     it. Chunks are full-width (chunk_cols = N), so each is contiguous rows in both slots, which
 //                     NCCL sends in place. No handshake and no write to a peer: the receives are posted on a stream

@@ -72,7 +72,7 @@ def plan_call(ws: workspace.RsWorkspace, *, m: int, k: int, n: int, tile: int | 
 
 @dataclass(frozen=True)
 class NcclCall:
-    """A call's plan on a workspace of the NCCL transport: the op's call plan (external transfers, full-width chunks,
+    """What a call on a workspace of the NCCL transport runs: the op's call plan (external transfers, full-width chunks,
     the SMs the GEMM may hold) and its index in the workspace, the chunks of each destination's rows, this rank's
     batches, and the index in the workspace's flags of ``count_flags[dst][chunk]`` (this rank's staged tiles of
     dst's rows) and ``partial_flags[src][chunk]`` (src's partial of ours received)."""

@@ -11,7 +11,7 @@ A table file looks like::
 Key convention (the table's ``key`` field, :data:`TABLE_KEY`): an entry's (m, k, n) is the per-rank GEMM, the
 problem one rank's kernel runs (:func:`table_key`): ag_gemm (M gathered rows, K, N/tp: this rank's output
 columns), gemm_rs (M rows, K/tp: this rank's shard of the reduction, N). Every lookup (``ops.backend.choose``, the
-ops' call plans, the layers' plans, ``ops.plan``) passes the sizes of the tensors this rank holds, which are
+ops' call plans, the layers' decisions, ``ops.plan``) passes the sizes of the tensors this rank holds, which are
 exactly these; the benchmarks name shapes by their global M x K x N, and tools/make_dispatch_table.py
 converts. Lookups match op, dtype, tp and GPU name exactly and take the entry with the nearest (m, k, n) in log
 space, within :data:`NEAREST_LOG2_DISTANCE`; with no matching entry the fused path is used (the heuristic: fused

@@ -18,7 +18,7 @@ namespace flux {
 constexpr int kEventsPerCall = 12;
 
 // kExternal: the caller moves the chunks into this rank's gathered buffer and sets this rank's chunk flags (the
-// NCCL transport, flux_layers/runtime/nccl_transport.py, on a stream it forked from the compute stream before
+// NCCL transport, flux_layers/runtime/multinode/nccl_transport.py, on a stream it forked from the compute stream before
 // the call). The op launches the GEMM on the local buffer and flags and enqueues no copy, no handshake and no
 // write to a peer: the workspace may hold local memory only (WorkspaceConfig::peer_mapped false), and the order
 // of calls on the buffer is the caller's streams' order.
@@ -138,9 +138,9 @@ struct GemmRsArgs {
   // peer (at least one); null stage: the epilogue stores straight into the peers' receive slots.
   char* stage = nullptr;
   int chunk_cols = 0;  // columns per copy-engine chunk (0: default; external: N, full-width chunks)
-  // External transfers (the NCCL transport, flux_layers/runtime/nccl_rs_transport.py): the kernel runs as with the
-  // copy engine (partials into the local staging area, per-chunk counts), but the op moves nothing: comm[0] is the
-  // caller's transfer stream, forked here from the compute stream after the counts are cleared and before the
+  // External transfers (the NCCL transport, flux_layers/runtime/multinode/nccl_rs_transport.py): the kernel runs as
+  // with the copy engine (partials into the local staging area, per-chunk counts), but the op moves nothing: comm[0] is
+  // the caller's transfer stream, forked here from the compute stream after the counts are cleared and before the
   // kernel, on which the caller waits for each chunk's count, sends it, receives the peers' partials into this
   // rank's receive slots and raises this rank's flag for each. No handshake, no write to a peer: only this rank's
   // recv and flags pointers are used (a workspace in local memory). Epoch protocol only.

@@ -1,7 +1,7 @@
 // The long-lived host-side state of one fused-operator workspace (torch-free). Everything a call needs that does
 // not change from call to call lives here, fixed when the workspace is made: the peers' buffer and flag pointers,
 // the communication streams, the events of a call, the error record, the flag protocol, the epoch counter and
-// the kernel/transfer plans registered for the shapes seen so far. A call passes its tensors, a plan index and
+// the call plans registered for the shapes seen so far. A call passes its tensors, a plan index and
 // this object (csrc/bindings/ops.cpp), so nothing is marshalled, looked up or decided twice per call.
 #pragma once
 
