@@ -136,17 +136,18 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
                                             transport="copy_engine", chunk_cols=cols), reps=reps, group=group)
     rs_ws.check()
 
+    fused_transport = tuning.rs_transport(dtype=dtype, tp=tp, mkn=_key(xs[0], ws_[0], tp))  # what 'fused' ran
     return {"m": m, "k": k, "n": n, "k_local": k_local, "tp": tp, "dtype": str(dtype).replace("torch.", ""),
             "times_ms": t, **overlap_figures(t, "nccl_rs", "gemm_then_nccl"),
-            "rel_err_vs_nccl": err, "transport": "peer",
+            "rel_err_vs_nccl": err, "transport": fused_transport,
             "dispatch_auto": ops.plan("gemm_rs", xs[0], ws_[0], group=group).path,
             "fused_default_config": tuning.kernel_name(tuning.resolve_kernel("gemm_rs", dtype=dtype, tp=tp,
                                                                              mkn=_key(xs[0], ws_[0], tp))),
-            "fused_transport": tuning.rs_transport(dtype=dtype, tp=tp, mkn=_key(xs[0], ws_[0], tp)),
+            "fused_transport": fused_transport,
             "implementation": "fused = flux_layers._C gemm_rs with the default transport (fused_transport: "
-                              "'direct' = epilogue stores into peer slots, flagged tiles; 'copy_engine' = epilogue "
+                              "'epilogue' = epilogue stores into peer slots, flagged tiles; 'copy_engine' = epilogue "
                               "stores locally, copy engine moves finished chunks); the owner reduces in its "
-                              "epilogue. fused_direct / fused_copy_engine: each transport, default kernel"}
+                              "epilogue. fused_epilogue / fused_copy_engine: each transport, default kernel"}
 
 
 def bench_shape_nccl(rank, tp, m, k, n, dtype, reps, sets=2):
@@ -191,8 +192,8 @@ def run(rank, tp, args):
     from flux_layers.runtime import topology
     # The transport comes from the settings like the library's: NCCL where FLUX_LAYERS_TRANSPORT=nccl forces it;
     # otherwise the peer-mapped transports, and a group they cannot serve stops here saying why.
-    transport = topology.rs_transport()
-    if transport != "nccl":
+    nccl = topology.rs_over_nccl()
+    if not nccl:
         blocker = topology.fused_path_blocker(tuple(range(tp)), topology.group_node_ids(dist.group.WORLD),
                                               op="gemm_rs")
         if blocker is not None:
@@ -200,7 +201,7 @@ def run(rank, tp, args):
     dtype = getattr(torch, args.dtype)
     rows = []
     for (m, k, n) in parse_shapes(args.shapes):
-        bench = bench_shape_nccl if transport == "nccl" else bench_shape
+        bench = bench_shape_nccl if nccl else bench_shape
         r = bench(rank, tp, m, k, n, dtype, args.reps)
         rows.append(r)
         if rank == 0:
@@ -208,7 +209,7 @@ def run(rank, tp, args):
             print(f"  {m}x{k}x{n} [{r['transport']}]: gemm {tt['gemm_cublas']:.3f} rs {tt['nccl_rs']:.3f} seq "
                   f"{tt['gemm_then_nccl']:.3f} torch {tt['torch_symm_mem_fused']} fused {tt['fused']:.3f} ms",
                   flush=True)
-    if transport == "nccl":
+    if nccl:
         report_operator_rows(rank, tp, rows, operator_columns([
             ("gemm_flux_beside_nccl", "gemm_sms", ".3f"), ("nccl_rs", "nccl_rs", ".3f"),
             ("gemm_then_nccl", "seq", ".3f"), ("torch_symm_mem_fused", "torch", ".3f"), ("fused", "fused", ".3f"),
@@ -217,10 +218,10 @@ def run(rank, tp, args):
         return
     report_operator_rows(rank, tp, rows, operator_columns([
         ("gemm_flux", "gemm_flux", ".3f"), ("nccl_rs", "nccl_rs", ".3f"), ("gemm_then_nccl", "seq", ".3f"),
-        ("torch_symm_mem_fused", "torch", ".3f"), ("fused", "fused", ".3f"), ("fused_direct", "direct", ".3f"),
+        ("torch_symm_mem_fused", "torch", ".3f"), ("fused", "fused", ".3f"), ("fused_epilogue", "epilogue", ".3f"),
         ("fused_copy_engine", "ce", ".3f"), ("fused_copy_engine_cols512", "ce512", ".3f"),
         ("fused_copy_engine_cols2048", "ce2048", ".3f"), ("fused_copy_engine_cols4096", "ce4096", ".3f")]),
-        args.out, extra={"transport": "epilogue stores / copy engine (peer-mapped; per shape: fused_transport)"})
+        args.out, extra={"transport": "epilogue or copy_engine (peer-mapped; per shape: each row's transport)"})
 
 def main():
     operator_main(__doc__, DEFAULT_SHAPES, run)

@@ -15,7 +15,7 @@ launchers can set them per process.
 | FLUX_LAYERS_NCCL_SMS | SMs the fused all-gather's GEMM leaves to NCCL's kernels on the ``nccl`` transport (flux_layers/runtime/multinode/nccl_transport.py) | 20 |
 | FLUX_LAYERS_NUMA_MAP | comma-separated NUMA node of each local rank's GPU (e.g. ``0,0,0,0,1,1,1,1``), overriding detection (NVML, else sysfs); with ``FLUX_LAYERS_AG_ORDER=numa2d`` it forces the NUMA-2D order. Empty: detect | (empty) |
 | FLUX_LAYERS_CHUNK_ROWS | rows per copy-engine chunk (0: per-shape heuristic) | 0 |
-| FLUX_LAYERS_RS_TRANSPORT | GEMM+ReduceScatter's move of peer tiles: ``direct``, ``copy_engine``, ``auto`` (1) | auto |
+| FLUX_LAYERS_RS_TRANSPORT | GEMM+ReduceScatter's move of peer tiles: ``epilogue``, ``copy_engine``, ``auto`` (1) | auto |
 | FLUX_LAYERS_RS_CHUNK_COLS | columns per copy-engine chunk of the reduce-scatter (0: 1024) | 0 |
 | FLUX_LAYERS_TIMEOUT_S | bound on every cross-rank wait, seconds | 30 |
 | FLUX_LAYERS_WORKSPACE_MAX_GIB | largest symmetric buffer one workspace may take, GiB (0: no cap) | 16 |
@@ -30,8 +30,8 @@ launchers can set them per process.
 | FLUX_LAYERS_TEST_LAUNCH_S | most seconds a test's ranks may run (flux_layers/devtools/launch.py: the lower of this and the test's own limit; each rank prints its threads' stacks shortly before it is killed); 0: the test's own | 0 |
 | FLUX_LAYERS_TEST_NODES | emulated nodes of the NCCL-transport GPU tests (tests/gpu/test_nccl_transport_gpu.py: FLUX_LAYERS_TEST_TP / N ranks per node); 0: their default layouts | 0 |
 
-(1) ``direct``: the epilogue stores into the peer; ``copy_engine``: staged locally, moved by the copy engine per
-chunk; ``auto``: the tuning table's choice for the shape, else direct.
+(1) ``epilogue``: the GEMM epilogue stores into the peer; ``copy_engine``: staged locally, moved by the copy engine
+per chunk; ``auto``: the tuning table's choice for the shape, else epilogue.
 (2) The persistent GEMMs split the items of a last, partial wave along K, while that wave keeps at most
 FLUX_LAYERS_STREAM_K_MAX_FILL percent (0-100) of the persistent grid busy.
 (3) flux_layers/runtime/workspace.py.
@@ -76,7 +76,6 @@ _CHOICES = {
     "AG_MODE": ("pull", "push"),
     "AG_ORDER": ("auto", "mesh", "ring", "internode", "numa2d"),
     "TRANSPORT": ("auto", "copy_engine", "nccl"),
-    "RS_TRANSPORT": ("auto", "direct", "copy_engine"),
     "DISPATCH": ("table", "always"),
     "POISON_OUTPUTS": ("0", "1"),
     "TEST_SHARED_GPU": ("0", "1"),

@@ -11,7 +11,8 @@ flux_layers/runtime/tuning.py): ag_gemm M x K x N/tp, gemm_rs M x K/tp x N. Each
 
 For every measured shape: path 'sequential' where NCCL+GEMM (or GEMM+NCCL) was faster than the fused
 operator in that run, else 'fused'; for GEMM+ReduceScatter runs that timed both transports, the faster one
-('direct' or 'copy_engine'). Lookups take the nearest measured shape (flux_layers/runtime/tuning.py).
+('epilogue' or 'copy_engine'; :func:`rs_transport_times`). Lookups take the nearest measured shape
+(flux_layers/runtime/tuning.py).
 
 ``--loop op_overhead.json`` (benchmarks/bench_overhead.py, run on as many GPUs as the ranks): for the shapes it
 measured, the path is decided by the plain back-to-back loop (host cost included: what a step sees when the CPU
@@ -38,6 +39,15 @@ def per_rank_key(op: str, tp: int, m: int, k: int, n: int) -> tuple[int, int, in
     return tuning.table_key(op, m, k // tp, n, tp)
 
 
+def rs_transport_times(times_ms: dict) -> dict[str, float | None]:
+    """Each peer-mapped GEMM+ReduceScatter transport's time in a bench_gemm_rs row (``fused_<transport>``; a record
+    of an earlier run names a transport by its former name, tuning.RS_TRANSPORT_FORMER_NAMES), None where not
+    timed."""
+    former = {now: was for was, now in tuning.RS_TRANSPORT_FORMER_NAMES.items()}
+    return {name: times_ms.get(f"fused_{name}", times_ms.get(f"fused_{former.get(name)}"))
+            for name in tuning.RS_TRANSPORTS}
+
+
 def entries_from(path: str) -> tuple[str, list[dict]]:
     with open(path) as f:
         run = json.load(f)
@@ -50,7 +60,7 @@ def entries_from(path: str) -> tuple[str, list[dict]]:
                  "global_mkn": [r["m"], r["k"], r["n"]]}
         fused = t["fused"]
         # GEMM+ReduceScatter runs measured with both transports: the faster one is the shape's transport.
-        transports = {name: t.get(f"fused_{name}") for name in ("direct", "copy_engine")}
+        transports = rs_transport_times(t)
         if op == "gemm_rs" and all(v is not None for v in transports.values()):
             entry["transport"] = min(transports, key=transports.get)
             fused = transports[entry["transport"]]

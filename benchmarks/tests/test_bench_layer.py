@@ -12,6 +12,7 @@ from benchmarks import bench_layer, harness
 from flux_layers import ops
 from flux_layers.ops import _dispatch
 from flux_layers.ops.backend import Choice
+from tools.make_dispatch_table import rs_transport_times
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -90,8 +91,8 @@ def test_timed_steps_make_no_decision(decisions_in_timed_steps):
 def _measured_rs_transport(global_mkn) -> str:
     with open(os.path.join(ROOT, "benchmarks/results/gemm_rs_h200x2.json")) as f:
         row = next(r for r in json.load(f)["results"] if (r["m"], r["k"], r["n"]) == global_mkn)
-    t = row["times_ms"]
-    return "direct" if t["fused_direct"] <= t["fused_copy_engine"] else "copy_engine"
+    t = rs_transport_times(row["times_ms"])
+    return "epilogue" if t["epilogue"] <= t["copy_engine"] else "copy_engine"
 
 
 class _Linear(torch.nn.Module):
@@ -100,7 +101,7 @@ class _Linear(torch.nn.Module):
         self.last_paths, self.last_gemms, self.tp_group = paths, gemms, None
 
 
-@pytest.mark.parametrize("setting", [None, "direct"])
+@pytest.mark.parametrize("setting", [None, "epilogue"])
 def test_what_ran_records_the_resolved_transport_not_the_setting(monkeypatch, setting):
     from flux_layers.runtime import tuning
     monkeypatch.setattr(tuning, "_gpu_name", lambda: "NVIDIA H200")

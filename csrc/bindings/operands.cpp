@@ -76,7 +76,7 @@ ScaleMode scale_mode(const Tensor& s, const Tensor& x, int64_t per_row_count, bo
   TORCH_CHECK_VALUE(s.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", s.scalar_type());
   TORCH_CHECK_VALUE(s.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", s.strides());
   TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(s.data_ptr()) % 4 == 0, op, ": ", name, " is not 4-byte aligned");
-  if (s.numel() == 1 && s.dim() <= 2) return ScaleMode::kPerGroup;
+  if (s.numel() == 1 && s.dim() <= 2) return ScaleMode::kPerShard;
   TORCH_CHECK_VALUE(row_shape_ok && s.numel() == per_row_count, op, ": ", name,
                     " must hold one element (tensor-wise) or have shape ", row_shape, " (row-wise), got ", s.sizes());
   return ScaleMode::kPerRow;

@@ -1,10 +1,10 @@
-// torch binding of the op library: the workspace object (a torch custom class around flux::WorkspaceState), the
-// fused calls' tensor checks and argument marshalling, then the torch-free launchers of csrc/runtime and
-// csrc/kernels; and what Python reads of the runtime's layouts and codes (codes, ag/rs_workspace_layout, the
-// workspace's flag_index). Registered with TORCH_LIBRARY (no Python C API here; fastcall.cpp calls the fused ops
-// from Python through the stable ABI). Bad arguments raise ValueError (TORCH_CHECK_VALUE); CUDA failures raise
-// RuntimeError; a workspace that failed raises WorkspaceFailed and a captured call without a CUDA-graph twin
-// NoGraphTwin (fused_calls.h), which each path turns into its Python type.
+// torch binding of the op library: the native workspace (NativeWorkspace, a torch custom class around
+// flux::WorkspaceState), the fused calls' tensor checks and argument marshalling, then the torch-free launchers of
+// csrc/runtime and csrc/kernels; and what Python reads of the runtime's layouts and codes (codes,
+// ag/rs_workspace_layout, the workspace's flag_index). Registered with TORCH_LIBRARY (no Python C API here;
+// fastcall.cpp calls the fused ops from Python through the stable ABI). Bad arguments raise ValueError
+// (TORCH_CHECK_VALUE); CUDA failures raise RuntimeError; a workspace that failed raises WorkspaceFailed and a captured
+// call without a CUDA-graph twin NoGraphTwin (fused_calls.h), which each path turns into its Python type.
 // Everything a call checks is checked before its epoch advances, so a rejected call leaves the ranks in step.
 #include <ATen/ATen.h>
 #include <ATen/cuda/EmptyTensor.h>
@@ -107,11 +107,11 @@ void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, c
   c10::cuda::CUDAGuard guard(x.device());
   if (s.m == 0 || s.n == 0) return;
   flux::GemmProblem p;
-  p.rows_per_group = int(s.m);
+  p.rows_per_shard = int(s.m);
   p.n = int(s.n);
   p.k = int(s.k);
-  p.num_groups = 1;
-  p.own_group = 0;
+  p.num_shards = 1;
+  p.own_shard = 0;
   p.a_own = x.data_ptr();
   p.lda_own = x.stride(0);
   p.b = w.data_ptr();
@@ -154,7 +154,7 @@ constexpr NamedCode kNamedCodes[] = {
     {"ag_mode", "external", int(flux::AgMode::kExternal)},
     {"ag_order", "mesh", int(flux::AgOrder::kMesh)},
     {"ag_order", "ring", int(flux::AgOrder::kRing)},
-    {"rs_transport", "direct", int(flux::RsTransport::kDirect)},
+    {"rs_transport", "epilogue", int(flux::RsTransport::kEpilogue)},
     {"rs_transport", "copy_engine", int(flux::RsTransport::kCopyEngine)},
     {"rs_transport", "external", int(flux::RsTransport::kExternal)},
     {"accumulation", "split", int(flux::Accumulation::kSplit)},
@@ -197,7 +197,7 @@ c10::Dict<std::string, int64_t> sizes_dict(flux::WorkspaceSizes const& s) {
 }
 
 void check_size(int64_t tp, int64_t max_m, int64_t inner) {
-  TORCH_CHECK_VALUE(tp >= 2 && tp <= flux::kMaxGroups, "tp ", tp, " outside [2, ", flux::kMaxGroups, "]");
+  TORCH_CHECK_VALUE(tp >= 2 && tp <= flux::kMaxTp, "tp ", tp, " outside [2, ", flux::kMaxTp, "]");
   TORCH_CHECK_VALUE(max_m > 0 && max_m % tp == 0, "max_m ", max_m, " must be a positive multiple of tp ", tp);
   TORCH_CHECK_VALUE(inner > 0, "the inner size ", inner, " must be positive");
 }
@@ -219,7 +219,7 @@ c10::Dict<std::string, int64_t> rs_workspace_layout(int64_t tp, int64_t max_m, i
   return sizes_dict(flux::rs_workspace_sizes(int(tp), max_m, n, int(min_tile), named<flux::DType>("dtype", dtype)));
 }
 
-// ---------------------------------------------------------------- the workspace object
+// ---------------------------------------------------------------- the native workspace
 // One per fused-op workspace (flux_layers/runtime/workspace.py makes it once, after the symmetric allocation):
 // flux::WorkspaceState plus its CUDA-graph twin, the workspace whose state calls captured into a graph use.
 // The ops take it by handle, an integer: passing the object itself from Python costs several times more than the
@@ -315,21 +315,21 @@ struct NativeWorkspace : torch::CustomClassHolder {
   int64_t handle() const { return handle_; }
   const flux::WorkspaceConfig& config() const { return state->config(); }
 
-  // A plan's fields by name (flux_layers/runtime/call_plan.py mirrors the names). group_order: the GEMM's shard
+  // A plan's fields by name (flux_layers/runtime/call_plan.py mirrors the names). shard_order: the GEMM's shard
   // order where the caller's transfers fix it (external mode), else empty.
   int64_t add_ag_plan(int64_t tile, int64_t swizzle, int64_t stream_k_fill, int64_t sm_count, std::string mode,
-                      std::string order, int64_t rows_per_chunk, std::vector<int64_t> group_order,
+                      std::string order, int64_t rows_per_chunk, std::vector<int64_t> shard_order,
                       std::string accumulation) {
     TORCH_CHECK_VALUE(config().kind == flux::WorkspaceKind::kAllGather, config().what,
                       ": an all-gather plan needs an all-gather workspace");
-    TORCH_CHECK_VALUE(group_order.empty() || int64_t(group_order.size()) == config().tp, "group_order names ",
-                      group_order.size(), " shards for a group of ", config().tp);
+    TORCH_CHECK_VALUE(shard_order.empty() || int64_t(shard_order.size()) == config().tp, "shard_order names ",
+                      shard_order.size(), " shards for a group of ", config().tp);
     flux::CallPlan p = kernel_plan(tile, swizzle, stream_k_fill, sm_count, accumulation);
     p.mode = named<flux::AgMode>("ag_mode", mode);
     p.order = named<flux::AgOrder>("ag_order", order);
     p.rows_per_chunk = int(rows_per_chunk);
-    p.custom_group_order = !group_order.empty();
-    for (size_t i = 0; i < group_order.size(); ++i) p.group_order[i] = int(group_order[i]);
+    p.custom_shard_order = !shard_order.empty();
+    for (size_t i = 0; i < shard_order.size(); ++i) p.shard_order[i] = int(shard_order[i]);
     return add_plan(p);
   }
 
@@ -604,7 +604,7 @@ std::tuple<Tensor, Tensor, Tensor> ag_gemm_call(const Tensor& x_shard_m, const T
   if (s.m == 0) return {out, gathered, gathered_scale};  // a no-op on every rank: no epoch, no flags
 
   AgGemmArgs a = call.arguments(call.planned.ag, out);
-  a.rows_per_group = int(s.m);
+  a.rows_per_shard = int(s.m);
   a.gathered_out = return_gathered ? gathered.data_ptr() : nullptr;
   a.gathered_scale_out = return_gathered && scaled ? gathered_scale.data_ptr<float>() : nullptr;
   a.run_gemm = run_gemm;
@@ -628,7 +628,7 @@ Tensor gemm_rs_call(const Tensor& x, const Tensor& w, const std::optional<Tensor
   if (rows == 0) return out;  // a no-op on every rank: no epoch, no flags
 
   GemmRsArgs a = call.arguments(call.planned.rs, out);
-  a.rows_per_group = int(rows);
+  a.rows_per_shard = int(rows);
   call.enqueue(a, flux::gemm_rs);
   return out;
 }
@@ -725,7 +725,7 @@ TORCH_LIBRARY(flux_layers, m) {
             torch::arg("poison_outputs"), torch::arg("what")})
       .def("add_ag_plan", &NativeWorkspace::add_ag_plan, "",
            {torch::arg("tile"), torch::arg("swizzle"), torch::arg("stream_k_fill"), torch::arg("sm_count"),
-            torch::arg("mode"), torch::arg("order"), torch::arg("rows_per_chunk"), torch::arg("group_order"),
+            torch::arg("mode"), torch::arg("order"), torch::arg("rows_per_chunk"), torch::arg("shard_order"),
             torch::arg("accumulation")})
       .def("add_rs_plan", &NativeWorkspace::add_rs_plan, "",
            {torch::arg("tile"), torch::arg("swizzle"), torch::arg("stream_k_fill"), torch::arg("sm_count"),

@@ -2,7 +2,7 @@
 //
 //   config   : GemmConfig<ElementA, ElementB, ElementD, WeightLayout, TileM, TileN, ClusterM, Accumulation>
 //              (one TU per operand types and layout)
-//   params   : KernelParams = two TMA mainloop descriptors (group-batched A, own A; B) + GemmProblem + schedule
+//   params   : KernelParams = two TMA mainloop descriptors (shard-batched A, own A; B) + GemmProblem + schedule
 //   roles    : warp group 0 = producer (one elected thread issues TMA loads; in AllGather mode it first waits
 //              on the readiness flag of the chunk the A tile reads), warp groups 1-2 = consumers (wgmma via
 //              CUTLASS's sm90 TMA/GMMA collective mainloop, then this file's epilogue)
@@ -10,7 +10,7 @@
 //              fragment; TMA's 128-byte swizzle, conflict-free; 128 x 256 tiles have a buffer per sub-tile) ->
 //              one TMA store per sub-tile, draining under the next tile's mainloop. A ReduceScatter tile for a
 //              peer goes to the peer's receive slot (NVLink P2P) and is followed by a release flag in the peer's
-//              memory (direct transport), or goes to a local staging area and is counted into its chunk, which
+//              memory (epilogue transport), or goes to a local staging area and is counted into its chunk, which
 //              the host-side copy engine moves and flags (copy-engine transport); flag and count wait for the
 //              stores to complete and are deferred by a tile. A tile of own rows waits for the peers' flags of
 //              its chunk and TMA-loads the first peer's partial into the sub-tile buffers (128 x 256 tiles:
@@ -26,7 +26,7 @@
 // Invariants
 //   * all CTAs of the persistent grid are co-resident (grid = max active clusters), so a CTA waiting on a
 //     peer's tile never blocks the CTA that would produce it;
-//   * a tile never spans two groups (TMA clips rows at the group edge), so M/tp need not divide the tile;
+//   * a tile never spans two shards (TMA clips rows at the shard edge), so M/tp need not divide the tile;
 //   * N and K are multiples of 8 (16-byte rows for TMA and the vector epilogue), checked by the binding.
 #pragma once
 
@@ -114,12 +114,12 @@ struct GemmConfig {
 // ------------------------------------------------------------------------------------------------ params
 template <class Cfg>
 struct KernelParams {
-  typename Cfg::Mainloop::Params mainloop;      // A: group-batched [Mg, K, groups]
+  typename Cfg::Mainloop::Params mainloop;      // A: shard-batched [Mg, K, shards]
   typename Cfg::Mainloop::Params mainloop_own;  // A: own rows [Mg, K, 1]; B: W (used for every tile)
   GemmProblem prob;
   TileSchedule sched;
-  typename Cfg::StoreD store_d[kMaxGroups];            // TMA store of group g's destination
-  typename Cfg::LoadPartial load_partial[kMaxGroups];  // ReduceScatter: TMA load of prob.rs_partials[s]
+  typename Cfg::StoreD store_d[kMaxTp];            // TMA store of shard g's destination
+  typename Cfg::LoadPartial load_partial[kMaxTp];  // ReduceScatter: TMA load of prob.rs_partials[s]
   StreamK split;
   uint32_t* split_flags;   // [CTAs] (valid when split.active())
   float4* split_partials;  // [CTAs][kTileM * kTileN / 4]
@@ -218,13 +218,13 @@ struct GemmKernel {
                                        MainloopPipeline& pipeline, PipelineState& write_state, SharedStorage& ss,
                                        uint32_t block_rank_in_cluster) {
     GemmProblem const& p = params.prob;
-    bool own = t.group == p.own_group;
+    bool own = t.shard == p.own_shard;
     auto const& tma_a = own ? params.mainloop_own.tma_load_a : params.mainloop.tma_load_a;
     auto const& tma_b = params.mainloop_own.tma_load_b;
-    int l_a = own ? 0 : t.group;
-    int a_groups = own ? 1 : p.num_groups;
+    int l_a = own ? 0 : t.shard;
+    int a_shards = own ? 1 : p.num_shards;
 
-    Tensor mA = tma_a.get_tma_tensor(make_shape(p.rows_per_group, p.k, a_groups));        // (m, k, l)
+    Tensor mA = tma_a.get_tma_tensor(make_shape(p.rows_per_shard, p.k, a_shards));        // (m, k, l)
     Tensor mB = tma_b.get_tma_tensor(make_shape(p.n, p.k, 1));                            // (n, k, l)
     Tensor gA_mkl = local_tile(mA, TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});  // (BM,BK,m,k,l)
     Tensor gB_nkl = local_tile(mB, TileShape{}, make_coord(_, _, _), Step<X, _1, _1>{});  // (BN,BK,n,k,l)
@@ -351,22 +351,22 @@ struct GemmKernel {
   }
 
   // AllGather: the A tile of a peer's rows may only be loaded once every chunk it covers has landed. The first
-  // time this CTA sees a group's chunks, it compares the source's call signature with ours (signature_checked:
+  // time this CTA sees a shard's chunks, it compares the source's call signature with ours (signature_checked:
   // bit g once done).
   CUTLASS_DEVICE static void wait_chunks(GemmProblem const& p, TileCoord t, uint32_t& signature_checked) {
     int row_begin = t.m * kTileM;
-    int row_end = min(row_begin + kTileM, p.rows_per_group);
+    int row_end = min(row_begin + kTileM, p.rows_per_shard);
     if (row_begin >= row_end) return;  // a padding tile of the cluster: TMA reads zeros, nothing is stored
     int c_begin = row_begin / p.rows_per_chunk;
     int c_end = (row_end - 1) / p.rows_per_chunk;
     bool arrived = true;
     for (int c = c_begin; c <= c_end; ++c) {
-      int index = t.group * p.chunks_per_group + c;
+      int index = t.shard * p.chunks_per_shard + c;
       arrived &= wait_flag(p.chunk_flags + index, p.epoch, p, kChunkTimeout, index);
     }
-    if (arrived && !(signature_checked >> t.group & 1u)) {
-      check_signature(p, t.group);
-      signature_checked |= 1u << t.group;
+    if (arrived && !(signature_checked >> t.shard & 1u)) {
+      check_signature(p, t.shard);
+      signature_checked |= 1u << t.shard;
     }
     // The chunk was written by the copy engine; the TMA loads that follow read through the async proxy.
     asm volatile("fence.proxy.async.global;" ::: "memory");
@@ -447,17 +447,17 @@ struct GemmKernel {
   // for an NVLink round trip per tile. Own-row tiles (which wait on the peers' flags) flush first, so no rank
   // waits on a flag another rank still holds back.
   struct PendingSignal {
-    int group = -1;
+    int shard = -1;
     int index = 0;
   };
 
-  // Called by all consumer threads; thread 0, which issued the pending tile's stores, acts. Direct stores: raise
+  // Called by all consumer threads; thread 0, which issued the pending tile's stores, acts. Epilogue transport: raise
   // the tile's flag at the peer. Copy-engine transport: count the tile into its chunk, which the copy engine
   // moves once complete.
   // kNewerGroups: TMA-store groups thread 0 committed after the pending tile's (they may stay in flight).
   template <int kNewerGroups = 0>
   CUTLASS_DEVICE static void flush_signal(GemmProblem const& p, PendingSignal& pending, int mma_thread_idx) {
-    if (pending.group < 0) return;
+    if (pending.shard < 0) return;
     if (mma_thread_idx == 0) {
       // The tile went out as TMA stores issued by this thread: wait until they are complete (not only read
       // out of shared memory), order them before this thread's generic-proxy release, then publish. The
@@ -466,18 +466,18 @@ struct GemmKernel {
       asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kNewerGroups) : "memory");
       asm volatile("fence.proxy.async.global;" ::: "memory");
       if (p.rs_stage_counters != nullptr) {
-        red_add_release_sys(p.rs_stage_counters + int64_t(pending.group) * p.rs_flags_per_source + pending.index, 1u);
+        red_add_release_sys(p.rs_stage_counters + int64_t(pending.shard) * p.rs_flags_per_source + pending.index, 1u);
       } else {
-        st_release<Scope::kSys>(p.rs_signal[pending.group] + pending.index, p.epoch);
+        st_release<Scope::kSys>(p.rs_signal[pending.shard] + pending.index, p.epoch);
       }
     }
-    pending.group = -1;
+    pending.shard = -1;
   }
 
   // Own rows of a ReduceScatter: wait until every peer's partial of tile t has landed here (one consumer thread).
   // The first time this CTA's partial of a source passed its wait, the source's call signature is compared (bit
   // kSignatureSeen + s of `seen`, the consumer's per-destination bits: no register of its own).
-  static constexpr int kSignatureSeen = kMaxGroups;
+  static constexpr int kSignatureSeen = kMaxTp;
   CUTLASS_DEVICE static void wait_partial_flags(GemmProblem const& p, TileCoord t, uint32_t& seen) {
     int const flag_index = rs_chunk_index(t.m, t.n, p.rs_chunk_tiles_m, p.rs_chunk_tiles_n, p.rs_chunks_n);
     for (int i = 0; i < p.rs_num_partials; ++i) {
@@ -500,12 +500,12 @@ struct GemmKernel {
                                                    SharedStorage& ss) {
     GemmProblem const& p = params.prob;
     auto const& load = params.load_partial[s];
-    Tensor mP = load.get_tma_tensor(make_shape(p.rows_per_group, p.n));
+    Tensor mP = load.get_tma_tensor(make_shape(p.rows_per_shard, p.n));
     auto cta_load = load.get_slice(Int<0>{});
     for (int sub = sub_begin; sub < sub_end; ++sub) {
       int const buf = sub % kEpiBuffers;
       uint64_t* full = &ss.partial_full[buf];
-      // Rows and columns past the group's edge arrive as zeros and still count towards the bytes.
+      // Rows and columns past the shard's edge arrive as zeros and still count towards the bytes.
       cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, kEpiTileElems * int(sizeof(ElementD)));
       Tensor gP = local_tile(mP, Shape<Int<kTileM>, Int<kEpiCols>>{}, make_coord(t.m, t.n * (kTileN / kEpiCols) + sub));
       Tensor sP = make_tensor(make_smem_ptr(ss.epi + buf * kEpiTileElems), typename Cfg::EpiSmemLayout{});
@@ -535,12 +535,12 @@ struct GemmKernel {
   // block's multiplies so that they do not all stay live at once.
   template <class Accum, class Coords>
   CUTLASS_DEVICE static void apply_scales(GemmProblem const& p, TileCoord t, Accum& accum, Coords const& tCcD) {
-    float const* a_scale = t.group == p.own_group && p.a_scale_own != nullptr
+    float const* a_scale = t.shard == p.own_shard && p.a_scale_own != nullptr
                                ? p.a_scale_own
-                               : p.a_scale + int64_t(t.group) * p.a_scale_group_stride;
+                               : p.a_scale + int64_t(t.shard) * p.a_scale_shard_stride;
     float alpha = 1.f;
-    if (p.a_scale_mode == ScaleMode::kPerGroup) alpha *= a_scale[0];
-    if (p.b_scale_mode == ScaleMode::kPerGroup) alpha *= __ldg(p.b_scale);
+    if (p.a_scale_mode == ScaleMode::kPerShard) alpha *= a_scale[0];
+    if (p.b_scale_mode == ScaleMode::kPerShard) alpha *= __ldg(p.b_scale);
     bool const per_row = p.a_scale_mode == ScaleMode::kPerRow;
     bool const per_col = p.b_scale_mode == ScaleMode::kPerRow;
     if (!per_row && !per_col) {
@@ -550,7 +550,7 @@ struct GemmKernel {
     }
     int const row0 = t.m * kTileM + get<0>(tCcD(0));
     int const col0 = t.n * kTileN + get<1>(tCcD(0));
-    int const last_row = p.rows_per_group - 1;
+    int const last_row = p.rows_per_shard - 1;
     int const last_col = p.n - 1;
     cute::for_each(make_int_sequence<decltype(size(accum))::value / 8>{}, [&](auto b) {
       constexpr int i = decltype(b)::value * 8;
@@ -580,23 +580,23 @@ struct GemmKernel {
     GemmProblem const& p = params.prob;
     int const row0 = t.m * kTileM;
     int const col0 = t.n * kTileN;
-    if (row0 >= p.rows_per_group) return;  // padding tile (uniform across the consumer threads)
+    if (row0 >= p.rows_per_shard) return;  // padding tile (uniform across the consumer threads)
 
-    bool const is_rs = p.rs_own_group >= 0;
-    bool const reduce = is_rs && t.group == p.rs_own_group;  // own rows: sum peers' partials
+    bool const is_rs = p.rs_own_shard >= 0;
+    bool const reduce = is_rs && t.shard == p.rs_own_shard;  // own rows: sum peers' partials
     bool const to_peer = is_rs && !reduce;                   // partial for a peer: signal afterwards
     bool const add_bias = p.bias != nullptr && (!is_rs || reduce);
     int const flag_index = is_rs ? rs_chunk_index(t.m, t.n, p.rs_chunk_tiles_m, p.rs_chunk_tiles_n, p.rs_chunks_n) : 0;
-    bool const direct = p.rs_stage_counters == nullptr;  // else the copy engine waits for the slot's release
+    bool const epilogue_transport = p.rs_stage_counters == nullptr;  // else the copy engine waits for the release
     constexpr int kSubTiles = kTileN / kEpiCols;
 
     if (mma_thread_idx == 0) {
-      if (to_peer && direct && !(consumed_seen & (1u << t.group))) {
+      if (to_peer && epilogue_transport && !(consumed_seen & (1u << t.shard))) {
         // The peer must have finished reading its receive slots (and our signature) of the previous call before
         // we overwrite them (null: the host-side stream already waited).
-        if (p.rs_consumed != nullptr) wait_flag(p.rs_consumed + t.group, p.epoch - 1, p, kConsumedTimeout, t.group);
-        if (p.rs_signature_out[t.group] != nullptr) write_signature(p.rs_signature_out[t.group], p);
-        consumed_seen |= 1u << t.group;
+        if (p.rs_consumed != nullptr) wait_flag(p.rs_consumed + t.shard, p.epoch - 1, p, kConsumedTimeout, t.shard);
+        if (p.rs_signature_out[t.shard] != nullptr) write_signature(p.rs_signature_out[t.shard], p);
+        consumed_seen |= 1u << t.shard;
       }
       if (reduce && !partials_loading) wait_partial_flags(p, t, consumed_seen);
     }
@@ -693,13 +693,13 @@ struct GemmKernel {
                     pack2(v[6], v[7]));
       });
       // The whole sub-tile in one TMA store, which drains while the consumers move on; rows and columns past
-      // the group's edge are clipped. A ReduceScatter tile for a peer is flagged (or counted) only once its
+      // the shard's edge are clipped. A ReduceScatter tile for a peer is flagged (or counted) only once its
       // stores completed (flush_signal, deferred by a tile).
       cute::tma_store_fence();  // this thread's stmatrix writes, visible to the TMA unit
       epi_barrier();
       if (mma_thread_idx == 0) {
-        auto const& store = params.store_d[t.group];
-        Tensor mD = store.get_tma_tensor(make_shape(p.rows_per_group, p.n));
+        auto const& store = params.store_d[t.shard];
+        Tensor mD = store.get_tma_tensor(make_shape(p.rows_per_shard, p.n));
         Tensor gD =
             local_tile(mD, Shape<Int<kTileM>, Int<kEpiCols>>{}, make_coord(t.m, t.n * (kTileN / kEpiCols) + kSub));
         Tensor sD = make_tensor(make_smem_ptr(epi), typename Cfg::EpiSmemLayout{});
@@ -714,7 +714,7 @@ struct GemmKernel {
 
     if (to_peer) {
       // Release (deferred): flush_signal waits for the tile's TMA stores to complete before the flag.
-      pending.group = t.group;
+      pending.shard = t.shard;
       pending.index = flag_index;
     }
   }
@@ -774,7 +774,7 @@ struct GemmKernel {
         Segment seg;
         for (SegmentCursor cur = params.split.begin(cluster_id, num_clusters); params.split.next(cur, seg);) {
           TileCoord t = sched.get(seg.work, cluster_rank_m);
-          if (p.chunk_flags != nullptr && t.group != p.own_group) wait_chunks(p, t, signature_checked);
+          if (p.chunk_flags != nullptr && t.shard != p.own_shard) wait_chunks(p, t, signature_checked);
           load_tile(params, t, seg.k_begin, seg.k_end, pipeline, write_state, ss, block_rank_in_cluster);
         }
         // Keep the CTA alive until every stage was released by the cluster's consumers (no remote
@@ -794,7 +794,7 @@ struct GemmKernel {
       Segment seg;
       for (SegmentCursor cur = params.split.begin(cluster_id, num_clusters); params.split.next(cur, seg);) {
         TileCoord t = sched.get(seg.work, cluster_rank_m);
-        if (pending.group >= 0 && t.group == p.rs_own_group) {
+        if (pending.shard >= 0 && t.shard == p.rs_own_shard) {
           epi_barrier();
           flush_signal(p, pending, mma_thread_idx);
         }
@@ -803,7 +803,7 @@ struct GemmKernel {
         // previous tile's stores to leave the buffers, and for the flags), while the other one goes ahead.
         bool partials_loading = false;
         if constexpr (kEpiBuffers == kTileN / kEpiCols) {
-          if (t.group == p.rs_own_group && seg.k_begin == 0 && t.m * kTileM < p.rows_per_group) {
+          if (t.shard == p.rs_own_shard && seg.k_begin == 0 && t.m * kTileM < p.rows_per_shard) {
             if (mma_thread_idx == 0) {
               cute::tma_store_wait<0>();
               wait_partial_flags(p, t, consumed_seen);
@@ -835,7 +835,7 @@ struct GemmKernel {
         }
         epilogue(params, t, accum, mma_thread_idx, ss, consumed_seen, pending, partial_phase, partials_loading);
       }
-      if (pending.group >= 0) {
+      if (pending.shard >= 0) {
         epi_barrier();
         flush_signal(p, pending, mma_thread_idx);
       }

@@ -65,9 +65,9 @@ struct Launcher {
   }
 
   static void launch(GemmProblem const& prob, cudaStream_t stream) {
-    FLUX_CHECK(prob.num_groups >= 1 && prob.num_groups <= kMaxGroups, "num_groups ", prob.num_groups, " outside [1, ",
-               kMaxGroups, "]");
-    if (prob.rows_per_group == 0 || prob.n == 0) return;
+    FLUX_CHECK(prob.num_shards >= 1 && prob.num_shards <= kMaxTp, "num_shards ", prob.num_shards, " outside [1, ",
+               kMaxTp, "]");
+    if (prob.rows_per_shard == 0 || prob.n == 0) return;
     FLUX_CHECK(prob.k > 0, "K must be positive, got ", prob.k);
 
     int device = 0;
@@ -81,7 +81,7 @@ struct Launcher {
     KernelParams<Cfg> params;
     params.prob = prob;
     params.sched = TileSchedule::make(prob, Cfg::kTileM, Cfg::kTileN, Cfg::kClusterM);
-    if (prob.rs_own_group >= 0) {
+    if (prob.rs_own_shard >= 0) {
       GemmProblem const& q = params.prob;
       FLUX_CHECK(q.rs_chunk_tiles_m > 0 && q.rs_chunk_tiles_n > 0 && q.rs_chunks_n > 0,
                  "reduce-scatter chunk grid not set (", q.rs_chunk_tiles_m, " x ", q.rs_chunk_tiles_n, " tiles, ",
@@ -100,8 +100,8 @@ struct Launcher {
     auto const* a_batched = static_cast<ElementA const*>(prob.a != nullptr ? prob.a : prob.a_own);
     int64_t lda_batched = prob.a != nullptr ? prob.lda : prob.lda_own;
     int64_t lda_own = prob.a_own != nullptr ? prob.lda_own : prob.lda;
-    int groups = prob.a != nullptr ? prob.num_groups : 1;
-    int64_t group_stride = prob.a != nullptr ? prob.a_group_stride : int64_t(prob.rows_per_group) * lda_own;
+    int shards = prob.a != nullptr ? prob.num_shards : 1;
+    int64_t shard_stride = prob.a != nullptr ? prob.a_shard_stride : int64_t(prob.rows_per_shard) * lda_own;
     // The B batch stride is never used (every tile reads batch 0); a non-zero value keeps the TMA
     // descriptor ordinary.
     int64_t b_batch = int64_t(prob.n) * prob.k;
@@ -110,38 +110,38 @@ struct Launcher {
     static DescriptorCache<typename Mainloop::Params> mainloops;
     static DescriptorCache<typename Cfg::StoreD, 32> stores;
     static DescriptorCache<typename Cfg::LoadPartial> partial_loads;
-    auto mainloop = [&](ElementA const* a, int64_t lda, int64_t a_group_stride, int a_groups) {
+    auto mainloop = [&](ElementA const* a, int64_t lda, int64_t a_shard_stride, int a_shards) {
       return mainloops.get(
-          {int64_t(a), lda, a_group_stride, a_groups, prob.rows_per_group, prob.n, prob.k, int64_t(b), prob.ldb}, [&] {
-            typename Mainloop::Arguments args{a, StrideA{lda, Int<1>{}, a_group_stride}, b,
+          {int64_t(a), lda, a_shard_stride, a_shards, prob.rows_per_shard, prob.n, prob.k, int64_t(b), prob.ldb}, [&] {
+            typename Mainloop::Arguments args{a, StrideA{lda, Int<1>{}, a_shard_stride}, b,
                                               stride_b(prob.ldb, b_batch)};
-            return Mainloop::to_underlying_arguments(make_shape(prob.rows_per_group, prob.n, prob.k, a_groups), args,
+            return Mainloop::to_underlying_arguments(make_shape(prob.rows_per_shard, prob.n, prob.k, a_shards), args,
                                                      nullptr);
           });
     };
-    params.mainloop = mainloop(a_batched, lda_batched, group_stride, groups);
+    params.mainloop = mainloop(a_batched, lda_batched, shard_stride, shards);
     // The own-rows parameters only where they differ (AllGather): a plain GEMM's batched A is its own A, and a
-    // ReduceScatter never reads own rows (own_group = -1); B is the same.
+    // ReduceScatter never reads own rows (own_shard = -1); B is the same.
     params.mainloop_own = prob.a != nullptr && prob.a_own != nullptr
-                              ? mainloop(a_own, lda_own, int64_t(prob.rows_per_group) * lda_own, 1)
+                              ? mainloop(a_own, lda_own, int64_t(prob.rows_per_shard) * lda_own, 1)
                               : params.mainloop;
 
-    for (int g = 0; g < prob.num_groups; ++g) {
-      FLUX_CHECK(prob.d[g] != nullptr, "group ", g, " has no destination");
-      params.store_d[g] = stores.get({int64_t(prob.d[g]), prob.rows_per_group, prob.n, prob.ldd}, [&] {
+    for (int g = 0; g < prob.num_shards; ++g) {
+      FLUX_CHECK(prob.d[g] != nullptr, "shard ", g, " has no destination");
+      params.store_d[g] = stores.get({int64_t(prob.d[g]), prob.rows_per_shard, prob.n, prob.ldd}, [&] {
         Tensor mD = make_tensor(make_gmem_ptr(static_cast<ElementD*>(prob.d[g])),
-                                make_shape(prob.rows_per_group, prob.n), make_stride(prob.ldd, Int<1>{}));
+                                make_shape(prob.rows_per_shard, prob.n), make_stride(prob.ldd, Int<1>{}));
         return make_tma_copy(SM90_TMA_STORE{}, mD, typename Cfg::EpiSmemLayout{});
       });
     }
-    if (prob.rs_own_group >= 0) {
-      FLUX_CHECK(prob.rs_num_partials >= 1 && prob.rs_num_partials < kMaxGroups, "reduce-scatter with ",
+    if (prob.rs_own_shard >= 0) {
+      FLUX_CHECK(prob.rs_num_partials >= 1 && prob.rs_num_partials < kMaxTp, "reduce-scatter with ",
                  prob.rs_num_partials, " partials");
       for (int s = 0; s < prob.rs_num_partials; ++s) {  // laid out like the destinations: [Mg, N], ldd
         params.load_partial[s] =
-            partial_loads.get({int64_t(prob.rs_partials[s]), prob.rows_per_group, prob.n, prob.ldd}, [&] {
+            partial_loads.get({int64_t(prob.rs_partials[s]), prob.rows_per_shard, prob.n, prob.ldd}, [&] {
               Tensor mP = make_tensor(make_gmem_ptr(static_cast<ElementD const*>(prob.rs_partials[s])),
-                                      make_shape(prob.rows_per_group, prob.n), make_stride(prob.ldd, Int<1>{}));
+                                      make_shape(prob.rows_per_shard, prob.n), make_stride(prob.ldd, Int<1>{}));
               return make_tma_copy(SM90_TMA_LOAD{}, mP, typename Cfg::EpiSmemLayout{});
             });
       }
@@ -156,9 +156,9 @@ struct Launcher {
     bool split_ok = Kernel::kSplitCapable && opts.split_workspace != nullptr &&
                     opts.split_workspace_bytes >= split_workspace_bytes(ctas);
     params.split = StreamK::make(params.sched.total_work, clusters, k_tiles, split_ok, opts.split_max_fill_pct);
-    // ReduceScatter: split items must all be own rows (the last group), which no peer waits on; a reducer
+    // ReduceScatter: split items must all be own rows (the last shard), which no peer waits on; a reducer
     // of a peer's rows could otherwise hold back a flag that the peer's own reducers wait for.
-    if (prob.rs_own_group >= 0 && params.sched.total_work - params.split.dp_work > params.sched.work_per_group)
+    if (prob.rs_own_shard >= 0 && params.sched.total_work - params.split.dp_work > params.sched.work_per_shard)
       params.split = StreamK::make(params.sched.total_work, clusters, k_tiles, false, 0);
     if (params.split.active()) {
       params.split_flags = static_cast<uint32_t*>(opts.split_workspace);

@@ -91,7 +91,7 @@ __device__ __forceinline__ void check_signature(const GemmProblem& p, int src) {
                  static_cast<int>(w2), static_cast<int>(p.signature[1]), static_cast<int>(p.signature[2])});
 }
 
-// This rank's signature into a peer's slot for it (ReduceScatter direct stores). The same thread's later
+// This rank's signature into a peer's slot for it (ReduceScatter's epilogue transport). The same thread's later
 // system-scope release of a flag at that peer orders these stores before the flag.
 __device__ __forceinline__ void write_signature(uint32_t* slot, const GemmProblem& p) {
   volatile uint32_t* out = slot;

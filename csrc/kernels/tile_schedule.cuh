@@ -2,15 +2,15 @@
 //
 // Work is counted in cluster tiles (kClusterM tiles along M sharing one N tile, so B can be multicast).
 //
-//   work w -> step = w / work_per_group  (step s visits group group_order[s]: all of a group before the next)
-//          -> r    = w % work_per_group  (inside the group: panels of `swizzle` cluster rows, M fastest)
+//   work w -> step = w / work_per_shard  (step s visits shard shard_order[s]: all of a shard before the next)
+//          -> r    = w % work_per_shard  (inside the shard: panels of `swizzle` cluster rows, M fastest)
 //
 //        n ->  0  1  2  3 ...
 //   cm 0      0  2  4  6        swizzle = 2: a panel of 2 cluster rows is swept column by column, so the
 //   cm 1      1  3  5  7        CTAs resident at one time share A rows and B columns in L2.
 //   cm 2      8 10 12 ...
 //
-// group_order is how ranks avoid contention and follow data arrival:
+// shard_order is how ranks avoid contention and follow data arrival:
 //   AllGather     : own shard first, then shards in the order the copy engine delivers them;
 //   ReduceScatter : destinations rank+1, rank+2, ..., own rows last (rank-offset swizzle: at each step every
 //                   rank writes to a different destination, and own rows are reduced after peers delivered).
@@ -27,23 +27,23 @@
 namespace flux {
 
 struct TileCoord {
-  int group;
-  int m;  // tile index along M inside the group
+  int shard;
+  int m;  // tile index along M inside the shard
   int n;  // tile index along N
 };
 
 struct TileSchedule {
-  int tiles_m = 0;  // per group, rounded up to a multiple of cluster_m
+  int tiles_m = 0;  // per shard, rounded up to a multiple of cluster_m
   int tiles_n = 0;
   int cluster_m = 1;
   int swizzle = 1;  // cluster rows per panel
-  int work_per_group = 0;
+  int work_per_shard = 0;
   int total_work = 0;
-  int group_order[kMaxGroups] = {0};
+  int shard_order[kMaxTp] = {0};
 
   static TileSchedule make(const GemmProblem& p, int tile_m, int tile_n, int cluster_m) {
     TileSchedule s;
-    int tiles_m = (p.rows_per_group + tile_m - 1) / tile_m;
+    int tiles_m = (p.rows_per_shard + tile_m - 1) / tile_m;
     s.cluster_m = cluster_m;
     s.tiles_m = (tiles_m + cluster_m - 1) / cluster_m * cluster_m;
     s.tiles_n = (p.n + tile_n - 1) / tile_n;
@@ -51,15 +51,15 @@ struct TileSchedule {
     int swz = p.launch.swizzle_m > 0 ? p.launch.swizzle_m : 8;  // tiles along M per panel
     s.swizzle = swz / cluster_m > 0 ? swz / cluster_m : 1;
     if (s.swizzle > cluster_rows && cluster_rows > 0) s.swizzle = cluster_rows;
-    s.work_per_group = cluster_rows * s.tiles_n;
-    s.total_work = s.work_per_group * p.num_groups;
-    for (int i = 0; i < kMaxGroups; ++i) s.group_order[i] = p.group_order[i];
+    s.work_per_shard = cluster_rows * s.tiles_n;
+    s.total_work = s.work_per_shard * p.num_shards;
+    for (int i = 0; i < kMaxTp; ++i) s.shard_order[i] = p.shard_order[i];
     return s;
   }
 
   __host__ __device__ TileCoord get(int work, int cluster_rank_m) const {
-    int step = work / work_per_group;
-    int r = work - step * work_per_group;
+    int step = work / work_per_shard;
+    int r = work - step * work_per_shard;
     int cluster_rows = tiles_m / cluster_m;
     int panel_span = swizzle * tiles_n;
     int panel = r / panel_span;
@@ -68,11 +68,11 @@ struct TileSchedule {
     if (rows_here > swizzle) rows_here = swizzle;
     int cm = panel * swizzle + rem % rows_here;
     int n = rem / rows_here;
-    return TileCoord{group_order[step], cm * cluster_m + cluster_rank_m, n};
+    return TileCoord{shard_order[step], cm * cluster_m + cluster_rank_m, n};
   }
 };
 
-// The flag (and copy-engine count) index of tile (m_tile, n_tile) of a ReduceScatter group: chunks of
+// The flag (and copy-engine count) index of tile (m_tile, n_tile) of a ReduceScatter shard: chunks of
 // chunk_tiles_m x chunk_tiles_n tiles, numbered row-major. The kernel's epilogue and the host's copy loop both
 // use it.
 __host__ __device__ inline int rs_chunk_index(int m_tile, int n_tile, int chunk_tiles_m, int chunk_tiles_n,
@@ -80,7 +80,7 @@ __host__ __device__ inline int rs_chunk_index(int m_tile, int n_tile, int chunk_
   return (m_tile / chunk_tiles_m) * chunks_n + n_tile / chunk_tiles_n;
 }
 
-// Copy-engine ReduceScatter: the chunks of one destination group, each a unit the copy engine moves once all
+// Copy-engine ReduceScatter: the chunks of one destination shard, each a unit the copy engine moves once all
 // of its tiles are stored. A chunk is one panel of the schedule (chunk_tiles_m = swizzle * cluster_m tiles along
 // M, visited together) times a strip of chunk_tiles_n tiles along N; the panel sweeps N, so the chunks complete
 // in index order (cm, then cn). Tile (m, n) lies in chunk chunk_of(m, n); tiles_in counts only tiles holding
@@ -98,24 +98,24 @@ struct RsChunkGrid {
   static constexpr int kDefaultChunkCols = 1024;
 
   // Copy-engine transport: panels of the schedule x strips of chunk_cols columns (0: the default).
-  static RsChunkGrid make(const TileSchedule& s, int rows_per_group, int tile_m, int tile_n, int chunk_cols) {
+  static RsChunkGrid make(const TileSchedule& s, int rows_per_shard, int tile_m, int tile_n, int chunk_cols) {
     int const cols = chunk_cols > 0 ? chunk_cols : kDefaultChunkCols;
     int const strip = (cols + tile_n - 1) / tile_n;
     int const chunk_tiles_n = strip < 1 ? 1 : (strip > s.tiles_n ? s.tiles_n : strip);
-    return with_chunks(s, rows_per_group, tile_m, tile_n, s.swizzle * s.cluster_m, chunk_tiles_n);
+    return with_chunks(s, rows_per_shard, tile_m, tile_n, s.swizzle * s.cluster_m, chunk_tiles_n);
   }
 
-  // Direct transport: one chunk (one flag) per tile.
-  static RsChunkGrid per_tile(const TileSchedule& s, int rows_per_group, int tile_m, int tile_n) {
-    return with_chunks(s, rows_per_group, tile_m, tile_n, 1, 1);
+  // Epilogue transport: one chunk (one flag) per tile.
+  static RsChunkGrid per_tile(const TileSchedule& s, int rows_per_shard, int tile_m, int tile_n) {
+    return with_chunks(s, rows_per_shard, tile_m, tile_n, 1, 1);
   }
 
-  static RsChunkGrid with_chunks(const TileSchedule& s, int rows_per_group, int tile_m, int tile_n, int chunk_tiles_m,
+  static RsChunkGrid with_chunks(const TileSchedule& s, int rows_per_shard, int tile_m, int tile_n, int chunk_tiles_m,
                                  int chunk_tiles_n) {
     RsChunkGrid g;
     g.tile_m = tile_m;
     g.tile_n = tile_n;
-    g.tiles_m = (rows_per_group + tile_m - 1) / tile_m;
+    g.tiles_m = (rows_per_shard + tile_m - 1) / tile_m;
     g.tiles_n = s.tiles_n;
     g.chunk_tiles_m = chunk_tiles_m;
     g.chunk_tiles_n = chunk_tiles_n;

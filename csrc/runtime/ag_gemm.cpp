@@ -28,8 +28,8 @@
 
 namespace flux {
 
-void ag_group_order(int rank, int tp, AgOrder order, int* group_order) {
-  for (int s = 0; s < tp; ++s) group_order[s] = order == AgOrder::kMesh ? (rank + s) % tp : (rank - s + tp) % tp;
+void ag_shard_order(int rank, int tp, AgOrder order, int* shard_order) {
+  for (int s = 0; s < tp; ++s) shard_order[s] = order == AgOrder::kMesh ? (rank + s) % tp : (rank - s + tp) % tp;
 }
 
 namespace {
@@ -42,9 +42,9 @@ struct AgCall {
   uint32_t signature[kSignatureWords];
 
   // Byte address of rows [row, ...) of shard g in rank q's gathered buffer (compact for this call's M).
-  char* region(int q, int g, int row) const { return a.buffers[q] + (size_t(g) * a.rows_per_group + row) * row_bytes; }
+  char* region(int q, int g, int row) const { return a.buffers[q] + (size_t(g) * a.rows_per_shard + row) * row_bytes; }
   int chunk_begin(int c) const { return c * a.rows_per_chunk; }
-  int chunk_rows(int c) const { return std::min(a.rows_per_chunk, a.rows_per_group - c * a.rows_per_chunk); }
+  int chunk_rows(int c) const { return std::min(a.rows_per_chunk, a.rows_per_shard - c * a.rows_per_chunk); }
   uint32_t* flag(int q, int64_t index) const { return a.flags[q] + index; }
   uint32_t* my(int64_t index) const { return a.flags[a.rank] + index; }
 
@@ -98,7 +98,7 @@ struct AgCall {
   // FP8 scales (AgGemmArgs::x_scale): a shard's scales, one or one per row, at slot g of rank q's scale region.
   bool scaled() const { return a.x_scale_mode != ScaleMode::kNone; }
   bool row_scales() const { return a.x_scale_mode == ScaleMode::kPerRow; }
-  int scales_per_shard() const { return row_scales() ? a.rows_per_group : 1; }
+  int scales_per_shard() const { return row_scales() ? a.rows_per_shard : 1; }
   float* scale_slot(int q, int g) const { return a.scales[q] + size_t(g) * scales_per_shard(); }
   // Before chunk c of a shard on a stream, the scales that chunk's tiles read: a row-wise shard's scales of the
   // chunk's rows, or a shard's one scale ahead of the stream's first chunk (`first`). Stream order puts them ahead
@@ -218,22 +218,22 @@ void copy_out_gathered(const AgCall& p, bool own_in_buffer) {
   const AgGemmArgs& a = p.a;
   cudaStream_t s = a.comm[0];
   char* out = static_cast<char*>(a.gathered_out);
-  size_t shard_bytes = size_t(a.rows_per_group) * p.row_bytes;
+  size_t shard_bytes = size_t(a.rows_per_shard) * p.row_bytes;
   size_t const scale_bytes = size_t(p.scales_per_shard()) * sizeof(float);
   for (int g = 0; g < a.tp; ++g) {
     float* scale_out =
         a.gathered_scale_out != nullptr ? a.gathered_scale_out + size_t(g) * p.scales_per_shard() : nullptr;
     if (g == a.rank) {
       if (own_in_buffer)
-        p.copy_rows(s, out + g * shard_bytes, p.region(a.rank, g, 0), p.row_bytes, a.rows_per_group);
+        p.copy_rows(s, out + g * shard_bytes, p.region(a.rank, g, 0), p.row_bytes, a.rows_per_shard);
       else
-        p.copy_rows(s, out + g * shard_bytes, p.x_rows(0), p.x_pitch(), a.rows_per_group);
+        p.copy_rows(s, out + g * shard_bytes, p.x_rows(0), p.x_pitch(), a.rows_per_shard);
       if (scale_out != nullptr)
         FLUX_CUDA_CHECK(cudaMemcpyAsync(scale_out, a.x_scale, scale_bytes, cudaMemcpyDefault, s));
       continue;
     }
     for (int c = 0; c < p.chunks; ++c) stream_wait_u32_geq(s, p.my(p.flags.chunk(g, c)), a.epoch);
-    p.copy_rows(s, out + g * shard_bytes, p.region(a.rank, g, 0), p.row_bytes, a.rows_per_group);
+    p.copy_rows(s, out + g * shard_bytes, p.region(a.rank, g, 0), p.row_bytes, a.rows_per_shard);
     if (scale_out != nullptr)
       FLUX_CUDA_CHECK(cudaMemcpyAsync(scale_out, p.scale_slot(a.rank, g), scale_bytes, cudaMemcpyDefault, s));
   }
@@ -254,30 +254,30 @@ int comm_streams_used(const AgCall& p) {
 GemmProblem gemm_problem(const AgCall& p) {
   const AgGemmArgs& a = p.a;
   GemmProblem g;
-  g.rows_per_group = a.rows_per_group;
+  g.rows_per_shard = a.rows_per_shard;
   g.n = a.n;
   g.k = a.k;
-  g.num_groups = a.tp;
-  if (a.custom_group_order) {
-    std::copy(a.group_order, a.group_order + a.tp, g.group_order);
+  g.num_shards = a.tp;
+  if (a.custom_shard_order) {
+    std::copy(a.shard_order, a.shard_order + a.tp, g.shard_order);
   } else {
-    ag_group_order(a.rank, a.tp, a.order, g.group_order);
+    ag_shard_order(a.rank, a.tp, a.order, g.shard_order);
   }
-  g.own_group = a.rank;
+  g.own_shard = a.rank;
   g.a = a.buffers[a.rank];
   g.lda = a.k;
-  g.a_group_stride = int64_t(a.rows_per_group) * a.k;
+  g.a_shard_stride = int64_t(a.rows_per_shard) * a.k;
   g.a_own = a.x;
   g.lda_own = a.ldx;
   g.b = a.w;
   g.ldb = a.ldw;
   g.bias = a.bias;
   for (int q = 0; q < a.tp; ++q)
-    g.d[q] = static_cast<char*>(a.out) + size_t(q) * a.rows_per_group * a.n * dtype_bytes(a.types.out);
+    g.d[q] = static_cast<char*>(a.out) + size_t(q) * a.rows_per_shard * a.n * dtype_bytes(a.types.out);
   g.ldd = a.n;
   g.chunk_flags = p.my(p.flags.chunk(0, 0));
   g.rows_per_chunk = a.rows_per_chunk;
-  g.chunks_per_group = a.chunk_capacity;
+  g.chunks_per_shard = a.chunk_capacity;
   g.epoch = a.epoch;
   g.timeout_ns = a.timeout_ns;
   g.error_record = a.error_record;
@@ -295,7 +295,7 @@ GemmProblem gemm_problem(const AgCall& p) {
   if (p.scaled()) {  // each source's scales from our scale region, our own from x_scale
     g.a_scale_mode = a.x_scale_mode;
     g.a_scale = a.scales[a.rank];
-    g.a_scale_group_stride = p.scales_per_shard();
+    g.a_scale_shard_stride = p.scales_per_shard();
     g.a_scale_own = a.x_scale;
   }
   g.b_scale_mode = a.w_scale_mode;
@@ -307,7 +307,7 @@ GemmProblem gemm_problem(const AgCall& p) {
 }  // namespace
 
 void check_ag_gemm_args(const AgGemmArgs& a) {
-  FLUX_CHECK(a.tp >= 2 && a.tp <= kMaxGroups, "tp ", a.tp, " outside [2, ", kMaxGroups, "]");
+  FLUX_CHECK(a.tp >= 2 && a.tp <= kMaxTp, "tp ", a.tp, " outside [2, ", kMaxTp, "]");
   FLUX_CHECK(a.rank >= 0 && a.rank < a.tp, "rank ", a.rank, " outside [0, ", a.tp, ")");
   FLUX_CHECK(a.num_comm >= 1, "at least one communication stream is needed");
   FLUX_CHECK(a.rows_per_chunk > 0, "rows_per_chunk must be positive, got ", a.rows_per_chunk);
@@ -321,12 +321,12 @@ void check_ag_gemm_args(const AgGemmArgs& a) {
 }
 
 void ag_gemm(const AgGemmArgs& a) {
-  if (a.rows_per_group == 0) return;
+  if (a.rows_per_shard == 0) return;
   AgCall p{a,
            AgFlagLayout{a.tp, a.chunk_capacity},
-           (a.rows_per_group + a.rows_per_chunk - 1) / a.rows_per_chunk,
+           (a.rows_per_shard + a.rows_per_chunk - 1) / a.rows_per_chunk,
            size_t(a.k) * dtype_bytes(a.dtype),
-           {a.epoch, uint32_t(a.rows_per_group),
+           {a.epoch, uint32_t(a.rows_per_shard),
             signature_shape_word(0, int(a.layout), int(a.mode) * 2 + int(a.order), a.n)}};
 
   if (a.mode == AgMode::kExternal) {

@@ -1,17 +1,17 @@
-// GEMM + ReduceScatter. The persistent GEMM walks the destination groups rank+1, rank+2, ..., own rows last;
+// GEMM + ReduceScatter. The persistent GEMM walks the destination shards rank+1, rank+2, ..., own rows last;
 // a tile of own rows waits for the peers' flags and adds their partials in rank order, so the result is the
 // same bits on every run. How a peer's partial reaches it is the transport:
 //
-//   direct          : the epilogue stores each tile of a peer's rows straight into that peer's receive slot
+//   epilogue        : the epilogue stores each tile of a peer's rows straight into that peer's receive slot
 //                     (NVLink P2P) and raises a per-tile flag there;
-//   copy engine     : the epilogue stores it into a local staging area (tp - 1 slots, one per peer in group
+//   copy engine     : the epilogue stores it into a local staging area (tp - 1 slots, one per peer in shard
 //                     order) and counts it into its chunk (a panel of the tile schedule x a strip of
 //                     columns, so chunks complete one after another); a comm stream per peer waits for each
 //                     chunk's count, copies it into the peer's receive slot and raises the peer's flag for
 //                     it. The SMs never wait on NVLink.
 //   external        : the kernel as with the copy engine, but the caller moves the chunks (the NCCL transport,
-//                     flux_layers/runtime/nccl_rs_transport.py) on comm[0], its transfer stream, forked here after
-//                     the counts are cleared and before the kernel: per chunk it waits for the count, sends the
+//                     flux_layers/runtime/multinode/nccl_rs_transport.py) on comm[0], its transfer stream, forked here
+//                     after the counts are cleared and before the kernel: per chunk it waits for the count, sends the
 //                     chunk, receives the peer's partial of our rows into our receive slot and raises our flag for
 //                     it. Chunks are full-width (chunk_cols = N), so each is contiguous rows in both slots, which
 //                     NCCL sends in place. No handshake and no write to a peer: the receives are posted on a stream
@@ -19,13 +19,13 @@
 //
 // After the kernel, consumed[r] = e is written at every peer (not external): our receive slots are free again.
 // CUDA-graph protocol (FlagProtocol, e = 1): consumed[d] is waited for on a stream and cleared at once (for
-// direct stores on the compute stream before the kernel, which then skips its own wait); our tile flags are
+// the epilogue transport on the compute stream before the kernel, which then skips its own wait); our tile flags are
 // cleared after the kernel, before consumed is written (a peer sets them again only after it saw that write).
 // Flag words of one rank: flag[src][flags_per_source] (set for us by src), consumed[tp] (set by each peer),
 // count[dst][flags_per_source] (our tiles of dst's rows per chunk; copy-engine transport, cleared per call),
 // sig[src][kSignatureWords] (src's call signature, gemm_params.h): RsFlagLayout (workspace_layout.h).
 // Call signatures: before its first flag at a destination, a rank writes its signature into the destination's
-// slot for it (direct stores: each CTA, after its consumed wait; copy engine: in one batch with the first chunk's
+// slot for it (epilogue transport: each CTA, after its consumed wait; copy engine: in one batch with the first chunk's
 // flag), and the destination's kernel compares it with its own after each partial's flag. Not external.
 #include <cuda_runtime.h>  // before tile_schedule.cuh: defines __host__ / __device__ for the host compiler
 
@@ -37,12 +37,12 @@
 
 namespace flux {
 
-void rs_group_order(int rank, int tp, int* group_order) {
-  for (int s = 0; s < tp; ++s) group_order[s] = (rank + 1 + s) % tp;
+void rs_shard_order(int rank, int tp, int* shard_order) {
+  for (int s = 0; s < tp; ++s) shard_order[s] = (rank + 1 + s) % tp;
 }
 
 void check_gemm_rs_args(const GemmRsArgs& a) {
-  FLUX_CHECK(a.tp >= 2 && a.tp <= kMaxGroups, "tp ", a.tp, " outside [2, ", kMaxGroups, "]");
+  FLUX_CHECK(a.tp >= 2 && a.tp <= kMaxTp, "tp ", a.tp, " outside [2, ", kMaxTp, "]");
   FLUX_CHECK(a.rank >= 0 && a.rank < a.tp, "rank ", a.rank, " outside [0, ", a.tp, ")");
   FLUX_CHECK(a.slot_rows > 0 && a.flags_per_source > 0, "the workspace holds no receive slot or flags");
   FLUX_CHECK(a.events != nullptr, "the workspace's events are missing");
@@ -60,7 +60,7 @@ void check_gemm_rs_args(const GemmRsArgs& a) {
 }
 
 void gemm_rs(const GemmRsArgs& a) {
-  if (a.rows_per_group == 0) return;
+  if (a.rows_per_shard == 0) return;
   bool const graph = a.protocol == FlagProtocol::kCudaGraph;
   bool const external = a.external;
   bool const copy_engine = a.stage != nullptr && !external;
@@ -68,7 +68,7 @@ void gemm_rs(const GemmRsArgs& a) {
   const size_t elem = size_t(dtype_bytes(a.dtype));  // partials travel in the output dtype
   const size_t slot_bytes = size_t(a.slot_rows) * a.n * elem;
   RsFlagLayout const layout{a.tp, a.flags_per_source};
-  uint32_t const signature[kSignatureWords] = {a.epoch, uint32_t(a.rows_per_group),
+  uint32_t const signature[kSignatureWords] = {a.epoch, uint32_t(a.rows_per_shard),
                                                signature_shape_word(1, int(a.layout), copy_engine ? 1 : 0, a.k)};
   auto signature_slot = [&](int d) { return a.flags[d] + layout.signature(r); };
   auto consumed = [&](int q) { return a.flags[q] + layout.consumed(0); };
@@ -84,19 +84,19 @@ void gemm_rs(const GemmRsArgs& a) {
   };
 
   GemmProblem g;
-  g.rows_per_group = a.rows_per_group;
+  g.rows_per_shard = a.rows_per_shard;
   g.n = a.n;
   g.k = a.k;
-  g.num_groups = a.tp;
-  rs_group_order(r, a.tp, g.group_order);
-  g.own_group = -1;
-  g.a = a.x;  // group d = rows [d * Mg, (d + 1) * Mg) of x
+  g.num_shards = a.tp;
+  rs_shard_order(r, a.tp, g.shard_order);
+  g.own_shard = -1;
+  g.a = a.x;  // shard d = rows [d * Mg, (d + 1) * Mg) of x
   g.lda = a.ldx;
-  g.a_group_stride = int64_t(a.rows_per_group) * a.ldx;
+  g.a_shard_stride = int64_t(a.rows_per_shard) * a.ldx;
   g.b = a.w;
   g.ldb = a.ldw;
   g.bias = a.bias;
-  // Staging slot of destination d (copy engine): its step in the group order, so tp - 1 slots serve every rank.
+  // Staging slot of destination d (copy engine): its step in the shard order, so tp - 1 slots serve every rank.
   auto stage_slot = [&](int d) { return a.stage + size_t(RsFlagLayout::stage_slot(r, a.tp, d)) * slot_bytes; };
   bool const staged = copy_engine || external;
   for (int d = 0; d < a.tp; ++d) {
@@ -104,7 +104,7 @@ void gemm_rs(const GemmRsArgs& a) {
     g.d[d] = d == r ? a.out : static_cast<void*>(peer_slot);
   }
   g.ldd = a.n;
-  g.rs_own_group = r;
+  g.rs_own_shard = r;
   int i = 0;
   for (int src = 0; src < a.tp; ++src) {
     if (src == r) continue;
@@ -123,10 +123,10 @@ void gemm_rs(const GemmRsArgs& a) {
   g.error_claim = a.error_claim;
   g.rank = r;
   g.launch = a.launch;
-  // FP8: each rank scales its own partials (group g = the rows x holds for destination g).
+  // FP8: each rank scales its own partials (shard g = the rows x holds for destination g).
   g.a_scale_mode = a.x_scale_mode;
   g.a_scale = a.x_scale;
-  g.a_scale_group_stride = a.x_scale_mode == ScaleMode::kPerRow ? a.rows_per_group : 0;
+  g.a_scale_shard_stride = a.x_scale_mode == ScaleMode::kPerRow ? a.rows_per_shard : 0;
   g.b_scale_mode = a.w_scale_mode;
   g.b_scale = a.w_scale;
   g.release_words = a.flags[r];  // flag, consumed and count: every word a wait of this rank reads
@@ -144,8 +144,8 @@ void gemm_rs(const GemmRsArgs& a) {
   cudaEvent_t* const ev = a.events;
   TileSchedule const sched = TileSchedule::make(g, tile_m(a.tile), tile_n(a.tile), kClusterM);
   RsChunkGrid const grid =
-      staged ? RsChunkGrid::make(sched, a.rows_per_group, tile_m(a.tile), tile_n(a.tile), external ? a.n : a.chunk_cols)
-             : RsChunkGrid::per_tile(sched, a.rows_per_group, tile_m(a.tile), tile_n(a.tile));
+      staged ? RsChunkGrid::make(sched, a.rows_per_shard, tile_m(a.tile), tile_n(a.tile), external ? a.n : a.chunk_cols)
+             : RsChunkGrid::per_tile(sched, a.rows_per_shard, tile_m(a.tile), tile_n(a.tile));
   g.rs_chunk_tiles_m = grid.chunk_tiles_m;
   g.rs_chunk_tiles_n = grid.chunk_tiles_n;
   g.rs_chunks_n = grid.chunks_n;
@@ -181,13 +181,13 @@ void gemm_rs(const GemmRsArgs& a) {
   if (copy_engine) {
     const size_t row_bytes = size_t(a.n) * elem;
     for (int step = 0; step + 1 < a.tp; ++step) {
-      int const d = g.group_order[step];
+      int const d = g.shard_order[step];
       cudaStream_t s = a.comm[step % a.num_comm];
       FLUX_CUDA_CHECK(cudaStreamWaitEvent(s, ev[0], 0));
       wait_consumed(s, d);
       for (int cm = 0; cm < grid.chunks_m; ++cm) {
         int const row0 = cm * grid.chunk_tiles_m * grid.tile_m;
-        int const rows = std::min(a.rows_per_group, row0 + grid.chunk_tiles_m * grid.tile_m) - row0;
+        int const rows = std::min(a.rows_per_shard, row0 + grid.chunk_tiles_m * grid.tile_m) - row0;
         for (int cn = 0; cn < grid.chunks_n; ++cn) {
           int const col0 = cn * grid.chunk_tiles_n * grid.tile_n;
           int const cols = std::min(a.n, col0 + grid.chunk_tiles_n * grid.tile_n) - col0;

@@ -69,7 +69,7 @@ const char* wait_error(int code) {
   }
 }
 
-// One rank's call from its signature words 1-2 (gemm_params.h), e.g. "gemm_rs(M=512, K=256, nt, direct stores)".
+// One rank's call from its signature words 1-2 (gemm_params.h), e.g. "gemm_rs(M=512, K=256, nt, epilogue stores)".
 std::string describe_call(uint32_t rows_word, uint32_t shape_word, int tp) {
   int const op = signature_op(shape_word);
   int const transport = signature_transport(shape_word);
@@ -80,7 +80,7 @@ std::string describe_call(uint32_t rows_word, uint32_t shape_word, int tp) {
     os << (transport / 2 == int(AgMode::kPush) ? "push" : "pull") << " "
        << (transport % 2 == int(AgOrder::kRing) ? "ring" : "mesh");
   } else {
-    os << (transport == 1 ? "copy engine" : "direct stores");
+    os << (transport == int(RsTransport::kCopyEngine) ? "copy engine" : "epilogue stores");
   }
   os << ")";
   return os.str();
@@ -88,14 +88,14 @@ std::string describe_call(uint32_t rows_word, uint32_t shape_word, int tp) {
 }  // namespace
 
 WorkspaceState::WorkspaceState(WorkspaceConfig config) : cfg_(std::move(config)), timeout_ns_(cfg_.timeout_ns) {
-  FLUX_CHECK(cfg_.tp >= 2 && cfg_.tp <= kMaxGroups, "tp ", cfg_.tp, " outside [2, ", kMaxGroups, "]");
+  FLUX_CHECK(cfg_.tp >= 2 && cfg_.tp <= kMaxTp, "tp ", cfg_.tp, " outside [2, ", kMaxTp, "]");
   FLUX_CHECK(cfg_.rank >= 0 && cfg_.rank < cfg_.tp, "rank ", cfg_.rank, " outside [0, ", cfg_.tp, ")");
   FLUX_CHECK(int(cfg_.data.size()) == cfg_.tp && int(cfg_.flags.size()) == cfg_.tp, "a workspace of ", cfg_.tp,
              " ranks needs as many data and flag pointers, got ", cfg_.data.size(), " and ", cfg_.flags.size());
   for (int q = 0; q < cfg_.tp; ++q)
     FLUX_CHECK(!(cfg_.peer_mapped || q == cfg_.rank) || (cfg_.data[q] != nullptr && cfg_.flags[q] != nullptr), "rank ",
                q, "'s buffer or flags are null");
-  FLUX_CHECK(!cfg_.comm.empty() && cfg_.comm.size() <= size_t(kMaxGroups), "1 to ", kMaxGroups,
+  FLUX_CHECK(!cfg_.comm.empty() && cfg_.comm.size() <= size_t(kMaxTp), "1 to ", kMaxTp,
              " communication streams are needed, got ", cfg_.comm.size());
   FLUX_CHECK(cfg_.error_record != nullptr && cfg_.error_claim != nullptr, "the error record is missing");
   FLUX_CHECK(cfg_.max_m > 0 && cfg_.inner > 0 && cfg_.capacity > 0, "bad workspace size: max_m ", cfg_.max_m,
@@ -297,15 +297,15 @@ PlannedCall WorkspaceState::plan_call(const CallPlan& plan) {
                int(plan.order));
     FLUX_CHECK(cfg_.peer_mapped || plan.mode == AgMode::kExternal, cfg_.what,
                ": a workspace in local memory only serves calls whose caller moves the chunks (external mode)");
-    if (plan.custom_group_order) {
-      std::array<bool, kMaxGroups> seen{};
-      bool ok = plan.group_order[0] == cfg_.rank;
+    if (plan.custom_shard_order) {
+      std::array<bool, kMaxTp> seen{};
+      bool ok = plan.shard_order[0] == cfg_.rank;
       for (int s = 0; s < cfg_.tp && ok; ++s) {
-        int const g = plan.group_order[size_t(s)];
+        int const g = plan.shard_order[size_t(s)];
         ok = g >= 0 && g < cfg_.tp && !seen[size_t(g)];
         if (ok) seen[size_t(g)] = true;
       }
-      FLUX_CHECK(ok, "group_order must list the ", cfg_.tp, " shards once each, this rank's (", cfg_.rank, ") first");
+      FLUX_CHECK(ok, "shard_order must list the ", cfg_.tp, " shards once each, this rank's (", cfg_.rank, ") first");
     }
     AgGemmArgs& a = c.ag;
     prefill(a, cfg_, plan, events_.data(), completion);
@@ -321,15 +321,15 @@ PlannedCall WorkspaceState::plan_call(const CallPlan& plan) {
     a.rows_per_chunk = plan.rows_per_chunk;
     a.mode = plan.mode;
     a.order = plan.order;
-    a.custom_group_order = plan.custom_group_order;
-    for (int i = 0; i < cfg_.tp; ++i) a.group_order[i] = plan.group_order[size_t(i)];
+    a.custom_shard_order = plan.custom_shard_order;
+    for (int i = 0; i < cfg_.tp; ++i) a.shard_order[i] = plan.shard_order[size_t(i)];
     check_ag_gemm_args(a);
   } else {
     FLUX_CHECK(plan.chunk_cols >= 0, "chunk_cols ", plan.chunk_cols, " must be >= 0 (0: default)");
     FLUX_CHECK(int(plan.transport) >= 0 && int(plan.transport) <= int(RsTransport::kExternal),
                "unknown reduce-scatter transport ", int(plan.transport));
     bool const external = plan.transport == RsTransport::kExternal;
-    bool const staged = plan.transport != RsTransport::kDirect;
+    bool const staged = plan.transport != RsTransport::kEpilogue;
     FLUX_CHECK(!staged || stage_ != nullptr, "the copy-engine and external transports need the staging area");
     FLUX_CHECK(cfg_.peer_mapped || external, cfg_.what,
                ": a workspace in local memory only serves calls whose caller moves the partials (external mode)");

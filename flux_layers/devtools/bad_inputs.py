@@ -201,7 +201,7 @@ CASES: tuple[BadInput, ...] = (
                                                           e.t(N // e.tp, K), ws=_ws(e, "ag")), ("M", "max_m"),
              ("the workspace holds",), "fused"),
     BadInput("fused_rs_transport", lambda e: _fused_rs(e, *e.rs_args(), transport="nvlink"), ("transport",),
-             ("'auto', 'direct' or 'copy_engine'",), "fused"),
+             ("'auto', 'epilogue' or 'copy_engine'",), "fused"),
     BadInput("fused_rs_chunk_cols", lambda e: _fused_rs(e, *e.rs_args(), chunk_cols=-5), ("chunk_cols",),
              (">= 0",), "fused"),
     BadInput("fused_rs_n_not_multiple_of_8", lambda e: _fused_rs(e, e.t(ROWS * e.tp, K // e.tp),

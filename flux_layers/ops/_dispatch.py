@@ -45,7 +45,7 @@ _UNDER_CAPTURE = "under capture"  # the key suffix of the decisions for calls un
 @dataclass(frozen=True, slots=True)
 class Decision:
     """What a call of ``op`` with these arguments runs: ``choice`` (path 'fused' or 'reference', and why); on the fused
-    path ``transport`` ('copy_engine' or 'nccl' for ag_gemm; 'direct', 'copy_engine' or 'nccl' for gemm_rs) and
+    path ``transport`` ('copy_engine' or 'nccl' for ag_gemm; 'epilogue', 'copy_engine' or 'nccl' for gemm_rs) and
     ``plan``, what the op library runs: the call plan registered with the workspace (ag_gemm: mode push / pull /
     external, order, rows per chunk; gemm_rs: transport, chunk columns; both the tile, swizzle, stream-K fill and SM
     count), or the kernel configuration of a plain GEMM. A fused decision made before its first call
@@ -252,7 +252,7 @@ def _reference(op: str, group, weight_layout: str) -> Callable:
 def call_signature(op: str, m: int, k: int, n: int, dtype: torch.dtype, weight_layout: str,
                    transport: str | None = None) -> tuple:
     """What :func:`check_same_call` compares: (op, M, K, N, dtype, layout), and the transport (copy engine or NCCL
-    for the all-gather; direct, copy engine or NCCL for the GEMM+ReduceScatter; both sides of a transfer must use the
+    for the all-gather; epilogue, copy engine or NCCL for the GEMM+ReduceScatter; both sides of a transfer must use the
     same). M counts the gathered rows for ag_gemm, x's rows for gemm_rs."""
     signature = (op, m, k, n, str(dtype), weight_layout)
     return signature if transport is None else signature + (transport,)
@@ -310,11 +310,11 @@ def _fused_ag_gemm(decision: Decision, x_shard_m, weight, group, weight_layout: 
 
 def _fused_gemm_rs(decision: Decision, x, weight, group, weight_layout: str) -> Decision:
     from flux_layers.ops import fused_gemm_rs
-    from flux_layers.ops.backend import transport as op_transport
+    from flux_layers.ops.backend import over_nccl
     from flux_layers.runtime import tuning
     m, k, n = fused_gemm_rs.check_args(x, weight, None, weight_layout, group)
     weight_nn = weight_layout == "nn"
-    if op_transport("gemm_rs", group) == "nccl":
+    if over_nccl("gemm_rs", group):
         check_same_call(group, call_signature("gemm_rs", m, k, n, x.dtype, weight_layout, "nccl"))
         ws = workspace.get_rs_workspace(group, x.dtype, m, n, nccl=True)
         call = fused_gemm_rs.plan_nccl_call(ws, m=m, k=k, n=n)

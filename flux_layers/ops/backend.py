@@ -45,14 +45,14 @@ def ag_transport(group) -> str:
     return topology.ag_transport(_group_devices(tp), topology.group_node_ids(group))
 
 
-def transport(op: str, group) -> str:
-    """How a fused ``op`` of ``group`` moves data between ranks: the all-gather's :func:`ag_transport`, or the
-    reduce-scatter's 'nccl' (FLUX_LAYERS_TRANSPORT=nccl) or 'peer' (epilogue stores or copy engine;
-    topology.rs_transport). Every rank resolves the same."""
+def over_nccl(op: str, group) -> bool:
+    """Whether a fused ``op`` of ``group`` moves data between ranks by NCCL, through workspaces in local memory (the
+    all-gather's :func:`ag_transport` 'nccl'; the reduce-scatter's only where FLUX_LAYERS_TRANSPORT=nccl,
+    topology.rs_over_nccl), rather than through peer-mapped memory. Every rank resolves the same."""
     if op == "ag_gemm":
-        return ag_transport(group)
+        return ag_transport(group) == "nccl"
     from flux_layers.runtime import topology
-    return topology.rs_transport()
+    return topology.rs_over_nccl()
 
 
 def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int, int, int], group,
@@ -81,7 +81,7 @@ def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int,
         reason = None
         if tp > 1:
             reason = topology.fused_path_blocker(_group_devices(tp), topology.group_node_ids(group), op=op)
-            nccl = reason is None and transport(op, group) == "nccl"
+            nccl = reason is None and over_nccl(op, group)
         if reason is not None:
             blockers.append(reason)
         elif nccl and dtype in FP8_DTYPES:

@@ -18,8 +18,9 @@ makes the call.
 Transport ``nccl`` (a group whose GPUs cannot map each other's memory, one that spans nodes, or
 FLUX_LAYERS_TRANSPORT=nccl): the workspace is local memory, the chunks arrive by NCCL send/recv driven from the
 host on the workspace's transfer stream, each followed by its flag, and the GEMM runs in external-transfer mode,
-in the plan's arrival order, on all SMs but FLUX_LAYERS_NCCL_SMS (flux_layers/runtime/multinode/nccl_transport.py;
-:func:`plan_nccl_call`, :func:`run_nccl`). Not under CUDA-graph capture.
+in the transfer plan's arrival order, on all SMs but FLUX_LAYERS_NCCL_SMS
+(flux_layers/runtime/multinode/nccl_transport.py; :func:`plan_nccl_call`, :func:`run_nccl`). Not under CUDA-graph
+capture.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from flux_layers.runtime import schedules, tuning, workspace
 from flux_layers.runtime.call_plan import AgCallPlan
 from flux_layers.runtime.multinode import nccl_transport
 
-DIRECTIONS = ("pull", "push")  # the copy engine's (the plan's third mode, 'external', is the NCCL transport's)
+DIRECTIONS = ("pull", "push")  # the copy engine's (the call plan's third mode, 'external', is the NCCL transport's)
 ORDERS = ("mesh", "ring")
 
 
@@ -88,7 +89,7 @@ def plan_call(ws: workspace.AgWorkspace, *, m: int, k: int, n: int, tile: int | 
 
 @dataclass(frozen=True)
 class NcclCall:
-    """A call's plan on a workspace of the NCCL transport: the op's call plan (external transfers, the GEMM's
+    """What a call on a workspace of the NCCL transport runs: the op's call plan (external transfers, the GEMM's
     shard order, the SMs it may hold) and its index in the workspace, the chunking, this rank's part of the transfer
     plan, and the index in the workspace's flags of each chunk's flag, ``chunk_flags[shard][chunk]``."""
     plan: AgCallPlan
@@ -117,7 +118,7 @@ def plan_nccl_call(ws: workspace.AgWorkspace, *, m: int, k: int, n: int, tile: i
                                stream_k=stream_k, sm_count=sm_count or nccl_transport.gemm_sms_beside_nccl(ws.device))
     plan = AgCallPlan(tile=kc.tile, swizzle=kc.swizzle, stream_k_fill=kc.stream_k_fill, sm_count=kc.sm_count,
                       mode="external", order="mesh", rows_per_chunk=rows_per_chunk,
-                      group_order=tuple(executor.gemm_order))
+                      shard_order=tuple(executor.gemm_order))
     chunk_flags = tuple(tuple(ws.flag_index("chunk", g, c) for c in range(chunks)) for g in range(ws.tp))
     return NcclCall(plan, ws.plan_index(plan), rows_per_chunk, executor, chunk_flags)
 

@@ -8,7 +8,7 @@
 
 Each tile of a peer's rows reaches that peer's receive slot and is flagged there; tiles of this rank's rows
 come last and add the peers' partials in rank order (deterministic), see csrc/runtime/gemm_rs.cpp. Two
-transports: ``direct``, the GEMM epilogue stores the tile into the peer's memory over NVLink; ``copy_engine``,
+transports: ``epilogue``, the GEMM epilogue stores the tile into the peer's memory over NVLink; ``copy_engine``,
 the epilogue stores it locally and a copy engine moves each finished chunk (a panel of tiles x a strip of
 columns), so the SMs never wait on NVLink. Partials travel in the input dtype (as with NCCL's reduce-scatter of
 bf16 data); the sum is accumulated in fp32. Kernel configuration and transport are fixed in a call plan
@@ -72,7 +72,7 @@ def plan_call(ws: workspace.RsWorkspace, *, m: int, k: int, n: int, tile: int | 
 
 @dataclass(frozen=True)
 class NcclCall:
-    """A call's plan on a workspace of the NCCL transport: the op's call plan (external transfers, full-width chunks,
+    """What a call on a workspace of the NCCL transport runs: the op's call plan (external transfers, full-width chunks,
     the SMs the GEMM may hold) and its index in the workspace, the chunks of each destination's rows, this rank's
     batches, and the index in the workspace's flags of ``count_flags[dst][chunk]`` (this rank's staged tiles of
     dst's rows) and ``partial_flags[src][chunk]`` (src's partial of ours received)."""
@@ -143,7 +143,7 @@ def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     same call decided once per shape. ``tile``/``swizzle``: kernel configuration (None: tuning table or the
     measured default); ``stream_k``: split a last, partial wave of tiles along K (None: FLUX_LAYERS_STREAM_K; an
     int: the fill limit, see tuning.stream_k_fill); ``sm_count``: SMs the persistent GEMM may hold (0: all);
-    ``transport``: ``'direct'``, ``'copy_engine'``, ``'nccl'`` or ``'auto'`` (the tuning table's choice between the
+    ``transport``: ``'epilogue'``, ``'copy_engine'``, ``'nccl'`` or ``'auto'`` (the tuning table's choice between the
     first two; None: ``ws``'s if it is the NCCL transport's, else FLUX_LAYERS_RS_TRANSPORT); ``chunk_cols``:
     columns per copy-engine chunk (None: FLUX_LAYERS_RS_CHUNK_COLS; 0: 1024; the NCCL transport's chunks are
     full-width). Every rank must pass the same transport."""

@@ -29,11 +29,11 @@ class _KernelFields:
 class AgCallPlan(_KernelFields):
     """An all-gather call: ``mode`` 'push' | 'pull' (the copy engine's direction) or 'external' (the caller moves the
     chunks: the NCCL transport), ``order`` 'mesh' | 'ring', ``rows_per_chunk`` rows per chunk of a shard, and
-    ``group_order``, the GEMM's shard order where the caller's transfers fix it (external), else empty."""
+    ``shard_order``, the GEMM's shard order where the caller's transfers fix it (external), else empty."""
     mode: str
     order: str
     rows_per_chunk: int
-    group_order: tuple[int, ...] = ()
+    shard_order: tuple[int, ...] = ()
     accumulation: str = "split"  # FP8 operands: 'split' (promoted to fp32 every 256 deep) or 'fast'
 
     native_method = "add_ag_plan"
@@ -41,7 +41,7 @@ class AgCallPlan(_KernelFields):
 
 @dataclass(frozen=True)
 class RsCallPlan(_KernelFields):
-    """A reduce-scatter call: ``transport`` 'direct' (epilogue stores into the peers' slots), 'copy_engine' or
+    """A reduce-scatter call: ``transport`` 'epilogue' (its stores into the peers' slots), 'copy_engine' or
     'external' (the caller moves the staged partials: the NCCL transport), ``chunk_cols`` columns per copy-engine
     chunk (0: the default; external: N, whole rows)."""
     transport: str

@@ -10,7 +10,7 @@ import functools
 from dataclasses import dataclass
 
 # Mirrors of csrc/include/flux/gemm_params.h and tile_schedule.cuh (the one source; a CPU test compares them).
-MAX_TP = 8  # kMaxGroups
+MAX_TP = 8  # kMaxTp
 TILE_CONFIGS = {0: (256, 128), 1: (128, 256), 2: (128, 128)}  # id -> (tile_m, tile_n), flux::TileConfig
 SPLIT_TILE_CONFIGS = (1, 2)  # configurations built with the stream-K tail (GemmKernel::kSplitCapable)
 CLUSTER_M = 2  # kClusterM
@@ -20,7 +20,7 @@ SIGNATURE_WORDS = 3  # kSignatureWords: a call signature's flag words per source
 ERROR_RECORD_WORDS = 9  # kErrorRecordWords
 
 
-def ag_group_order(rank: int, tp: int, order: str) -> list[int]:
+def ag_shard_order(rank: int, tp: int, order: str) -> list[int]:
     """Shards in the order the AllGather GEMM walks them: own first, then as the copy engine delivers them."""
     if order == "mesh":
         return [(rank + s) % tp for s in range(tp)]
@@ -29,7 +29,7 @@ def ag_group_order(rank: int, tp: int, order: str) -> list[int]:
     raise ValueError(f"order must be 'mesh' or 'ring', got {order!r}")
 
 
-def rs_group_order(rank: int, tp: int) -> list[int]:
+def rs_shard_order(rank: int, tp: int) -> list[int]:
     """Destinations in the order the ReduceScatter GEMM writes them: rank+1, rank+2, ..., own rows last."""
     return [(rank + 1 + s) % tp for s in range(tp)]
 
@@ -37,10 +37,10 @@ def rs_group_order(rank: int, tp: int) -> list[int]:
 @dataclass(frozen=True)
 class TileSchedule:
     """Python twin of flux::TileSchedule."""
-    rows_per_group: int
+    rows_per_shard: int
     n: int
-    num_groups: int
-    group_order: tuple[int, ...]
+    num_shards: int
+    shard_order: tuple[int, ...]
     tile_m: int = 256
     tile_n: int = 128
     cluster_m: int = CLUSTER_M
@@ -48,7 +48,7 @@ class TileSchedule:
 
     @property
     def tiles_m(self) -> int:
-        t = -(-self.rows_per_group // self.tile_m)
+        t = -(-self.rows_per_shard // self.tile_m)
         return -(-t // self.cluster_m) * self.cluster_m
 
     @property
@@ -62,23 +62,23 @@ class TileSchedule:
         return min(s, rows) if rows > 0 else s
 
     @property
-    def work_per_group(self) -> int:
+    def work_per_shard(self) -> int:
         return self.tiles_m // self.cluster_m * self.tiles_n
 
     @property
     def total_work(self) -> int:
-        return self.work_per_group * self.num_groups
+        return self.work_per_shard * self.num_shards
 
     def get(self, work: int, cluster_rank_m: int) -> tuple[int, int, int]:
-        """(group, m tile, n tile) of cluster work item `work` for the CTA at `cluster_rank_m`."""
-        step, r = divmod(work, self.work_per_group)
+        """(shard, m tile, n tile) of cluster work item `work` for the CTA at `cluster_rank_m`."""
+        step, r = divmod(work, self.work_per_shard)
         cluster_rows = self.tiles_m // self.cluster_m
         panel_span = self.swizzle * self.tiles_n
         panel, rem = divmod(r, panel_span)
         rows_here = min(self.swizzle, cluster_rows - panel * self.swizzle)
         cm = panel * self.swizzle + rem % rows_here
         n = rem // rows_here
-        return self.group_order[step], cm * self.cluster_m + cluster_rank_m, n
+        return self.shard_order[step], cm * self.cluster_m + cluster_rank_m, n
 
     def tiles(self) -> list[tuple[int, int, int]]:
         return [self.get(w, c) for w in range(self.total_work) for c in range(self.cluster_m)]
@@ -86,14 +86,14 @@ class TileSchedule:
 
 @dataclass(frozen=True)
 class RsChunkGrid:
-    """Python twin of flux::RsChunkGrid: the copy-engine ReduceScatter's chunks of one destination group, a
+    """Python twin of flux::RsChunkGrid: the copy-engine ReduceScatter's chunks of one destination shard, a
     schedule panel (along M) times a strip of tiles (along N)."""
     sched: TileSchedule
     chunk_cols: int = 0  # 0: the default, DEFAULT_RS_CHUNK_COLS
 
     @property
     def tiles_m(self) -> int:  # tiles holding rows (no cluster padding)
-        return -(-self.sched.rows_per_group // self.sched.tile_m)
+        return -(-self.sched.rows_per_shard // self.sched.tile_m)
 
     @property
     def chunk_tiles_m(self) -> int:

@@ -11,7 +11,7 @@ Transports (:func:`ag_transport`): the copy engine between peer-mapped GPUs of o
 ``ring``; csrc/runtime/ag_gemm.cpp), and NCCL send/recv through the group's process group for a group that spans
 nodes or whose GPUs cannot map each other's memory, or when ``FLUX_LAYERS_TRANSPORT=nccl`` (every order of
 transfer_plan.py, every transfer on NCCL; flux_layers/runtime/multinode/nccl_transport.py). The reduce-scatter
-(:func:`rs_transport`) moves its partials by the epilogue's stores or the copy engine between peer-mapped GPUs of
+(:func:`rs_over_nccl`) moves its partials by the epilogue's stores or the copy engine between peer-mapped GPUs of
 one node, and by NCCL (flux_layers/runtime/multinode/nccl_rs_transport.py) only when ``FLUX_LAYERS_TRANSPORT=nccl``:
 that path has not run on GPUs yet, so a group that spans nodes or lacks peer access keeps the reference path for it
 unless NCCL is forced. :func:`fused_path_blocker` names what keeps the fused kernels from serving a group.
@@ -274,12 +274,12 @@ RS_NCCL_UNTRIED = ("its NCCL transport has not run on GPUs yet, so it is taken o
                    "(FLUX_LAYERS_TRANSPORT=nccl)")
 
 
-def rs_transport() -> str:
-    """How the fused GEMM+ReduceScatter moves its partials between ranks: 'nccl' where FLUX_LAYERS_TRANSPORT=nccl
-    forces it, else 'peer' (the epilogue's stores or the copy engine, tuning.rs_transport's choice per shape). Not
-    chosen from the topology: where 'peer' cannot run, :func:`fused_path_blocker` sends the call to the reference
-    path (:data:`RS_NCCL_UNTRIED`)."""
-    return "nccl" if _env.get("TRANSPORT") == "nccl" else "peer"
+def rs_over_nccl() -> bool:
+    """Whether the fused GEMM+ReduceScatter moves its partials by NCCL: only where FLUX_LAYERS_TRANSPORT=nccl forces
+    it; else through peer-mapped memory, by the epilogue or the copy engine (tuning.rs_transport's choice per shape).
+    Not chosen from the topology: where peer-mapped memory cannot serve the group, :func:`fused_path_blocker` sends
+    the call to the reference path (:data:`RS_NCCL_UNTRIED`)."""
+    return _env.get("TRANSPORT") == "nccl"
 
 
 def fused_path_blocker(devices: tuple[int, ...], node_ids: tuple[int, ...] | None = None, op: str = "ag_gemm"
@@ -289,7 +289,7 @@ def fused_path_blocker(devices: tuple[int, ...], node_ids: tuple[int, ...] | Non
 
     The all-gather runs on the copy engine (one node, every pair peer-mapped, order 'mesh' or 'ring') or on NCCL
     (:func:`ag_transport`: any group, every order of transfer_plan.py, all transfers by NCCL). The reduce-scatter
-    runs on NCCL for any group where FLUX_LAYERS_TRANSPORT=nccl (:func:`rs_transport`), else it needs the copy
+    runs on NCCL for any group where FLUX_LAYERS_TRANSPORT=nccl (:func:`rs_over_nccl`), else it needs the copy
     engine's conditions (:data:`RS_NCCL_UNTRIED`). Pass ``node_ids`` from :func:`node_ids`
     with the members' global ranks or :func:`gather_hostnames`; without them the declared node size
     (:func:`declared_node_size`) is applied to the group ranks 0..tp-1 (right for Megatron's aligned TP groups).
@@ -306,7 +306,7 @@ def fused_path_blocker(devices: tuple[int, ...], node_ids: tuple[int, ...] | Non
         if order not in ("auto",) + BUILT_ORDERS:
             return (f"FLUX_LAYERS_AG_ORDER={order}: the copy-engine all-gather runs the orders {BUILT_ORDERS}; "
                     f"'{order}' runs on the NCCL transport (FLUX_LAYERS_TRANSPORT=nccl)")
-    elif rs_transport() == "nccl":
+    elif rs_over_nccl():
         return None
     forced = " (FLUX_LAYERS_TRANSPORT=copy_engine)" if op == "ag_gemm" else f"; {RS_NCCL_UNTRIED}"
     nnodes = len(set(node_ids)) if node_ids is not None else 1

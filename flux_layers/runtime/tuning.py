@@ -11,7 +11,7 @@ A table file looks like::
 Key convention (the table's ``key`` field, :data:`TABLE_KEY`): an entry's (m, k, n) is the per-rank GEMM, the
 problem one rank's kernel runs (:func:`table_key`): ag_gemm (M gathered rows, K, N/tp: this rank's output
 columns), gemm_rs (M rows, K/tp: this rank's shard of the reduction, N). Every lookup (``ops.backend.choose``, the
-ops' call plans, the layers' plans, ``ops.plan``) passes the sizes of the tensors this rank holds, which are
+ops' call plans, the layers' decisions, ``ops.plan``) passes the sizes of the tensors this rank holds, which are
 exactly these; the benchmarks name shapes by their global M x K x N, and tools/make_dispatch_table.py
 converts. Lookups match op, dtype, tp and GPU name exactly and take the entry with the nearest (m, k, n) in log
 space, within :data:`NEAREST_LOG2_DISTANCE`; with no matching entry the fused path is used (the heuristic: fused
@@ -128,25 +128,36 @@ def kernel_config(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, 
     return tile, swizzle
 
 
-RS_TRANSPORTS = ("direct", "copy_engine")
+# The peer-mapped GEMM+ReduceScatter transports: the epilogue's stores straight into the owner's receive slot, or the
+# copy engine from a local staging area (the NCCL transport is chosen apart: topology.rs_over_nccl).
+RS_TRANSPORTS = ("epilogue", "copy_engine")
+# Former names of RS_TRANSPORTS: a setting that still uses one fails naming its transport; benchmark records of
+# earlier runs (benchmarks/results) keep them.
+RS_TRANSPORT_FORMER_NAMES = {"direct": "epilogue"}
 
 
-def check_rs_transport(transport: str) -> str:
-    """``transport`` if it names a GEMM+ReduceScatter transport or 'auto', else a ValueError."""
+def check_rs_transport(transport: str, setting: str = "gemm_rs: transport") -> str:
+    """``transport`` if it names a GEMM+ReduceScatter transport or 'auto', else a ValueError (``setting``: what named
+    it, for the message)."""
+    if transport in RS_TRANSPORT_FORMER_NAMES:
+        raise ValueError(f"{setting}={transport!r}: that transport is called "
+                         f"{RS_TRANSPORT_FORMER_NAMES[transport]!r}")
     if transport not in ("auto",) + RS_TRANSPORTS:
-        raise ValueError(f"gemm_rs: transport must be 'auto', 'direct' or 'copy_engine', got {transport!r}")
+        raise ValueError(f"{setting} must be 'auto', 'epilogue' or 'copy_engine', got {transport!r}")
     return transport
 
 
 def rs_transport(*, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int], requested: str | None = None) -> str:
     """How a GEMM+ReduceScatter call moves its partial tiles: ``requested`` if given, else
-    FLUX_LAYERS_RS_TRANSPORT; 'auto' takes the tuning table's measured choice for the nearest shape, else
-    'direct'. Every rank resolves the same (same shape, same table), as both sides of a transfer must agree."""
-    choice = _env.get("RS_TRANSPORT") if requested is None else check_rs_transport(requested)
+    FLUX_LAYERS_RS_TRANSPORT (both checked by :func:`check_rs_transport`); 'auto' takes the tuning table's measured
+    choice for the nearest shape, else 'epilogue'. Every rank resolves the same (same shape, same table), as both
+    sides of a transfer must agree."""
+    choice = (check_rs_transport(_env.get("RS_TRANSPORT"), "FLUX_LAYERS_RS_TRANSPORT") if requested is None
+              else check_rs_transport(requested))
     if choice != "auto":
         return choice
     entry = dispatch_entry("gemm_rs", dtype=dtype, tp=tp, mkn=mkn)
-    return entry.get("transport", "direct") if entry is not None else "direct"
+    return entry.get("transport", "epilogue") if entry is not None else "epilogue"
 
 
 class KernelChoice(NamedTuple):

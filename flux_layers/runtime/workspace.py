@@ -11,10 +11,11 @@ memory, other nodes, or FLUX_LAYERS_TRANSPORT=nccl) makes one local allocation i
 null, NCCL moves the all-gather's chunks (flux_layers/runtime/multinode/nccl_transport.py) or the reduce-scatter's
 partials (flux_layers/runtime/multinode/nccl_rs_transport.py), and it has no CUDA-graph twin.
 
-Each workspace owns one long-lived C++ object, ``Workspace.native`` (``torch.classes.flux_layers.NativeWorkspace``,
+Each workspace owns one long-lived native workspace, ``Workspace.native``
+(``torch.classes.flux_layers.NativeWorkspace``, csrc/bindings/ops.cpp, around the runtime's ``flux::WorkspaceState``,
 csrc/include/flux/workspace_state.h): the peers' buffer and flag pointers, the communication streams, the events of
-a call, the error record, the flag protocol, the epoch counter and the kernel/transfer plans registered for the
-shapes seen so far. A call passes its tensors, a plan index and that object; the op checks everything before the
+a call, the error record, the flag protocol, the epoch counter and the call plans registered for the shapes seen so
+far. A call passes its tensors, a plan index and that object's handle; the op checks everything before the
 epoch advances, so a rejected call leaves the ranks in step. Settings (FLUX_LAYERS_TIMEOUT_S,
 FLUX_LAYERS_POISON_OUTPUTS) are read when the workspace is made.
 
@@ -83,7 +84,7 @@ class Workspace:
 
     def __init__(self, group, *, kind: str, sizes: dict, num_comm_streams: int, what: str, graph_protocol: bool,
                  dtype: torch.dtype, max_m: int, inner: int, peer_mapped: bool = True):
-        _library.require()  # the native object below is the op library's class
+        _library.require()  # the native workspace below is the op library's class
         if not dist.is_initialized():
             raise RuntimeError(f"{what}: torch.distributed is not initialised")
         self.group = group

@@ -23,18 +23,18 @@ int dump_stream_k(int argc, char** argv) {
   return 0;
 }
 
-// rschunks rows_per_group n tile_m tile_n swizzle_m chunk_cols: "chunk_tiles_m chunk_tiles_n chunks_m chunks_n",
+// rschunks rows_per_shard n tile_m tile_n swizzle_m chunk_cols: "chunk_tiles_m chunk_tiles_n chunks_m chunks_n",
 // then per chunk in copy order "cm cn index tiles", then one line: the chunk of every tile (row-major), as the
 // kernel's epilogue computes it (rs_chunk_index).
 int dump_rs_chunks(int argc, char** argv) {
   if (argc < 8) return 2;
   flux::GemmProblem p;
-  p.rows_per_group = std::atoi(argv[2]);
+  p.rows_per_shard = std::atoi(argv[2]);
   p.n = std::atoi(argv[3]);
   int tile_m = std::atoi(argv[4]), tile_n = std::atoi(argv[5]);
   p.launch.swizzle_m = std::atoi(argv[6]);
   flux::TileSchedule s = flux::TileSchedule::make(p, tile_m, tile_n, 2);
-  flux::RsChunkGrid g = flux::RsChunkGrid::make(s, p.rows_per_group, tile_m, tile_n, std::atoi(argv[7]));
+  flux::RsChunkGrid g = flux::RsChunkGrid::make(s, p.rows_per_shard, tile_m, tile_n, std::atoi(argv[7]));
   std::printf("%d %d %d %d\n", g.chunk_tiles_m, g.chunk_tiles_n, g.chunks_m, g.chunks_n);
   for (int cm = 0; cm < g.chunks_m; ++cm)
     for (int cn = 0; cn < g.chunks_n; ++cn) std::printf("%d %d %d %u\n", cm, cn, g.index(cm, cn), g.tiles_in(cm, cn));
@@ -64,8 +64,8 @@ int dump_rs_flags(int argc, char** argv) {
 
 // constants: the values the Python mirrors must equal, one "name value..." line each.
 int dump_constants() {
-  std::printf("max_groups %d\ncluster_m %d\nsplit_max_fill_pct %d\nrs_chunk_cols %d\n", flux::kMaxGroups,
-              flux::kClusterM, flux::kDefaultSplitMaxFillPct, flux::RsChunkGrid::kDefaultChunkCols);
+  std::printf("max_tp %d\ncluster_m %d\nsplit_max_fill_pct %d\nrs_chunk_cols %d\n", flux::kMaxTp, flux::kClusterM,
+              flux::kDefaultSplitMaxFillPct, flux::RsChunkGrid::kDefaultChunkCols);
   std::printf("signature_words %d\nerror_record_words %d\n", flux::kSignatureWords, flux::kErrorRecordWords);
   for (int t = 0; t < flux::kNumTileConfigs; ++t)
     std::printf("tile %d %d %d\n", t, flux::tile_m(flux::TileConfig(t)), flux::tile_n(flux::TileConfig(t)));
@@ -78,20 +78,20 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "rschunks") return dump_rs_chunks(argc, argv);
   if (argc > 1 && std::string(argv[1]) == "signature") return dump_signature(argc, argv);
   if (argc > 1 && std::string(argv[1]) == "rsflags") return dump_rs_flags(argc, argv);
-  // rows_per_group n num_groups tile_m tile_n cluster_m swizzle_m order...
+  // rows_per_shard n num_shards tile_m tile_n cluster_m swizzle_m order...
   if (argc < 8) return 2;
   flux::GemmProblem p;
-  p.rows_per_group = std::atoi(argv[1]);
+  p.rows_per_shard = std::atoi(argv[1]);
   p.n = std::atoi(argv[2]);
-  p.num_groups = std::atoi(argv[3]);
+  p.num_shards = std::atoi(argv[3]);
   int tile_m = std::atoi(argv[4]), tile_n = std::atoi(argv[5]), cluster_m = std::atoi(argv[6]);
   p.launch.swizzle_m = std::atoi(argv[7]);
-  for (int i = 0; i < p.num_groups && 8 + i < argc; ++i) p.group_order[i] = std::atoi(argv[8 + i]);
+  for (int i = 0; i < p.num_shards && 8 + i < argc; ++i) p.shard_order[i] = std::atoi(argv[8 + i]);
   flux::TileSchedule s = flux::TileSchedule::make(p, tile_m, tile_n, cluster_m);
   for (int w = 0; w < s.total_work; ++w)
     for (int c = 0; c < cluster_m; ++c) {
       flux::TileCoord t = s.get(w, c);
-      std::printf("%d %d %d\n", t.group, t.m, t.n);
+      std::printf("%d %d %d\n", t.shard, t.m, t.n);
     }
   return 0;
 }

@@ -41,17 +41,22 @@ def test_env_settings_are_validated(monkeypatch):
     monkeypatch.setenv("FLUX_LAYERS_TIMEOUT_S", "soon")
     with pytest.raises(ValueError, match="not a number"):
         _env.get_float("TIMEOUT_S")
-    assert _env.get("RS_TRANSPORT") == "auto"
+    assert _env.get("RS_TRANSPORT") == "auto"  # its values are checked against the transports (tuning)
     monkeypatch.setenv("FLUX_LAYERS_RS_TRANSPORT", "pigeon")
-    with pytest.raises(ValueError, match="FLUX_LAYERS_RS_TRANSPORT"):
-        _env.get("RS_TRANSPORT")
+    with pytest.raises(ValueError, match="FLUX_LAYERS_RS_TRANSPORT must be 'auto', 'epilogue' or 'copy_engine'"):
+        tuning.rs_transport(dtype=torch.bfloat16, tp=2, mkn=(256, 64, 64))
+    monkeypatch.setenv("FLUX_LAYERS_RS_TRANSPORT", "direct")  # the epilogue transport's former name
+    with pytest.raises(ValueError, match="FLUX_LAYERS_RS_TRANSPORT='direct': that transport is called 'epilogue'"):
+        tuning.rs_transport(dtype=torch.bfloat16, tp=2, mkn=(256, 64, 64))
 
 
 def test_gemm_rs_transport_arguments_are_validated_first():
     from flux_layers.ops import fused_gemm_rs
     x = torch.randn(4, 8)
-    with pytest.raises(ValueError, match="transport must be 'auto', 'direct' or 'copy_engine'"):
+    with pytest.raises(ValueError, match="transport must be 'auto', 'epilogue' or 'copy_engine'"):
         fused_gemm_rs.gemm_rs(x, x, group=None, transport="pigeon")
+    with pytest.raises(ValueError, match="transport='direct': that transport is called 'epilogue'"):
+        fused_gemm_rs.gemm_rs(x, x, group=None, transport="direct")
     with pytest.raises(ValueError, match="chunk_cols must be >= 0"):
         fused_gemm_rs.gemm_rs(x, x, group=None, transport="copy_engine", chunk_cols=-1)
 

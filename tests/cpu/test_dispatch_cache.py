@@ -86,8 +86,8 @@ def test_ranks_making_different_calls_raise_on_every_rank(differ):
 
 
 def test_call_signature_holds_every_field_a_peer_must_agree_on():
-    base = ("gemm_rs", 4096, 1024, 512, torch.bfloat16, "nn", "direct")
-    assert _dispatch.call_signature(*base) == ("gemm_rs", 4096, 1024, 512, "torch.bfloat16", "nn", "direct")
+    base = ("gemm_rs", 4096, 1024, 512, torch.bfloat16, "nn", "epilogue")
+    assert _dispatch.call_signature(*base) == ("gemm_rs", 4096, 1024, 512, "torch.bfloat16", "nn", "epilogue")
     assert _dispatch.call_signature(*base[:6]) == ("gemm_rs", 4096, 1024, 512, "torch.bfloat16", "nn")
     changed = ("ag_gemm", 2048, 2048, 1024, torch.float16, "nt", "copy_engine")
     for i, value in enumerate(changed):
@@ -100,7 +100,7 @@ _OTHER = ("ag_gemm", 2048, 2048, 256, torch.float16, "nn", "copy_engine")  # eve
 
 def _each_field(rank, tp):
     import torch.distributed as dist
-    base = ("gemm_rs", 4096, 1024, 512, torch.bfloat16, "nt", "direct")
+    base = ("gemm_rs", 4096, 1024, 512, torch.bfloat16, "nt", "epilogue")
     for i in range(len(base)):
         mine = base if rank == 0 else base[:i] + (_OTHER[i],) + base[i + 1:]
         with pytest.raises(ValueError, match=r"rank 0: \('gemm_rs', 4096.*; rank 1: \("):

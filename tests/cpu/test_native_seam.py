@@ -34,8 +34,8 @@ def test_call_plans_mirror_the_native_registration():
     for plan in (AgCallPlan, RsCallPlan):
         assert [f.name for f in dataclasses.fields(plan)] == schemas[plan.native_method], plan.__name__
     ag = AgCallPlan(tile=1, swizzle=16, stream_k_fill=75, sm_count=0, mode="external", order="mesh",
-                    rows_per_chunk=128, group_order=(1, 0))
-    assert ag.native_fields()["group_order"] == [1, 0]  # the native int[]
+                    rows_per_chunk=128, shard_order=(1, 0))
+    assert ag.native_fields()["shard_order"] == [1, 0]  # the native int[]
     assert set(ag.native_fields()) == set(schemas["add_ag_plan"])
 
 

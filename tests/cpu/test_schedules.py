@@ -23,26 +23,26 @@ def schedule_dump(tmp_path_factory) -> str:
 
 
 def _sched(rows, n, tp, order, tile=(256, 128), swizzle=8):
-    return schedules.TileSchedule(rows_per_group=rows, n=n, num_groups=tp, group_order=tuple(order),
+    return schedules.TileSchedule(rows_per_shard=rows, n=n, num_shards=tp, shard_order=tuple(order),
                                   tile_m=tile[0], tile_n=tile[1], swizzle_m=swizzle)
 
 
 @pytest.mark.parametrize("rows,n,tp,tile,swizzle", [(1000, 520, 2, (256, 128), 8), (4096, 4096, 4, (128, 256), 16),
                                                      (8, 136, 8, (256, 128), 2), (2048, 28672, 2, (128, 256), 4)])
-def test_every_tile_once_and_groups_in_order(rows, n, tp, tile, swizzle):
+def test_every_tile_once_and_shards_in_order(rows, n, tp, tile, swizzle):
     for rank in range(tp):
-        order = schedules.rs_group_order(rank, tp)
+        order = schedules.rs_shard_order(rank, tp)
         s = _sched(rows, n, tp, order, tile, swizzle)
         tiles = s.tiles()
         assert len(tiles) == len(set(tiles)) == tp * s.tiles_m * s.tiles_n
-        groups_in_visit_order = [g for g, _, _ in tiles]
-        firsts = [groups_in_visit_order.index(g) for g in order]
-        assert firsts == sorted(firsts), "a group must be finished before the next starts"
+        shards_in_visit_order = [g for g, _, _ in tiles]
+        firsts = [shards_in_visit_order.index(g) for g in order]
+        assert firsts == sorted(firsts), "a shard must be finished before the next starts"
 
 
 def test_reduce_scatter_rank_offset():
     for tp in (2, 4, 8):
-        orders = [schedules.rs_group_order(r, tp) for r in range(tp)]
+        orders = [schedules.rs_shard_order(r, tp) for r in range(tp)]
         for r, order in enumerate(orders):
             assert order[-1] == r, "own rows come last"
         for step in range(tp):
@@ -53,12 +53,12 @@ def test_reduce_scatter_rank_offset():
 def test_all_gather_orders_follow_arrival():
     for tp in (2, 4, 8):
         for r in range(tp):
-            mesh = schedules.ag_group_order(r, tp, "mesh")
-            ring = schedules.ag_group_order(r, tp, "ring")
+            mesh = schedules.ag_shard_order(r, tp, "mesh")
+            ring = schedules.ag_shard_order(r, tp, "ring")
             assert mesh[0] == ring[0] == r and sorted(mesh) == sorted(ring) == list(range(tp))
             assert ring[1] == (r - 1) % tp, "a ring delivers the left neighbour's shard first"
     with pytest.raises(ValueError, match="order"):
-        schedules.ag_group_order(0, 2, "tree")
+        schedules.ag_shard_order(0, 2, "tree")
 
 
 def test_chunk_heuristic():
@@ -75,7 +75,7 @@ def test_chunk_heuristic():
 @pytest.mark.parametrize("rows,n,tp,tile,swizzle", [(1000, 520, 2, (256, 128), 8), (3000, 3000, 4, (128, 256), 16),
                                                      (64, 8, 3, (256, 128), 2)])
 def test_cpp_schedule_matches_python(schedule_dump, rows, n, tp, tile, swizzle):
-    order = schedules.rs_group_order(1, tp)
+    order = schedules.rs_shard_order(1, tp)
     out = subprocess.run([schedule_dump, str(rows), str(n), str(tp), str(tile[0]), str(tile[1]),
                           str(schedules.CLUSTER_M), str(swizzle)] + [str(g) for g in order],
                          check=True, capture_output=True, text=True).stdout
@@ -141,7 +141,7 @@ def test_cpp_stream_k_matches_python(schedule_dump):
         assert cpp == py, (total, clusters, k_tiles, fill)
 
 
-# (rows per group, N, tile config, swizzle, chunk columns): the layer and benchmark shapes at TP=2, ragged ones.
+# (rows per shard, N, tile config, swizzle, chunk columns): the layer and benchmark shapes at TP=2, ragged ones.
 RS_CHUNK_CASES = [(2048, 8192, 1, 16, 0), (4096, 8192, 1, 16, 512), (8192, 4096, 1, 16, 0), (1000, 264, 1, 16, 256),
                   (1000, 520, 0, 8, 0), (8, 256, 1, 16, 0), (4096, 12288, 0, 8, 4096), (1000, 768, 0, 8, 300)]
 
@@ -227,7 +227,7 @@ def test_constants_match_the_cpp_headers(schedule_dump):
             tiles[int(values[0])] = (int(values[1]), int(values[2]))
         else:
             cpp[name] = int(values[0])
-    assert cpp == {"max_groups": schedules.MAX_TP, "cluster_m": schedules.CLUSTER_M,
+    assert cpp == {"max_tp": schedules.MAX_TP, "cluster_m": schedules.CLUSTER_M,
                    "split_max_fill_pct": schedules.DEFAULT_STREAM_K_FILL,
                    "rs_chunk_cols": schedules.DEFAULT_RS_CHUNK_COLS, "signature_words": schedules.SIGNATURE_WORDS,
                    "error_record_words": schedules.ERROR_RECORD_WORDS}

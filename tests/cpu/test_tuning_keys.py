@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from flux_layers.devtools.launch import run_distributed
+from tools.make_dispatch_table import rs_transport_times
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = {(op, tp): f"benchmarks/results/{op}_h200x{tp}.json" for op in ("ag_gemm", "gemm_rs") for tp in (2, 4)}
@@ -41,9 +42,10 @@ def _measured(op: str, tp: int) -> list[dict]:
         t = r["times_ms"]
         fused = t["fused"]
         transport = None
-        if op == "gemm_rs" and "fused_direct" in t and "fused_copy_engine" in t:
-            transport = "direct" if t["fused_direct"] <= t["fused_copy_engine"] else "copy_engine"
-            fused = t[f"fused_{transport}"]
+        timed = rs_transport_times(t) if op == "gemm_rs" else {}
+        if timed and None not in timed.values():
+            transport = "epilogue" if timed["epilogue"] <= timed["copy_engine"] else "copy_engine"
+            fused = timed[transport]
         seq = t[SEQUENTIAL_TIME[op]]
         shapes.append({"op": op, "global": (r["m"], r["k"], r["n"]), "key": _per_rank(op, tp, r["m"], r["k"], r["n"]),
                        "path": "reference" if seq < fused else "fused", "transport": transport, "fused_ms": fused,
@@ -106,7 +108,7 @@ def _decide_every_shape(rank, tp, shapes, table, gpu):
             assert choice.path == s["path"], f"{what}: decided {choice}, measured faster: {s['path']}"
             if op == "gemm_rs":
                 got = tuning.rs_transport(dtype=torch.bfloat16, tp=tp, mkn=expected_key)
-                assert got == (s["transport"] or "direct"), f"{what}: transport {got}, measured {s['transport']}"
+                assert got == (s["transport"] or "epilogue"), f"{what}: transport {got}, measured {s['transport']}"
         _dispatch.refresh()
 
 
@@ -127,7 +129,7 @@ def test_real_calls_at_tp8_take_the_per_rank_entry_not_the_global_decoy(tmp_path
             base = {"op": op, "dtype": "bfloat16", "tp": tp, "source": "this test"}
             entries.append({**base, "m": key[0], "k": key[1], "n": key[2], "path": "sequential",
                             "transport": "copy_engine", "fused_ms": 2.0, "sequential_ms": 1.0})
-            entries.append({**base, "m": m, "k": k, "n": n, "path": "fused", "transport": "direct",
+            entries.append({**base, "m": m, "k": k, "n": n, "path": "fused", "transport": "epilogue",
                             "fused_ms": 1.0, "sequential_ms": 2.0})
             shapes.append({"op": op, "global": (m, k, n), "key": key, "path": "reference", "transport": "copy_engine",
                            "fused_ms": 2.0, "sequential_ms": 1.0})

@@ -106,30 +106,30 @@ def global_inputs(seed: int, m: int, k: int, n: int, dtype: torch.dtype, layout:
     return x, w, b
 
 
-def stream_k_active(rows_per_group: int, n: int, k: int, groups: int, tile: int, sm_count: int,
+def stream_k_active(rows_per_shard: int, n: int, k: int, shards: int, tile: int, sm_count: int,
                     reduce_scatter: bool = False, max_fill_pct: int | None = None, tile_k: int = 64) -> bool:
     """Whether the persistent GEMM splits its last wave along K for this problem with `sm_count` SMs (the
     Python mirror of the kernel's plan, checked against the C++ one by the CPU tests). ReduceScatter splits
-    only when the split items all lie in its last group (its own rows). ``tile_k``: the K tile (128 bytes: 64
+    only when the split items all lie in its last shard (its own rows). ``tile_k``: the K tile (128 bytes: 64
     16-bit elements, 128 FP8 ones)."""
     from flux_layers.runtime import schedules
     if tile not in schedules.SPLIT_TILE_CONFIGS:
         return False
     tile_m, tile_n = schedules.TILE_CONFIGS[tile]
-    s = schedules.TileSchedule(rows_per_group=rows_per_group, n=n, num_groups=groups,
-                               group_order=tuple(range(groups)), tile_m=tile_m, tile_n=tile_n)
+    s = schedules.TileSchedule(rows_per_shard=rows_per_shard, n=n, num_shards=shards,
+                               shard_order=tuple(range(shards)), tile_m=tile_m, tile_n=tile_n)
     sk = schedules.StreamK(s.total_work, sm_count // schedules.CLUSTER_M, -(-k // tile_k),
                            max_fill_pct=max_fill_pct or schedules.DEFAULT_STREAM_K_FILL)
-    return sk.active and (not reduce_scatter or sk.split_work <= s.work_per_group)
+    return sk.active and (not reduce_scatter or sk.split_work <= s.work_per_shard)
 
 
-def split_sm_count(rows_per_group: int, n: int, k: int, groups: int, tile: int = 1,
+def split_sm_count(rows_per_shard: int, n: int, k: int, shards: int, tile: int = 1,
                    reduce_scatter: bool = False) -> int:
     """The smallest SM count (a limit on the persistent grid) under which the problem's last wave is split."""
     for sms in range(16, 133, 4):
-        if stream_k_active(rows_per_group, n, k, groups, tile, sms, reduce_scatter):
+        if stream_k_active(rows_per_shard, n, k, shards, tile, sms, reduce_scatter):
             return sms
-    raise AssertionError(f"no SM count splits the last wave of {rows_per_group}x{n}x{k} x {groups} groups")
+    raise AssertionError(f"no SM count splits the last wave of {rows_per_shard}x{n}x{k} x {shards} shards")
 
 
 def ag_gemm_checked(rank: int, tp: int, seed: int, m: int, k: int, n: int, dtype: torch.dtype, layout: str, *,

@@ -117,7 +117,7 @@ def _rs_case(rank, tp, seed, m, k_local, n, mode, accum, transport):
 def _rs_matrix(rank, tp, seed):
     poison_outputs()
     i = 0
-    for transport in ("direct", "copy_engine"):
+    for transport in ("epilogue", "copy_engine"):
         _settings(RS_TRANSPORT=transport)
         for mode in ("tensor", "row"):
             for accum in ("split", "fast"):

@@ -59,7 +59,7 @@ def _matrix_cases(tp):
         return [(transport, (0, 256, 512)[i % 3], dtype, layout, shape, tile, bool(i % 2)) for i, (
             dtype, layout, shape, tile, transport) in enumerate(itertools.product(DTYPES, LAYOUTS, shapes, (0, 1),
                                                                                    TRANSPORTS))]
-    variants = [("direct", 0, 0), ("direct", 0, 1), ("copy_engine", 0, 1), ("copy_engine", 256, 0),
+    variants = [("epilogue", 0, 0), ("epilogue", 0, 1), ("copy_engine", 0, 1), ("copy_engine", 256, 0),
                 ("copy_engine", 512, 1)]
     return [(transport, cols, DTYPES[i % 2], LAYOUTS[(i // 2) % 2], shapes[i % 3], tile, bool(i % 2))
             for i, (transport, cols, tile) in enumerate(variants)]

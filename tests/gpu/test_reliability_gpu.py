@@ -256,7 +256,8 @@ def _check_cached_workspaces():
 
 
 # Transports whose call signatures the kernels compare: (FLUX_LAYERS_AG_MODE, AG_ORDER, RS_TRANSPORT).
-SIGNED_TRANSPORTS = {"push-mesh-direct": ("push", "mesh", "direct"), "pull-ring-copy": ("pull", "ring", "copy_engine")}
+SIGNED_TRANSPORTS = {"push-mesh-epilogue": ("push", "mesh", "epilogue"),
+                     "pull-ring-copy": ("pull", "ring", "copy_engine")}
 
 
 def _out_of_step(rank, tp, seed, transports):
@@ -292,8 +293,8 @@ def _out_of_step(rank, tp, seed, transports):
 
 
 @pytest.mark.parametrize("transports", lean_params(list(SIGNED_TRANSPORTS.values()),
-                                                [SIGNED_TRANSPORTS["push-mesh-direct"]],
-                                                "push-mesh-direct runs at every TP"), ids=SIGNED_TRANSPORTS.keys())
+                                                [SIGNED_TRANSPORTS["push-mesh-epilogue"]],
+                                                "push-mesh-epilogue runs at every TP"), ids=SIGNED_TRANSPORTS.keys())
 def test_calls_out_of_step_raise_on_every_rank_from_the_device(transports):
     run_distributed(_out_of_step, TP, _seed(), transports, backend="nccl", timeout_s=240)
 

@@ -11,10 +11,10 @@ from tools.make_dispatch_table import entries_from
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _rs_row(m, fused, seq, direct=None, copy_engine=None):
+def _rs_row(m, fused, seq, epilogue=None, copy_engine=None, epilogue_key="fused_epilogue"):
     times = {"fused": fused, "gemm_then_nccl": seq}
-    if direct is not None:
-        times.update(fused_direct=direct, fused_copy_engine=copy_engine)
+    if epilogue is not None:
+        times.update({epilogue_key: epilogue, "fused_copy_engine": copy_engine})
     return {"dtype": "bfloat16", "tp": 2, "m": m, "k": 4096, "n": 4096, "times_ms": times}
 
 
@@ -23,14 +23,16 @@ def test_entries_from_picks_the_faster_path_and_transport(tmp_path):
     results.write_text(json.dumps({"gpu": "G", "commit": "abc", "results": [
         _rs_row(1024, fused=0.9, seq=1.0),                                      # fused wins, one transport timed
         _rs_row(2048, fused=1.2, seq=1.0),                                      # sequential wins
-        _rs_row(4096, fused=1.0, seq=1.5, direct=1.1, copy_engine=0.95),        # copy engine is the faster one
-        _rs_row(8192, fused=1.0, seq=1.02, direct=1.01, copy_engine=1.05),      # direct, and still fused
-        _rs_row(16384, fused=1.0, seq=1.04, direct=1.06, copy_engine=1.05)]}))  # both transports lose
+        _rs_row(4096, fused=1.0, seq=1.5, epilogue=1.1, copy_engine=0.95),        # copy engine is the faster one
+        _rs_row(8192, fused=1.0, seq=1.02, epilogue=1.01, copy_engine=1.05),      # epilogue, and still fused
+        _rs_row(16384, fused=1.0, seq=1.04, epilogue=1.06, copy_engine=1.05),     # both transports lose
+        # a record of an earlier run, which named the epilogue transport 'direct'
+        _rs_row(32768, fused=1.0, seq=1.5, epilogue=0.9, copy_engine=0.95, epilogue_key="fused_direct")]}))
     gpu, entries = entries_from(str(results))
     assert gpu == "G"
     got = [(e["m"], e["path"], e.get("transport")) for e in entries]
     assert got == [(1024, "fused", None), (2048, "sequential", None), (4096, "fused", "copy_engine"),
-                   (8192, "fused", "direct"), (16384, "sequential", "copy_engine")]
+                   (8192, "fused", "epilogue"), (16384, "sequential", "copy_engine"), (32768, "fused", "epilogue")]
     assert all(e["op"] == "gemm_rs" and e["source"] == f"{results} @ abc" for e in entries)
     # Keyed by the per-rank GEMM (K/tp for gemm_rs), the benchmark's global shape beside it.
     assert [(e["m"], e["k"], e["n"], e["global_mkn"]) for e in entries[:2]] == [(1024, 2048, 4096, [1024, 4096, 4096]),

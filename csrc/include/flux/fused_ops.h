@@ -18,7 +18,7 @@ namespace flux {
 constexpr int kEventsPerCall = 12;
 
 // kExternal: the caller moves the chunks into this rank's gathered buffer and sets this rank's chunk flags (the
-// NCCL transport, flux_layers/runtime/nccl_transport.py, on a stream it forked from the compute stream before
+// NCCL transport, flux_layers/runtime/multinode/nccl_transport.py, on a stream it forked from the compute stream before
 // the call). The op launches the GEMM on the local buffer and flags and enqueues no copy, no handshake and no
 // write to a peer: the workspace may hold local memory only (WorkspaceConfig::peer_mapped false), and the order
 // of calls on the buffer is the caller's streams' order.
@@ -39,7 +39,7 @@ enum class FlagProtocol : int { kEpoch = 0, kCudaGraph = 1 };
 // How a reduce-scatter plan moves the partials of the peers' rows (csrc/runtime/gemm_rs.cpp): the epilogue's stores
 // into the peers' receive slots, the copy engine from a local staging area, or the caller (the NCCL transport) from
 // that staging area.
-enum class RsTransport : int { kDirect = 0, kCopyEngine = 1, kExternal = 2 };
+enum class RsTransport : int { kEpilogue = 0, kCopyEngine = 1, kExternal = 2 };
 
 struct AgGemmArgs {
   // operands (this rank)
@@ -52,33 +52,33 @@ struct AgGemmArgs {
   void* gathered_out = nullptr;  // [tp * Mg, K] contiguous copy of the gathered input, or null (kExternal: null)
   DType dtype = DType::kBF16;    // of x and the gathered buffer (the workspace's)
   GemmTypes types;               // the GEMM's operand types and accumulation (the call's)
-  // FP8: x's scale (this rank's shard: one element, ScaleMode::kPerGroup, or one per row, kPerRow) travels with its
+  // FP8: x's scale (this rank's shard: one element, ScaleMode::kPerShard, or one per row, kPerRow) travels with its
   // rows into every rank's scale region ([tp] or [tp][Mg] floats, compact for the call's Mg), from which the GEMM
   // applies each source's scale to its rows; W's scale (one, or one per output column) is read where it is.
   ScaleMode x_scale_mode = ScaleMode::kNone;
   const float* x_scale = nullptr;
   ScaleMode w_scale_mode = ScaleMode::kNone;
   const float* w_scale = nullptr;
-  float* scales[kMaxGroups] = {nullptr};  // every rank's scale region (null: a 16-bit workspace)
-  float* gathered_scale_out = nullptr;    // [tp] or [tp * Mg] copy of the gathered scales, or null
+  float* scales[kMaxTp] = {nullptr};    // every rank's scale region (null: a 16-bit workspace)
+  float* gathered_scale_out = nullptr;  // [tp] or [tp * Mg] copy of the gathered scales, or null
   WeightLayout layout = WeightLayout::kNT;
   TileConfig tile = TileConfig::k256x128;
-  int rows_per_group = 0;  // Mg = M / tp
+  int rows_per_shard = 0;  // Mg = M / tp
   int n = 0;
   int k = 0;
   // workspace (all ranks)
   int rank = 0;
   int tp = 1;
-  char* buffers[kMaxGroups] = {nullptr};    // gathered buffer of every rank: [max_M, K], row stride K
-  uint32_t* flags[kMaxGroups] = {nullptr};  // flag words of every rank (AgFlagLayout)
+  char* buffers[kMaxTp] = {nullptr};    // gathered buffer of every rank: [max_M, K], row stride K
+  uint32_t* flags[kMaxTp] = {nullptr};  // flag words of every rank (AgFlagLayout)
   int chunk_capacity = 0;
   int rows_per_chunk = 0;
   AgMode mode = AgMode::kPull;
   AgOrder order = AgOrder::kMesh;
   // The GEMM's shard order (own shard first, then the chunks' arrival order) where the caller's transfers set it
-  // (kExternal); else ag_group_order(rank, tp, order).
-  bool custom_group_order = false;
-  int group_order[kMaxGroups] = {0};
+  // (kExternal); else ag_shard_order(rank, tp, order).
+  bool custom_shard_order = false;
+  int shard_order[kMaxTp] = {0};
   FlagProtocol protocol = FlagProtocol::kEpoch;
   uint32_t epoch = 0;  // 1 under FlagProtocol::kCudaGraph
   uint64_t timeout_ns = 0;
@@ -86,7 +86,7 @@ struct AgGemmArgs {
   int* error_claim = nullptr;
   LaunchOptions launch;  // of the GEMM
   cudaStream_t compute = nullptr;
-  cudaStream_t comm[kMaxGroups] = {nullptr};  // at least one; mesh uses up to tp - 1
+  cudaStream_t comm[kMaxTp] = {nullptr};  // at least one; mesh uses up to tp - 1
   int num_comm = 0;
   cudaEvent_t* events = nullptr;  // kEventsPerCall events of the workspace
   bool run_gemm = true;           // false: the transfers alone (benchmarks time the copy-engine all-gather this way)
@@ -104,8 +104,8 @@ void check_ag_gemm_args(const AgGemmArgs& args);
 // workspace, its chunks the chunk flags), and an epoch from WorkspaceState::next_epoch.
 void ag_gemm(const AgGemmArgs& args);
 
-// The group (shard) order the GEMM walks for this rank: own shard, then in arrival order.
-void ag_group_order(int rank, int tp, AgOrder order, int* group_order);
+// The shard order the GEMM walks for this rank: own shard, then in arrival order.
+void ag_shard_order(int rank, int tp, AgOrder order, int* shard_order);
 
 struct GemmRsArgs {
   const void* x = nullptr;  // [M, K] (K is this rank's shard of the reduction), row stride ldx
@@ -124,28 +124,28 @@ struct GemmRsArgs {
   const float* w_scale = nullptr;
   WeightLayout layout = WeightLayout::kNT;
   TileConfig tile = TileConfig::k256x128;
-  int rows_per_group = 0;
+  int rows_per_shard = 0;
   int n = 0;
   int k = 0;
   int rank = 0;
   int tp = 1;
-  char* recv[kMaxGroups] = {nullptr};       // receive buffer of every rank: [tp slots][slot_rows][N]
-  int64_t slot_rows = 0;                    // rows per slot (max Mg)
-  uint32_t* flags[kMaxGroups] = {nullptr};  // flag words of every rank: flag[tp][per_source], consumed[tp],
-                                            // count[tp][per_source]
+  char* recv[kMaxTp] = {nullptr};       // receive buffer of every rank: [tp slots][slot_rows][N]
+  int64_t slot_rows = 0;                // rows per slot (max Mg)
+  uint32_t* flags[kMaxTp] = {nullptr};  // flag words of every rank: flag[tp][per_source], consumed[tp],
+                                        // count[tp][per_source]
   int flags_per_source = 0;
   // Copy-engine transport (see gemm_rs.cpp): local staging area [tp - 1][slot_rows][N] and one comm stream per
   // peer (at least one); null stage: the epilogue stores straight into the peers' receive slots.
   char* stage = nullptr;
   int chunk_cols = 0;  // columns per copy-engine chunk (0: default; external: N, full-width chunks)
-  // External transfers (the NCCL transport, flux_layers/runtime/nccl_rs_transport.py): the kernel runs as with the
-  // copy engine (partials into the local staging area, per-chunk counts), but the op moves nothing: comm[0] is the
-  // caller's transfer stream, forked here from the compute stream after the counts are cleared and before the
+  // External transfers (the NCCL transport, flux_layers/runtime/multinode/nccl_rs_transport.py): the kernel runs as
+  // with the copy engine (partials into the local staging area, per-chunk counts), but the op moves nothing: comm[0] is
+  // the caller's transfer stream, forked here from the compute stream after the counts are cleared and before the
   // kernel, on which the caller waits for each chunk's count, sends it, receives the peers' partials into this
   // rank's receive slots and raises this rank's flag for each. No handshake, no write to a peer: only this rank's
   // recv and flags pointers are used (a workspace in local memory). Epoch protocol only.
   bool external = false;
-  cudaStream_t comm[kMaxGroups] = {nullptr};
+  cudaStream_t comm[kMaxTp] = {nullptr};
   int num_comm = 0;
   FlagProtocol protocol = FlagProtocol::kEpoch;
   uint32_t epoch = 0;  // 1 under FlagProtocol::kCudaGraph
@@ -167,7 +167,7 @@ void check_gemm_rs_args(const GemmRsArgs& args);
 void gemm_rs(const GemmRsArgs& args);
 
 // The destination order of this rank's tiles: rank+1, rank+2, ..., own rows last.
-void rs_group_order(int rank, int tp, int* group_order);
+void rs_shard_order(int rank, int tp, int* shard_order);
 
 // Stream memory operations through driver entry points (no link against libcuda).
 void stream_write_u32(cudaStream_t stream, uint32_t* address, uint32_t value);
@@ -180,7 +180,7 @@ struct FlagOp {
   uint32_t* address;
   uint32_t value;
 };
-constexpr int kMaxFlagOps = kMaxGroups + 1;
+constexpr int kMaxFlagOps = kMaxTp + 1;
 void stream_write_u32_all(cudaStream_t stream, const FlagOp* writes, int count);
 
 // *flag = value after the call signature `signature` (kSignatureWords words, gemm_params.h) is written into the

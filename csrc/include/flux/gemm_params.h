@@ -1,14 +1,14 @@
 // Plain-C description of one launch of the persistent GEMM (csrc/kernels/gemm_sm90.cuh). Torch-free: the
 // binding layer fills it from tensors, the kernels read it. One struct serves the three uses:
 //
-//   plain GEMM   : num_groups = 1, own_group = 0 (A = a_own), d[0] = output
-//   AllGather+GEMM: group g = rows of source rank g; own_group = rank reads x directly (a_own), other groups
+//   plain GEMM   : num_shards = 1, own_shard = 0 (A = a_own), d[0] = output
+//   AllGather+GEMM: shard g = rows of source rank g; own_shard = rank reads x directly (a_own), other shards
 //                  read the gathered buffer `a` and wait on chunk_flags before loading
-//   GEMM+ReduceScatter: group g = rows owned by destination rank g; d[g] = g's receive slot for this rank,
-//                  except rs_own_group, whose tiles add the peers' partials and go to the output
+//   GEMM+ReduceScatter: shard g = rows owned by destination rank g; d[g] = g's receive slot for this rank,
+//                  except rs_own_shard, whose tiles add the peers' partials and go to the output
 //
-// Rows of a group are [0, rows_per_group); a tile never straddles groups (TMA clips at the group edge), so
-// rows_per_group need not be a multiple of the tile.
+// Rows of a shard are [0, rows_per_shard); a tile never straddles shards (TMA clips at the shard edge), so
+// rows_per_shard need not be a multiple of the tile.
 #pragma once
 
 #include <cstdint>
@@ -17,7 +17,7 @@ namespace flux {
 
 // The constants below are the one source of their Python mirrors (flux_layers/runtime/schedules.py); a CPU test
 // compiles this header and compares (tests/cpu/test_schedules.py, test_constants_match_the_cpp_headers).
-constexpr int kMaxGroups = 8;  // largest TP size supported
+constexpr int kMaxTp = 8;  // largest TP size supported
 
 // Tiles are 128 bytes deep along K (64 elements of bf16/fp16, 128 of FP8).
 enum class TileConfig : int {
@@ -45,11 +45,11 @@ enum class Accumulation : int { kSplit = 0, kFast = 1 };
 
 // How the epilogue scales the fp32 accumulators of an FP8 GEMM (scales are fp32 in device memory, read by the
 // kernel: no host sync, capturable), before the bias and before a reduce-scatter adds the peers' partials.
-//   A (x): kNone; kPerGroup, one scale per group (a tensor-wise scale: every group reads the same element, stride
-//          0; an all-gather's per-shard scales: one per source rank); kPerRow, one per row of each group.
-//   B (W): kNone; kPerGroup, one scale for all of W (tensor-wise); kPerRow, one per output column (W's rows in the
-//          'nt' layout).
-enum class ScaleMode : int { kNone = 0, kPerGroup = 1, kPerRow = 2 };
+//   A (x): kNone; kPerShard, one scale per shard (a tensor-wise scale: every shard reads the same element, stride
+//          0; an all-gather's per-shard scales: one per source rank); kPerRow, one per row of each shard.
+//   B (W): kNone; kPerShard, one scale for all of W, this rank's shard of the weight (tensor-wise); kPerRow, one
+//          per output column (W's rows in the 'nt' layout).
+enum class ScaleMode : int { kNone = 0, kPerShard = 1, kPerRow = 2 };
 enum class WeightLayout : int { kNT = 0 /* W [N, K]: x @ W^T */, kNN = 1 /* W [K, N]: x @ W */ };
 
 // Error codes written into GemmProblem::error_record[0] when a bounded wait times out, or when a peer's call
@@ -76,7 +76,7 @@ constexpr int kErrorRecordWords = 9;
 //   word 1: rows per rank (Mg)
 //   word 2: the other dimension the ranks share (N per rank for AllGather+GEMM, K per rank for GEMM+ReduceScatter)
 //           << 6 | transport << 2 | weight layout << 1 | op (0: ag_gemm, 1: gemm_rs)
-// transport: ag_gemm: AgMode * 2 + AgOrder (pull/push x mesh/ring); gemm_rs: 0 direct stores, 1 copy engine.
+// transport: ag_gemm: AgMode * 2 + AgOrder (pull/push x mesh/ring); gemm_rs: RsTransport (0 epilogue, 1 copy engine).
 // A dimension of 2^26 or more is written as 2^26 - 1 (never rejected: a call is checked before its epoch advances).
 constexpr int kSignatureWords = 3;
 constexpr int64_t kMaxSignatureDim = int64_t(1) << 26;  // the dimension's bits in word 2
@@ -103,52 +103,52 @@ struct LaunchOptions {
 
 struct GemmProblem {
   // ---- shape
-  int rows_per_group = 0;  // Mg
+  int rows_per_shard = 0;  // Mg
   int n = 0;
   int k = 0;
-  int num_groups = 1;
-  int group_order[kMaxGroups] = {0};  // step -> group (the tile order; see flux_layers/runtime/schedules.py)
-  int own_group = 0;                  // group whose A rows are a_own (-1: none)
+  int num_shards = 1;
+  int shard_order[kMaxTp] = {0};  // step -> shard (the tile order; see flux_layers/runtime/schedules.py)
+  int own_shard = 0;              // shard whose A rows are a_own (-1: none)
 
   // ---- operands (element pointers; leading dimensions in elements)
-  const void* a = nullptr;  // group-batched A: group g, row i at a + g * a_group_stride + i * lda
+  const void* a = nullptr;  // shard-batched A: shard g, row i at a + g * a_shard_stride + i * lda
   int64_t lda = 0;
-  int64_t a_group_stride = 0;
+  int64_t a_shard_stride = 0;
   const void* a_own = nullptr;  // [Mg, K] with leading dimension lda_own
   int64_t lda_own = 0;
   const void* b = nullptr;  // W: [N, K] (kNT) or [K, N] (kNN), leading dimension ldb
   int64_t ldb = 0;
-  const void* bias = nullptr;       // [N] (the output dtype) or null; added once per output element
-  void* d[kMaxGroups] = {nullptr};  // destination of group g: [Mg, N], leading dimension ldd
+  const void* bias = nullptr;   // [N] (the output dtype) or null; added once per output element
+  void* d[kMaxTp] = {nullptr};  // destination of shard g: [Mg, N], leading dimension ldd
   int64_t ldd = 0;
 
-  // ---- FP8 scales (ScaleMode above): out = (x @ W^T) * a_scale(row) * b_scale(col) + bias. A group's A scales
-  // start at a_scale + group * a_scale_group_stride; the own group's (own_group) at a_scale_own where set.
+  // ---- FP8 scales (ScaleMode above): out = (x @ W^T) * a_scale(row) * b_scale(col) + bias. A shard's A scales
+  // start at a_scale + shard * a_scale_shard_stride; the own shard's (own_shard) at a_scale_own where set.
   ScaleMode a_scale_mode = ScaleMode::kNone;
   const float* a_scale = nullptr;
-  int64_t a_scale_group_stride = 0;
+  int64_t a_scale_shard_stride = 0;
   const float* a_scale_own = nullptr;
   ScaleMode b_scale_mode = ScaleMode::kNone;
   const float* b_scale = nullptr;
 
-  // ---- AllGather: per-chunk readiness flags, chunk_flags[g * chunks_per_group + c] >= epoch
+  // ---- AllGather: per-chunk readiness flags, chunk_flags[g * chunks_per_shard + c] >= epoch
   // (flags: csrc/include/flux/fused_ops.h FlagProtocol; the kernel only compares them with `epoch`)
   const uint32_t* chunk_flags = nullptr;
   int rows_per_chunk = 0;
-  int chunks_per_group = 0;
+  int chunks_per_shard = 0;
 
   // ---- ReduceScatter
-  int rs_own_group = -1;                            // group reduced here (this rank's rows); -1: not a reduce-scatter
-  const void* rs_partials[kMaxGroups] = {nullptr};  // local receive slots: peers' partials of own rows
-  int rs_num_partials = 0;                          // summed in index order: deterministic
-  const uint32_t* rs_partial_flags[kMaxGroups] = {nullptr};  // local: [tiles] flags of each partial's source
-  uint32_t* rs_signal[kMaxGroups] = {nullptr};               // per destination group: dest's flag array for our partial
-  // local: rs_consumed[g] >= epoch-1 before writing into g's slot (direct stores, epoch flags; null when the
+  int rs_own_shard = -1;                        // shard reduced here (this rank's rows); -1: not a reduce-scatter
+  const void* rs_partials[kMaxTp] = {nullptr};  // local receive slots: peers' partials of own rows
+  int rs_num_partials = 0;                      // summed in index order: deterministic
+  const uint32_t* rs_partial_flags[kMaxTp] = {nullptr};  // local: [tiles] flags of each partial's source
+  uint32_t* rs_signal[kMaxTp] = {nullptr};               // per destination shard: dest's flag array for our partial
+  // local: rs_consumed[g] >= epoch-1 before writing into g's slot (epilogue transport, epoch flags; null when the
   // host-side stream already waited for it)
   const uint32_t* rs_consumed = nullptr;
   int rs_flags_per_source = 0;  // capacity of each source's flag array (one flag per chunk must fit)
-  // Chunks: the unit a flag covers. Tile (m, n) of a group lies in chunk rs_chunk_index(m, n, ...)
-  // (tile_schedule.cuh), set by the host from its RsChunkGrid; direct stores: one tile per chunk.
+  // Chunks: the unit a flag covers. Tile (m, n) of a shard lies in chunk rs_chunk_index(m, n, ...)
+  // (tile_schedule.cuh), set by the host from its RsChunkGrid; epilogue transport: one tile per chunk.
   int rs_chunk_tiles_m = 0;
   int rs_chunk_tiles_n = 0;
   int rs_chunks_n = 0;
@@ -157,9 +157,9 @@ struct GemmProblem {
   // engine waits for a chunk's count, moves the chunk into g's receive slot and raises g's flag for it.
   uint32_t* rs_stage_counters = nullptr;
 
-  // ReduceScatter direct stores: destination g's signature slot for this rank (null: the host writes it, or
+  // ReduceScatter's epilogue transport: destination g's signature slot for this rank (null: the host writes it, or
   // there is none); a CTA writes it before its first flag at g.
-  uint32_t* rs_signature_out[kMaxGroups] = {nullptr};
+  uint32_t* rs_signature_out[kMaxTp] = {nullptr};
 
   // ---- synchronisation common to both
   uint32_t epoch = 0;

@@ -1,7 +1,7 @@
 // The long-lived host-side state of one fused-operator workspace (torch-free). Everything a call needs that does
 // not change from call to call lives here, fixed when the workspace is made: the peers' buffer and flag pointers,
 // the communication streams, the events of a call, the error record, the flag protocol, the epoch counter and
-// the kernel/transfer plans registered for the shapes seen so far. A call passes its tensors, a plan index and
+// the call plans registered for the shapes seen so far. A call passes its tensors, a plan index and
 // this object (csrc/bindings/ops.cpp), so nothing is marshalled, looked up or decided twice per call.
 #pragma once
 
@@ -36,10 +36,10 @@ struct CallPlan {
   AgMode mode = AgMode::kPush;
   AgOrder order = AgOrder::kMesh;
   int rows_per_chunk = 0;
-  bool custom_group_order = false;  // the GEMM's shard order below, not the one `order` implies (kExternal)
-  std::array<int, kMaxGroups> group_order{};
+  bool custom_shard_order = false;  // the GEMM's shard order below, not the one `order` implies (kExternal)
+  std::array<int, kMaxTp> shard_order{};
   // reduce-scatter
-  RsTransport transport = RsTransport::kDirect;
+  RsTransport transport = RsTransport::kEpilogue;
   int chunk_cols = 0;  // columns per copy-engine chunk (0: default)
 };
 

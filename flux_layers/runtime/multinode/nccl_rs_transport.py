@@ -25,11 +25,11 @@ and receives in place. Strided chunks (strips of columns, as the copy engine mov
 packing copy per chunk on each side, through an extra buffer, by SMs or the copy engine: more bytes and more
 host-issued operations for a finer grain that NCCL's per-message cost does not reward.
 
-Batches. The kernel writes destination groups in the order rank+1, rank+2, ..., own rows last, and sweeps each
-group's chunks in index order, so step j (1 <= j < tp) chunk c completes before step j chunk c+1 and before step
+Batches. The kernel writes destination shards in the order rank+1, rank+2, ..., own rows last, and sweeps each
+shard's chunks in index order, so step j (1 <= j < tp) chunk c completes before step j chunk c+1 and before step
 j+1. A batch of rank r has the key (j, c): send chunk c of destination (r + j) % tp, receive chunk c of our rows
 from (r - j) % tp, the rank whose step j is us. Every rank issues its batches in key order, and a pair's send and
-receive carry the same key, so every batch's partners are in their own batch of that key and the groups cannot
+receive carry the same key, so every batch's partners are in their own batch of that key and the ranks cannot
 deadlock (NCCL matches a pair's calls in issue order, which is key order on both sides).
 
 Back-to-back calls need no handshake: the next call's receives (into our receive slots) and its count waits are
@@ -67,7 +67,7 @@ from flux_layers.runtime.multinode.sendrecv import for_group
 from flux_layers.runtime.multinode.transfer_plan import PlanError, RsPlan
 
 CAPTURE_REFUSAL = ("the NCCL transport of the fused GEMM+ReduceScatter cannot run under CUDA-graph capture (its "
-                   "transfers are driven from the host per call); capture with the direct or copy-engine transport "
+                   "transfers are driven from the host per call); capture with the epilogue or copy-engine transport "
                    "(peer-mapped GPUs) or keep these calls out of the graph")
 
 
@@ -116,7 +116,7 @@ def node_partial_batches(plan: RsPlan, rank: int) -> tuple[RsBatch, ...]:
 
 @dataclass(frozen=True)
 class RsChunk:
-    """Chunk ``index`` of every destination group: rows [row0, row0 + rows) of the group, all N columns, complete
+    """Chunk ``index`` of every destination shard: rows [row0, row0 + rows) of the shard, all N columns, complete
     once ``tiles`` tiles were counted into it (the kernel's count target)."""
     index: int
     row0: int
@@ -129,21 +129,21 @@ def chunk_rows(slot: torch.Tensor, chunk: RsChunk) -> torch.Tensor:
     return slot[chunk.row0:chunk.row0 + chunk.rows]
 
 
-def full_width_chunks(rows_per_group: int, n: int, tile: int, swizzle: int) -> tuple[RsChunk, ...]:
-    """The chunks of a call's destination groups as the kernel counts them in external mode (flux::RsChunkGrid with
+def full_width_chunks(rows_per_shard: int, n: int, tile: int, swizzle: int) -> tuple[RsChunk, ...]:
+    """The chunks of a call's destination shards as the kernel counts them in external mode (flux::RsChunkGrid with
     chunk_cols = N, mirrored by schedules.RsChunkGrid): ``tile`` the flux::TileConfig id, ``swizzle`` the call
     plan's (0: the kernel's default)."""
-    if rows_per_group <= 0:
+    if rows_per_shard <= 0:
         return ()
     tile_m, tile_n = schedules.TILE_CONFIGS[tile]
     swizzle_m = {"swizzle_m": swizzle} if swizzle > 0 else {}  # else the kernel's default, TileSchedule's too
-    sched = schedules.TileSchedule(rows_per_group=rows_per_group, n=n, num_groups=1, group_order=(0,),
+    sched = schedules.TileSchedule(rows_per_shard=rows_per_shard, n=n, num_shards=1, shard_order=(0,),
                                    tile_m=tile_m, tile_n=tile_n, **swizzle_m)
     grid = schedules.RsChunkGrid(sched, chunk_cols=n)
     if grid.chunks_n != 1:
         raise AssertionError(f"full-width chunks of N={n} cut into {grid.chunks_n} strips")
     span = grid.chunk_tiles_m * tile_m
-    return tuple(RsChunk(cm, cm * span, min(rows_per_group, (cm + 1) * span) - cm * span, grid.tiles_in(cm, 0))
+    return tuple(RsChunk(cm, cm * span, min(rows_per_shard, (cm + 1) * span) - cm * span, grid.tiles_in(cm, 0))
                  for cm in range(grid.chunks_m))
 
 

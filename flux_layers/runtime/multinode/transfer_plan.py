@@ -526,7 +526,7 @@ class RsPlan:
 def rs_gemm_order(layout: GroupLayout, rank: int) -> tuple[int, ...]:
     """Destination blocks in the order rank (n, i) writes them: node n+1's blocks from local index i on, then
     node n+2's, ..., its own node's from i+1 on, its own block last. Inside one node this is
-    schedules.rs_group_order."""
+    schedules.rs_shard_order."""
     n, i, size = layout.node_of[rank], layout.local_index(rank), layout.node_size
     remote = [layout.rank_at(n + k, i + s) for k in range(1, layout.nnodes) for s in range(size)]
     own = [layout.rank_at(n, i + 1 + s) for s in range(size)]

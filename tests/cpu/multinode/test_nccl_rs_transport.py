@@ -33,7 +33,7 @@ def test_batches_pair_every_send_with_its_receive_under_one_key(tp, chunks):
         batches = rs.rs_batches(rank, tp, chunks)
         assert [b.key for b in batches] == sorted(b.key for b in batches)
         # The kernel's completion order: destinations rank+1, rank+2, ..., each swept chunk by chunk.
-        assert [(b.dst, b.chunk) for b in batches] == [(d, c) for d in schedules.rs_group_order(rank, tp)[:-1]
+        assert [(b.dst, b.chunk) for b in batches] == [(d, c) for d in schedules.rs_shard_order(rank, tp)[:-1]
                                                       for c in range(chunks)]
         assert sorted((b.src, b.chunk) for b in batches) == [(s, c) for s in range(tp) if s != rank
                                                              for c in range(chunks)]
@@ -61,13 +61,13 @@ def test_full_width_chunks_match_the_kernels_counts_and_completion_order(rows, n
     assert all(a.row0 + a.rows == b.row0 for a, b in zip(chunks, chunks[1:]))  # contiguous, in row order
     tile_m, tile_n = schedules.TILE_CONFIGS[tile]
     kw = {"swizzle_m": swizzle} if swizzle else {}
-    sched = schedules.TileSchedule(rows_per_group=rows, n=n, num_groups=2, group_order=(1, 0), tile_m=tile_m,
+    sched = schedules.TileSchedule(rows_per_shard=rows, n=n, num_shards=2, shard_order=(1, 0), tile_m=tile_m,
                                    tile_n=tile_n, **kw)
     grid = schedules.RsChunkGrid(sched, chunk_cols=n)
     counts = [0] * len(chunks)
     last_visit = [0] * len(chunks)
-    for i, (group, m, nt) in enumerate(sched.tiles()):
-        if group != 1 or m * tile_m >= rows:  # one destination; a cluster's padding tile is neither stored nor counted
+    for i, (shard, m, nt) in enumerate(sched.tiles()):
+        if shard != 1 or m * tile_m >= rows:  # one destination; a cluster's padding tile is neither stored nor counted
             continue
         c = grid.chunk_of(m, nt)
         assert chunks[c].row0 <= m * tile_m < chunks[c].row0 + chunks[c].rows
@@ -138,7 +138,7 @@ def _run_calls(rank, tp, late_rank, primitive):
                                                     lambda d: _partial(rank, d, rows, n),
                                                     lambda s: _partial(s, rank, rows, n), rank == late_rank)
             what = f"rank {rank} of {tp}, {rows}x{n}, {len(chunks)} chunks, call {call}"
-            assert ready_seen == [(d, c) for d in schedules.rs_group_order(rank, tp)[:-1]
+            assert ready_seen == [(d, c) for d in schedules.rs_shard_order(rank, tp)[:-1]
                                   for c in range(len(chunks))], what
             assert sorted(flags) == [(s, c) for s in range(tp) if s != rank for c in range(len(chunks))], what
             for s in recv:
@@ -274,9 +274,9 @@ def _selection(rank, tp):
     topology.peer_access_matrix.cache_clear()
     c = choose()
     assert c.path == "reference" and "spans 2 nodes" in c.reason and "FLUX_LAYERS_TRANSPORT=nccl" in c.reason, c
-    assert backend.transport("gemm_rs", group) == "peer"
+    assert not backend.over_nccl("gemm_rs", group)
     os.environ["FLUX_LAYERS_TRANSPORT"] = "nccl"
-    assert backend.transport("gemm_rs", group) == "nccl"
+    assert backend.over_nccl("gemm_rs", group)
     c = choose()
     assert c.path == "reference" and "backend is gloo" in c.reason, c  # NCCL transfers need an NCCL group
     dist.get_backend = lambda g=None: "nccl"
@@ -310,7 +310,7 @@ def _selection(rank, tp):
     _dispatch.refresh()
     with pytest.raises(Made):
         _dispatch.decided("gemm_rs", x, w, group, "nt", None)
-    assert made == ["Nccl", "Peer"] and signatures == ["nccl", "direct"], (made, signatures)
+    assert made == ["Nccl", "Peer"] and signatures == ["nccl", "epilogue"], (made, signatures)
     assert not _dispatch._decisions, "a call that did not get its workspace left a decision behind"
 
 

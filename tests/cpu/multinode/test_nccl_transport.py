@@ -252,10 +252,10 @@ def test_ag_transport_and_blocker(monkeypatch):
     assert topology.fused_path_blocker(devices, (0, 0, 1, 1)) is None  # all-gather over NCCL
     reason = topology.fused_path_blocker(devices, (0, 0, 1, 1), op="gemm_rs")
     assert "spans 2 nodes" in reason and "FLUX_LAYERS_TRANSPORT=nccl" in reason  # not taken unless forced
-    assert topology.rs_transport() == "peer"
+    assert not topology.rs_over_nccl()
     monkeypatch.setenv("FLUX_LAYERS_TRANSPORT", "nccl")
     assert topology.ag_transport(devices) == "nccl"
-    assert topology.rs_transport() == "nccl"
+    assert topology.rs_over_nccl()
     assert topology.fused_path_blocker(devices) is None
     assert topology.fused_path_blocker(devices, op="gemm_rs") is None
     assert topology.fused_path_blocker(devices, (0, 0, 1, 1), op="gemm_rs") is None

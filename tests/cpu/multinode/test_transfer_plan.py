@@ -164,7 +164,7 @@ def test_single_node_mesh_and_ring_match_the_kernels_order(tp):
         assert len(plan.steps) == (1 if order == "mesh" else tp - 1)
         assert all(t.transport == "copy_engine" for _, t in plan.transfers())
         for r in range(tp):
-            assert list(plan.gemm_order[r]) == schedules.ag_group_order(r, tp, order)
+            assert list(plan.gemm_order[r]) == schedules.ag_shard_order(r, tp, order)
         if order == "ring":
             assert all(t.dst == (t.src + 1) % tp for _, t in plan.transfers())
 
@@ -388,7 +388,7 @@ def test_rs_plan_sends_each_node_partial_once_in_completion_order(nnodes, size):
         order = plan.gemm_order[r]
         assert order[-1] == r and all(not lay.same_node(d, r) for d in order[:tp - size])
         if nnodes == 1:
-            assert list(order) == schedules.rs_group_order(r, tp)
+            assert list(order) == schedules.rs_shard_order(r, tp)
     for pos in range(tp):  # at every position a node's ranks feed different collectors
         for n in range(nnodes):
             assert len({lay.local_index(plan.gemm_order[r][pos]) for r in lay.members(n)}) == size
