@@ -6,7 +6,8 @@ counted, 1 GPU.
 The calls of benchmarks/bench_layer_ops.py at TP=1 (hidden 4096, SwiGLU ffn 11008, seq 4096): qkv, fc1, proj, fc2
 forward (x cast to e4m3, tensor-wise) and proj, fc2 dgrad (dY cast to e5m2, 'hybrid'; the FP8 GEMM reads the
 transposed FP8 weight, cast once per optimizer step and not counted here). Per call: bf16 cuBLAS (torch.matmul), the
-cast (flux_layers.ops.fp8.quantize: the op library's amax and cast kernels), the FP8 GEMM of the op library (its
+cast (flux_layers.ops.fp8.quantize: the op library's one-pass cast kernel; FLUX_LAYERS_FP8_CAST=two_pass for its
+amax and cast kernels), the FP8 GEMM of the op library (its
 default configuration, split accumulation) and torch._scaled_mm on the same operands; ``fp8`` = cast + flux FP8
 GEMM. Interleaved rounds, CUDA events after a GPU sleep, medians.
 """

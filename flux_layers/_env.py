@@ -24,6 +24,7 @@ launchers can set them per process.
 | FLUX_LAYERS_STREAM_K | ``1``: stream-K tail (2); ``0``: whole tiles only | 1 |
 | FLUX_LAYERS_STREAM_K_MAX_FILL | most % of the persistent grid a split last wave may fill (0: never) (2) | 75 |
 | FLUX_LAYERS_CUDA_GRAPHS | ``1``: every fused-op workspace gets a CUDA-graph twin, so calls can be captured (3) | 0 |
+| FLUX_LAYERS_FP8_CAST | CUDA casts to FP8 (flux_layers/ops/fp8.py): ``auto`` (one kernel per cast, csrc/kernels/fp8_cast_onepass.cu and fp8_cast_rowwise.cu), ``two_pass`` (an amax kernel, then a cast kernel: the benchmarks' baseline). Same bits either way | auto |
 | FLUX_LAYERS_POISON_OUTPUTS | ``1``: fused ops fill their outputs with NaN before launching (tests) (4) | 0 |
 | FLUX_LAYERS_TEST_SHARED_GPU | ``1``: the GPU tests' ranks share one GPU (flux_layers/devtools/launch.py); the NCCL transports' send/recv then run on a host-staged stand-in (flux_layers/runtime/multinode/sendrecv.py) | 0 |
 | FLUX_LAYERS_TEST_TP | ranks of the GPU tests' groups, 2 to 8 (0: every visible GPU, at least 2 and at most 8; 2 where the ranks share one GPU) | 0 |
@@ -68,6 +69,7 @@ _DEFAULTS = {
     "CUDA_GRAPHS": "0",
     "STREAM_K": "1",
     "STREAM_K_MAX_FILL": "75",
+    "FP8_CAST": "auto",
 }
 
 _CHOICES = {
@@ -81,6 +83,7 @@ _CHOICES = {
     "TEST_SHARED_GPU": ("0", "1"),
     "CUDA_GRAPHS": ("0", "1"),
     "STREAM_K": ("0", "1"),
+    "FP8_CAST": ("auto", "two_pass"),
 }
 
 

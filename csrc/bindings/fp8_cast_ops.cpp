@@ -1,6 +1,6 @@
 // torch ops of the FP8 casts (csrc/include/flux/fp8_cast.h): flux_layers/ops/fp8.py calls them for CUDA tensors and
 // keeps the same arithmetic in torch ops for the CPU. No host sync: the amax, the scale and the data stay on the
-// device, so the casts capture into CUDA graphs.
+// device, so the casts capture into CUDA graphs (the tensor-wise one-pass kernel as a cooperative kernel node).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -31,9 +31,10 @@ flux::DType fp8_dtype(at::ScalarType t) {
   return t == at::kFloat8_e4m3fn ? flux::DType::kE4M3 : flux::DType::kE5M2;
 }
 
-// (data [M, K], scale [1] or [M, 1], data transposed [K, M] or an empty tensor).
+// (data [M, K], scale [1] or [M, 1], data transposed [K, M] or an empty tensor). two_pass: the amax and cast passes
+// even where the one-pass kernels apply (the benchmarks' baseline; FLUX_LAYERS_FP8_CAST=two_pass).
 std::tuple<Tensor, Tensor, Tensor> quantize_fp8(const Tensor& x, at::ScalarType dtype, bool rowwise,
-                                                double margin_factor, bool transposed) {
+                                                double margin_factor, bool transposed, bool two_pass) {
   TORCH_CHECK_VALUE(x.is_cuda() && x.dim() == 2, "quantize_fp8: x must be a 2-D CUDA tensor, got ", x.sizes(), " on ",
                     x.device());
   TORCH_CHECK_VALUE(x.stride(1) == 1 || x.size(1) <= 1, "quantize_fp8: x must have unit stride along dim 1");
@@ -47,15 +48,17 @@ std::tuple<Tensor, Tensor, Tensor> quantize_fp8(const Tensor& x, at::ScalarType 
   flux::DType const out = fp8_dtype(dtype);
   c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t const stream = c10::cuda::getCurrentCUDAStream();
+  flux::QuantizePlan plan;
+  value_errors([&] { plan = flux::plan_quantize_fp8(in, out, rowwise, transposed, two_pass); });
   auto f32 = x.options().dtype(at::kFloat);
-  Tensor amax = rowwise ? at::empty({in.rows, 1}, f32) : at::zeros({1}, f32);
+  Tensor scratch = at::empty({plan.scratch_floats}, f32);
   Tensor data = at::empty({in.rows, in.cols}, x.options().dtype(dtype));
   Tensor scale = at::empty(rowwise ? at::IntArrayRef{in.rows, 1} : at::IntArrayRef{1}, f32);
   Tensor data_t = at::empty({transposed ? in.cols : 0, transposed ? in.rows : 0}, x.options().dtype(dtype));
   value_errors([&] {
-    flux::launch_amax(in, rowwise, amax.data_ptr<float>(), stream);
-    flux::launch_cast_fp8(in, amax.data_ptr<float>(), rowwise, float(margin_factor), out, data.data_ptr(),
-                          transposed ? data_t.data_ptr() : nullptr, scale.data_ptr<float>(), stream);
+    flux::launch_quantize_fp8(plan, in, rowwise, float(margin_factor), out, data.data_ptr(),
+                              transposed ? data_t.data_ptr() : nullptr, scale.data_ptr<float>(),
+                              scratch.data_ptr<float>(), stream);
   });
   return {data, scale, data_t};
 }
@@ -83,8 +86,8 @@ std::tuple<Tensor, Tensor> transpose_fp8_to_common_scale(const Tensor& data, con
 
 TORCH_LIBRARY_FRAGMENT(flux_layers, m) {
   m.def(
-      "quantize_fp8(Tensor x, ScalarType dtype, bool rowwise, float margin_factor, bool transposed) -> (Tensor, "
-      "Tensor, Tensor)");
+      "quantize_fp8(Tensor x, ScalarType dtype, bool rowwise, float margin_factor, bool transposed, bool "
+      "two_pass=False) -> (Tensor, Tensor, Tensor)");
   m.def("transpose_fp8_to_common_scale(Tensor data, Tensor block_scale) -> (Tensor, Tensor)");
 }
 

@@ -1,89 +1,36 @@
-// FP8 casts with current scaling (csrc/include/flux/fp8_cast.h): an amax pass and a cast pass, each reading the
-// input once at memory bandwidth, and tile transposes through shared memory for the K-major copies a backward needs.
+// FP8 casts with current scaling (csrc/include/flux/fp8_cast.h): the choice of kernels for a cast
+// (plan_quantize_fp8: one pass where it applies, fp8_cast_onepass.cu and fp8_cast_rowwise.cu), and the two-pass
+// kernels, an amax pass and a cast pass each reading the input once, with tile transposes through shared memory for
+// the K-major copies a backward needs.
 //
 //   amax      : 16-byte loads (8 elements), a block's max by warp shuffles, combined across blocks by an integer
 //               atomicMax on the float's bits (non-negative floats order as their bit patterns)
 //   cast      : 16-byte loads, 8-byte stores; the scale computed by every thread from the amax (no extra launch)
 //   transpose : 64 x 64 tiles; rows written straight out, the tile's FP8 bytes staged in shared memory and written
 //               transposed
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
-
 #include <cstdint>
 
 #include "flux/check.h"
 #include "flux/fp8_cast.h"
+#include "fp8_cast_math.cuh"
+#include "fp8_cast_onepass.h"
 
 namespace flux {
 
 namespace {
 
+using namespace fp8cast;  // NOLINT: the shared element arithmetic (fp8_cast_math.cuh)
+
 constexpr int kThreads = 256;
-constexpr int kVec = 8;    // 16-bit elements per 16-byte load
 constexpr int kTile = 64;  // transpose tile (rows and columns)
-
-template <class T>
-__device__ __forceinline__ float to_float(T v);
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <>
-__device__ __forceinline__ float to_float<__half>(__half v) {
-  return __half2float(v);
-}
-
-template <__nv_fp8_interpretation_t kFormat>
-struct Fp8Format;
-template <>
-struct Fp8Format<__NV_E4M3> {
-  static constexpr float kMax = 448.f;
-};
-template <>
-struct Fp8Format<__NV_E5M2> {
-  static constexpr float kMax = 57344.f;
-};
-
-template <__nv_fp8_interpretation_t kFormat>
-__device__ __forceinline__ uint8_t to_fp8(float v) {
-  return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, kFormat);  // round to nearest, saturated to the finite range
-}
-
-template <__nv_fp8_interpretation_t kFormat>
-__device__ __forceinline__ float from_fp8(uint8_t b) {
-  __half_raw h = __nv_cvt_fp8_to_halfraw(b, kFormat);
-  return __half2float(__half(h));
-}
-
-template <__nv_fp8_interpretation_t kFormat>
-__device__ __forceinline__ float scale_of(float amax, float margin_factor) {
-  return amax > 0.f ? amax * margin_factor / Fp8Format<kFormat>::kMax : 1.f;
-}
 
 __device__ __forceinline__ float block_max(float v) {
   __shared__ float warp_max[kThreads / 32];
-  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+  v = warp_amax(v);
   if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = v;
   __syncthreads();
-  if (threadIdx.x < 32) {
-    v = threadIdx.x < kThreads / 32 ? warp_max[threadIdx.x] : 0.f;
-    for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
-  }
+  if (threadIdx.x < 32) v = warp_amax(threadIdx.x < kThreads / 32 ? warp_max[threadIdx.x] : 0.f);
   return v;  // valid in thread 0
-}
-
-template <class T>
-__device__ __forceinline__ void load8(const T* p, float (&v)[kVec]) {
-  uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-  for (int i = 0; i < kVec; ++i) v[i] = to_float(e[i]);
-}
-
-// |NaN| keeps NaN: fmaxf would drop it, so NaN propagates through its bit pattern instead (larger than any finite).
-__device__ __forceinline__ float abs_max(float m, float v) {
-  return isnan(v) ? __int_as_float(0x7fc00000) : (isnan(m) ? m : fmaxf(m, fabsf(v)));
 }
 
 template <class T>
@@ -242,6 +189,56 @@ void launch_cast_fp8(const CastInput& in, const float* amax, bool per_row, float
   }
   if (bf16) return cast_typed<__nv_bfloat16, __NV_E5M2>(in, amax, per_row, margin_factor, data, data_t, scale, stream);
   cast_typed<__half, __NV_E5M2>(in, amax, per_row, margin_factor, data, data_t, scale, stream);
+}
+
+QuantizePlan plan_quantize_fp8(const CastInput& in, DType out, bool per_row, bool transposed, bool two_pass) {
+  check_input(in);
+  FLUX_CHECK(is_fp8(out), "FP8 casts write float8_e4m3fn or float8_e5m2");
+  FLUX_CHECK(!(per_row && transposed), "a transposed copy takes the tensor-wise scale");
+  QuantizePlan plan;
+  if (in.rows == 0) return plan;
+  if (!two_pass && per_row) {
+    plan.kernel = CastKernel::kRowOnePass;
+    return plan;
+  }
+  if (!two_pass) {
+    fp8cast::OnePassShape const shape = fp8cast::onepass_shape(in, out, transposed);
+    if (shape.grid > 0) {
+      plan.kernel = CastKernel::kOnePass;
+      plan.grid = shape.grid;
+      plan.held = shape.held;
+      plan.smem = shape.smem;
+      plan.scratch_floats = shape.grid;
+      return plan;
+    }
+  }
+  plan.kernel = CastKernel::kTwoPass;
+  plan.scratch_floats = per_row ? in.rows : 1;
+  return plan;
+}
+
+void launch_quantize_fp8(const QuantizePlan& plan, const CastInput& in, bool per_row, float margin_factor, DType out,
+                         void* data, void* data_t, float* scale, float* scratch, cudaStream_t stream) {
+  switch (plan.kernel) {
+    case CastKernel::kNone:
+      return;
+    case CastKernel::kOnePass: {
+      fp8cast::OnePassShape shape;
+      shape.grid = plan.grid;
+      shape.held = plan.held;
+      shape.smem = plan.smem;
+      if (fp8cast::launch_onepass(shape, in, margin_factor, out, data, data_t, scale, scratch, stream)) return;
+      break;  // the grid did not fit: the two passes (scratch holds at least the one amax they need)
+    }
+    case CastKernel::kRowOnePass:
+      return fp8cast::launch_rowwise_onepass(in, margin_factor, out, data, scale, stream);
+    case CastKernel::kTwoPass:
+      break;
+  }
+  // The tensor-wise amax combines blocks by atomicMax: it starts from 0. A row's amax is written whole.
+  if (!per_row) FLUX_CUDA_CHECK(cudaMemsetAsync(scratch, 0, sizeof(float), stream));
+  launch_amax(in, per_row, scratch, stream);
+  launch_cast_fp8(in, scratch, per_row, margin_factor, out, data, data_t, scale, stream);
 }
 
 void launch_transpose_to_common_scale(const void* data, DType dtype, int64_t rows, int64_t cols,

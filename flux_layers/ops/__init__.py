@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flux_layers.ops import _dispatch, _traceable, reference
+from flux_layers.ops import _dispatch, _traceable, fp8, reference
 from flux_layers.ops._dispatch import Decision
 from flux_layers.ops.backend import Choice
 from flux_layers.ops.fp8 import FP8_DTYPES, ScaledTensor
@@ -141,3 +141,4 @@ def refresh_settings() -> None:
     otherwise decided once, when first made; see :func:`decide`). Workspaces keep the settings they were made with
     (FLUX_LAYERS_TIMEOUT_S, FLUX_LAYERS_POISON_OUTPUTS)."""
     _dispatch.refresh()
+    fp8._two_pass_casts.cache_clear()

@@ -113,6 +113,14 @@ def _library_runs_on(device_index: int) -> bool:
         return _library.unavailable_reason() is None
 
 
+@functools.cache
+def _two_pass_casts() -> bool:
+    """FLUX_LAYERS_FP8_CAST=two_pass: the CUDA casts run the amax and cast kernels instead of the one-pass ones (read
+    once; :func:`flux_layers.ops.refresh_settings` reads it again)."""
+    from flux_layers import _env
+    return _env.get("FP8_CAST") == "two_pass"
+
+
 def _check_cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
     if dtype not in FP8_DTYPES:
         raise ValueError(f"{name}: dtype must be one of {FP8_DTYPES}, got {dtype}")
@@ -124,12 +132,20 @@ def quantize(t: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, *, rowwi
              margin: int = 0) -> ScaledTensor:
     """``t`` cast to FP8 with current scaling: scale = amax * 2^margin / FP8 max over the whole tensor (or per row,
     ``rowwise``; ``margin`` leaves 2^margin of headroom below the format's max, as megatron's ``fp8_margin``),
-    data = t / scale saturated to the format's range. An all-zero tensor (or row) gets scale 1. On CUDA, two
-    kernels (amax, cast) that read ``t`` once each; no host sync."""
+    data = t / scale saturated to the format's range. An all-zero tensor (or row) gets scale 1. On CUDA, one kernel
+    that reads ``t`` once (tensor-wise: what the GPU holds on chip once, the rest twice) or, with
+    ``FLUX_LAYERS_FP8_CAST=two_pass``, an amax and a cast kernel; no host sync, capturable in CUDA graphs."""
     _check_cast("quantize", t, dtype)
     if _cast_kernels(t):
-        data, scale, _ = torch.ops.flux_layers.quantize_fp8(t, dtype, rowwise, 2.0**margin, False)
+        data, scale, _ = torch.ops.flux_layers.quantize_fp8(t, dtype, rowwise, 2.0**margin, False, _two_pass_casts())
         return ScaledTensor(data, scale)
+    return quantize_torch(t, dtype, rowwise=rowwise, margin=margin)
+
+
+def quantize_torch(t: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, *, rowwise: bool = False,
+                   margin: int = 0) -> ScaledTensor:
+    """:func:`quantize` in torch ops on ``t``'s device: the path for inputs the kernels do not take, and the
+    reference the kernels' bits are tested against."""
     fmax = FP8_MAX[dtype]
     src = t.float()
     amax = src.abs().amax(dim=1, keepdim=True) if rowwise else src.abs().amax().reshape(1)
@@ -157,11 +173,12 @@ def dequantize(q: ScaledTensor) -> torch.Tensor:
 def quantize_with_transpose(t: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, *,
                             margin: int = 0) -> tuple[ScaledTensor, ScaledTensor]:
     """:func:`quantize` (tensor-wise) of ``t`` [M, K] and of its transpose [K, M] with the same scale: the two
-    K-major operands a backward needs from one tensor (dgrad reads ``t``, wgrad its transpose). On CUDA the cast
-    writes both in one pass after the amax."""
+    K-major operands a backward needs from one tensor (dgrad reads ``t``, wgrad its transpose). On CUDA one kernel
+    takes the amax and writes both (as :func:`quantize`)."""
     _check_cast("quantize_with_transpose", t, dtype)
     if _cast_kernels(t):
-        data, scale, data_t = torch.ops.flux_layers.quantize_fp8(t, dtype, False, 2.0**margin, True)
+        data, scale, data_t = torch.ops.flux_layers.quantize_fp8(t, dtype, False, 2.0**margin, True,
+                                                                 _two_pass_casts())
         return ScaledTensor(data, scale), ScaledTensor(data_t, scale)
     q = quantize(t, dtype, margin=margin)
     return q, ScaledTensor(q.data.t().contiguous(), q.scale)

@@ -48,6 +48,20 @@ def test_quantize_scales_saturate_and_round_trip():
     assert torch.equal(zero.scale, torch.ones(4, 1)) and not zero.data.float().any()
 
 
+def test_fp8_cast_setting_is_read_again_on_refresh(monkeypatch):
+    from flux_layers.ops import fp8
+    monkeypatch.setenv("FLUX_LAYERS_FP8_CAST", "two_pass")
+    ops.refresh_settings()
+    assert fp8._two_pass_casts()
+    monkeypatch.setenv("FLUX_LAYERS_FP8_CAST", "one_pass")
+    ops.refresh_settings()
+    with pytest.raises(ValueError, match="FLUX_LAYERS_FP8_CAST"):
+        fp8._two_pass_casts()
+    monkeypatch.delenv("FLUX_LAYERS_FP8_CAST")
+    ops.refresh_settings()
+    assert not fp8._two_pass_casts()
+
+
 @pytest.mark.parametrize("modes", MODES)
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}x{p[1]}".replace("torch.float8_", ""))
 def test_gemm_fp8_matches_dequantized_reference(pair, modes):

@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "flux/gemm_params.h"
@@ -29,6 +30,35 @@ void launch_amax(const CastInput& in, bool per_row, float* amax, cudaStream_t st
 // data_t non-null (tensor-wise only) also the transpose [cols, rows] (contiguous) with the same scale.
 void launch_cast_fp8(const CastInput& in, const float* amax, bool per_row, float margin_factor, DType out, void* data,
                      void* data_t, float* scale, cudaStream_t stream);
+
+// The kernels of one cast (plan_quantize_fp8 picks them).
+enum class CastKernel : int {
+  kNone = 0,        // no rows: nothing to write
+  kOnePass = 1,     // tensor-wise: one cooperative kernel reads the input once (csrc/kernels/fp8_cast_onepass.cu)
+  kRowOnePass = 2,  // row-wise: one block per row reads it once (csrc/kernels/fp8_cast_rowwise.cu)
+  kTwoPass = 3,     // launch_amax, then launch_cast_fp8
+};
+
+struct QuantizePlan {
+  CastKernel kernel = CastKernel::kNone;
+  int grid = 0;                // kOnePass: CTAs, all co-resident
+  int held = 0;                // kOnePass: 8 KB work units each CTA holds on chip
+  size_t smem = 0;             // kOnePass: dynamic shared memory per CTA, bytes
+  int64_t scratch_floats = 0;  // device scratch launch_quantize_fp8 takes, of any contents
+};
+
+// The kernels for a cast of `in` to `out` on the current device: one pass where they apply (every input the casts
+// take, on a device with cooperative launches), else, or with two_pass, the amax and cast passes. Checks the input
+// (flux::Error naming what is wrong); host-only, device properties asked once per device.
+QuantizePlan plan_quantize_fp8(const CastInput& in, DType out, bool per_row, bool transposed, bool two_pass);
+
+// The cast `plan` describes (plan_quantize_fp8 of the same input, format and flags): data [rows, cols]
+// (contiguous), data_t [cols, rows] (contiguous) where non-null (tensor-wise only), scale [1] or [rows] (per_row);
+// scratch holds plan.scratch_floats floats. Only kernel launches (and, two-pass tensor-wise, a memset of the amax) on
+// `stream`: no host sync, capturable in CUDA graphs (the one-pass kernel is a cooperative launch, which stream capture
+// records as a cooperative kernel node).
+void launch_quantize_fp8(const QuantizePlan& plan, const CastInput& in, bool per_row, float margin_factor, DType out,
+                         void* data, void* data_t, float* scale, float* scratch, cudaStream_t stream);
 
 // out [cols, rows] = the transpose of FP8 data [rows, cols] whose rows come in `blocks` equal blocks with scales
 // block_scale[b], re-cast to one scale, the largest (written to out_scale[0]).
