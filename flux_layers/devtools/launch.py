@@ -46,7 +46,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, backend, fn, args, errors, dump_after_s):
+def _worker(rank, world_size, port, backend, fn, args, errors, dump_at):
     import faulthandler
 
     import torch
@@ -58,7 +58,7 @@ def _worker(rank, world_size, port, backend, fn, args, errors, dump_after_s):
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     # A rank still running shortly before the launcher kills it prints every thread's stack (to stderr, which pytest
     # shows with the failure): what a hang was waiting for.
-    faulthandler.dump_traceback_later(dump_after_s, exit=False)
+    faulthandler.dump_traceback_later(max(dump_at - time.time(), 0.1), exit=False)
     try:
         if backend == "nccl" and shared_gpu():
             # Emulation on one GPU: every rank on GPU 0, gloo for the group (NCCL refuses two ranks on one GPU).
@@ -121,8 +121,9 @@ def _launch(fn, world_size, args, backend, timeout_s, grace_s: float = 30.0):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = free_port()
-    dump_after_s = max(timeout_s - min(10.0, timeout_s / 4), 0.5)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, errors, dump_after_s))
+    # Wall-clock time, as every process reads it: a rank starts seconds after the launch (the spawn, torch's import).
+    dump_at = time.time() + timeout_s - min(10.0, timeout_s / 4)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, errors, dump_at))
              for r in range(world_size)]
     for p in procs:
         p.start()
