@@ -18,21 +18,11 @@ from statistics import median
 
 import torch
 
-from benchmarks.harness import cuda_kernels_of, print_table, time_interleaved
+from benchmarks.harness import cuda_kernels_of, parse_shapes, print_table, time_interleaved
 from flux_layers.devtools.records import environment, write_json
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 CASTS = {"cast": (False, False), "cast_t": (False, True), "rowwise": (True, False)}  # (rowwise, transposed)
-
-
-def parse_shapes(text: str) -> list[tuple[int, int]]:
-    shapes = []
-    for item in text.split(","):
-        parts = item.lower().split("x")
-        if len(parts) != 2:
-            raise ValueError(f"shape {item!r} is not ROWSxCOLS")
-        shapes.append((int(parts[0]), int(parts[1])))
-    return shapes
 
 
 def bench_shape(rows, cols, fmt, casts, reps, rounds, sets=3):
@@ -84,7 +74,7 @@ def main():
     from flux_layers import _library
     _library.require()
     rows = []
-    for r, c in parse_shapes(args.shapes):
+    for r, c in parse_shapes(args.shapes, "ROWSxCOLS"):
         rows += bench_shape(r, c, FORMATS[args.format], casts, args.reps, args.rounds)
     print_table(rows, [("rows", "rows", ""), ("cols", "cols", ""), ("cast", "cast", ""),
                        ("one_pass_us", "1-pass us", ".1f"), ("two_pass_us", "2-pass us", ".1f"),

@@ -141,13 +141,15 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
     sys.stdout.flush()
 
 
-def parse_shapes(text: str) -> list[tuple[int, int, int]]:
-    """'4096x8192x8192,2048x4096x4096' -> [(4096, 8192, 8192), ...] as (M, K, N)."""
+def parse_shapes(text: str, form: str = "MxKxN") -> list[tuple[int, ...]]:
+    """'4096x8192x8192,2048x4096x4096' -> [(4096, 8192, 8192), ...], each with as many sizes as ``form`` names
+    ('MxKxN': (M, K, N); 'ROWSxCOLS': (rows, cols))."""
+    dims = form.count("x") + 1
     shapes = []
     for item in text.split(","):
         parts = item.lower().split("x")
-        if len(parts) != 3:
-            raise ValueError(f"shape {item!r} is not MxKxN")
+        if len(parts) != dims:
+            raise ValueError(f"shape {item!r} is not {form}")
         shapes.append(tuple(int(p) for p in parts))
     return shapes
 

@@ -141,4 +141,4 @@ def refresh_settings() -> None:
     otherwise decided once, when first made; see :func:`decide`). Workspaces keep the settings they were made with
     (FLUX_LAYERS_TIMEOUT_S, FLUX_LAYERS_POISON_OUTPUTS)."""
     _dispatch.refresh()
-    fp8._two_pass_casts.cache_clear()
+    fp8.reload_settings()

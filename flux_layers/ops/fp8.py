@@ -116,9 +116,14 @@ def _library_runs_on(device_index: int) -> bool:
 @functools.cache
 def _two_pass_casts() -> bool:
     """FLUX_LAYERS_FP8_CAST=two_pass: the CUDA casts run the amax and cast kernels instead of the one-pass ones (read
-    once; :func:`flux_layers.ops.refresh_settings` reads it again)."""
+    once; :func:`reload_settings` reads it again)."""
     from flux_layers import _env
     return _env.get("FP8_CAST") == "two_pass"
+
+
+def reload_settings() -> None:
+    """Read FLUX_LAYERS_FP8_CAST again at the next cast (:func:`flux_layers.ops.refresh_settings` calls it)."""
+    _two_pass_casts.cache_clear()
 
 
 def _check_cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
