@@ -310,10 +310,25 @@ struct NativeWorkspace : torch::CustomClassHolder {
     translate_errors([&] { state = std::make_unique<flux::WorkspaceState>(std::move(c)); });
     handle_ = registry().add(this);
   }
-  ~NativeWorkspace() override { registry().remove(handle_); }
+  ~NativeWorkspace() override { close(); }
+
+  // Frees the state (its destructor synchronizes with the device: a pending release, cudaFreeHost) and takes the
+  // handle out of the registry; the memory stays until this object goes. Python calls it, with the GIL released as
+  // for every method of a torch class, once no call on this workspace or its twin is in flight
+  // (flux_layers/runtime/workspace.py Workspace.close): a destructor run from Python would hold the GIL through
+  // that synchronization, and a Python thread that GPU work waits on (the host-staged stand-in) would never run.
+  void close() {
+    registry().remove(handle_);
+    if (twin) twin->close();
+    state.reset();
+  }
 
   int64_t handle() const { return handle_; }
-  const flux::WorkspaceConfig& config() const { return state->config(); }
+  flux::WorkspaceState& live() const {
+    TORCH_CHECK_VALUE(state != nullptr, "this flux_layers workspace was closed");
+    return *state;
+  }
+  const flux::WorkspaceConfig& config() const { return live().config(); }
 
   // A plan's fields by name (flux_layers/runtime/call_plan.py mirrors the names). shard_order: the GEMM's shard
   // order where the caller's transfers fix it (external mode), else empty.
@@ -380,23 +395,23 @@ struct NativeWorkspace : torch::CustomClassHolder {
   void set_twin(c10::intrusive_ptr<NativeWorkspace> t) {
     std::lock_guard<std::mutex> lock(plans_mu);
     TORCH_CHECK_VALUE(t->config().graph_protocol, "a CUDA-graph twin must use the CUDA-graph flag protocol");
-    TORCH_CHECK_VALUE(t->state->plan_count() == 0, "a CUDA-graph twin must be new (it holds plans)");
+    TORCH_CHECK_VALUE(t->live().plan_count() == 0, "a CUDA-graph twin must be new (it holds plans)");
     translate_value_errors([&] {
-      for (int64_t i = 0; i < state->plan_count(); ++i) t->state->add_plan(state->planned(i)->plan);
+      for (int64_t i = 0; i < live().plan_count(); ++i) t->live().add_plan(live().planned(i)->plan);
     });
     twin = std::move(t);
   }
-  void set_stage(int64_t ptr) { state->set_stage(reinterpret_cast<char*>(ptr)); }
+  void set_stage(int64_t ptr) { live().set_stage(reinterpret_cast<char*>(ptr)); }
   void keep_memory(std::vector<Tensor> tensors) {
     for (Tensor& t : tensors) memory.push_back(std::move(t));
   }
   void set_timeout(double timeout_s) {
     TORCH_CHECK_VALUE(timeout_s > 0, "timeout_s must be positive, got ", timeout_s);
-    state->set_timeout_ns(uint64_t(timeout_s * 1e9));
+    live().set_timeout_ns(uint64_t(timeout_s * 1e9));
   }
-  std::string failure() const { return state->failure(); }
-  void mark_failed(std::string message) { state->mark_failed(message); }
-  int64_t epoch() const { return state->epoch(); }
+  std::string failure() const { return live().failure(); }
+  void mark_failed(std::string message) { live().mark_failed(message); }
+  int64_t epoch() const { return live().epoch(); }
 
   const Tensor& no_gathered(const Tensor& like) {
     if (!empty_gathered.defined()) empty_gathered = at::empty({0, config().inner}, like.options());
@@ -740,7 +755,8 @@ TORCH_LIBRARY(flux_layers, m) {
       .def("failure", &NativeWorkspace::failure)
       .def("mark_failed", &NativeWorkspace::mark_failed)
       .def("epoch", &NativeWorkspace::epoch)
-      .def("handle", &NativeWorkspace::handle);
+      .def("handle", &NativeWorkspace::handle)
+      .def("close", &NativeWorkspace::close);
   m.def(
       "gemm(Tensor x, Tensor weight, Tensor? bias, Tensor? x_scale, Tensor? w_scale, Tensor(a!) out, bool weight_nn, "
       "int tile, int sm_count, int swizzle, int stream_k_fill, bool fast_accum) -> ()");

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -148,7 +149,23 @@ class Workspace:
         # The native state outlives nothing it points into (a release of its flags may still be in flight when Python
         # drops this workspace, attributes in any order).
         self.native.keep_memory([self._storage, self.error_record, self.error_claim])
+        # The native state is freed by close() or, at the latest, when this object goes: never by the native
+        # object's destructor, which Python would run holding the GIL through the device synchronization of that
+        # free, while the GPU may wait on a Python thread (the host-staged stand-in).
+        self._closer = weakref.finalize(self, self.native.close)
         dist.barrier(group=self.group)  # every rank's flags are zero before anyone signals
+
+    def close(self) -> None:
+        """Free the native state (and the twin's) now; its memory goes with this object. Only once no call on it is
+        in flight on any rank (the cache closes an outgrown workspace after the device synchronization and the
+        barrier that retire it, and :func:`reset` after its barrier). Its handle is unknown to the ops afterwards."""
+        self._closer()
+        if self.graph_twin is not None:
+            self.graph_twin.close()
+
+    @property
+    def closed(self) -> bool:
+        return not self._closer.alive
 
     def new_graph_twin(self) -> Workspace:
         """A workspace of the same size under the CUDA-graph flag protocol (a collective; see the module
@@ -529,6 +546,8 @@ def reset() -> None:
             callback(ws)
     for group in groups:  # every peer is past its calls on the old workspaces before they are freed
         dist.barrier(group=group)
+    for ws in old:
+        ws.close()
 
 
 def clear_cache() -> None:

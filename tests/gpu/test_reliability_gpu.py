@@ -414,6 +414,10 @@ def _reset(rank, tp, seed):
     dist.barrier()
     workspace.reset()
     assert not workspace._cache
+    # its native state freed there (with the GIL released), not whenever Python drops the object
+    assert old.closed
+    with pytest.raises((ValueError, RuntimeError), match="was closed"):
+        old.native.epoch()
     assert _dispatch.decided("ag_gemm", x, w, dist.group.WORLD, "nt", "fused").workspace is not old
     for i in range(2):
         assert_close_rel(*_ag_call(rank, tp, seed + 1 + i), f"rank {rank} ag_gemm after the reset")
