@@ -50,9 +50,9 @@ def decide(op: str, x, weight, *, group=None, weight_layout: str = "nt", backend
     call then runs exactly this). ``x``, ``weight``: the call's tensors, or their shapes with ``dtype`` and
     ``device`` (a call decided before its tensors exist). Under CUDA-graph capture: what a captured call runs. FP8
     tensors: the FP8 call's decision (``fast_accum`` its accumulation)."""
-    if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.dtype in FP8_DTYPES:
-        return _dispatch.fp8_decided(op, x, weight, group, weight_layout, fast_accum, backend)
-    return _dispatch.decide(op, x, weight, group, weight_layout, backend, dtype=dtype, device=device)
+    fp8 = isinstance(x, torch.Tensor) and x.dtype in FP8_DTYPES
+    return _dispatch.decide(op, x, weight, group, weight_layout, backend, dtype=dtype, device=device,
+                            fast_accum=fast_accum if fp8 else None)
 
 
 def plan(op: str, x: torch.Tensor, weight: torch.Tensor, *, group=None, weight_layout: str = "nt",
@@ -68,8 +68,11 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if x_scale is not None or w_scale is not None or x.dtype in FP8_DTYPES:
         if _compiling():
             return _traceable.op_gemm_fp8(x, weight, bias, x_scale, w_scale, weight_layout, fast_accum, backend)
-        return _dispatch.fp8_decided("gemm", x, weight, None, weight_layout, fast_accum, backend).run(
-            x, weight, bias, x_scale, w_scale)
+        decision = _decisions.get(("gemm", None, x.shape, weight.shape, (x.dtype, weight.dtype, bool(fast_accum)),
+                                   x.get_device(), weight_layout, backend))
+        if decision is None:
+            decision = _dispatch.decided("gemm", x, weight, None, weight_layout, backend, fast_accum)
+        return decision.run(x, weight, bias, x_scale, w_scale)
     if _compiling():
         return _traceable.op_gemm(x, weight, bias, weight_layout, backend)
     decision = _decisions.get(("gemm", None, x.shape, weight.shape, x.dtype, x.get_device(), weight_layout, backend))
@@ -87,8 +90,13 @@ def ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                                                          group.group_name if group is not None else "",
                                                          weight_layout, return_gathered, fast_accum, backend)
             return (out, ScaledTensor(data, scale)) if return_gathered else out
-        decision = _dispatch.fp8_decided("ag_gemm", x_shard_m, weight, group, weight_layout, fast_accum, backend)
-        return _dispatch.run_fp8(decision, x_shard_m, weight, bias, x_scale, w_scale, return_gathered)
+        args = (x_shard_m, weight, bias, x_scale, w_scale, return_gathered)
+        decision = _decisions.get(("ag_gemm", group, x_shard_m.shape, weight.shape,
+                                   (x_shard_m.dtype, weight.dtype, bool(fast_accum)), x_shard_m.get_device(),
+                                   weight_layout, backend))
+        if decision is None:
+            decision = _dispatch.decided("ag_gemm", x_shard_m, weight, group, weight_layout, backend, fast_accum)
+        return _run(decision, args)
     if _compiling():
         if _tp(group) == 1:
             out = gemm(x_shard_m, weight, bias, weight_layout=weight_layout, backend=backend)
@@ -100,13 +108,7 @@ def ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                                x_shard_m.get_device(), weight_layout, backend))
     if decision is None:
         decision = _dispatch.decided("ag_gemm", x_shard_m, weight, group, weight_layout, backend)
-    try:
-        out = decision.run(x_shard_m, weight, bias, return_gathered)
-        if out is NotImplemented:
-            out = decision.fallback(x_shard_m, weight, bias, return_gathered)
-    except NoGraphTwin as exc:  # captured, and this call's path under capture differs (_dispatch.under_capture)
-        out = _dispatch.under_capture(decision, exc).run(x_shard_m, weight, bias, return_gathered)
-    return out
+    return _run(decision, (x_shard_m, weight, bias, return_gathered))
 
 
 def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group,
@@ -117,8 +119,11 @@ def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
             return _traceable.op_gemm_rs_fp8(x, weight, bias, x_scale, w_scale,
                                              group.group_name if group is not None else "", weight_layout,
                                              fast_accum, backend)
-        decision = _dispatch.fp8_decided("gemm_rs", x, weight, group, weight_layout, fast_accum, backend)
-        return _dispatch.run_fp8(decision, x, weight, bias, x_scale, w_scale)
+        decision = _decisions.get(("gemm_rs", group, x.shape, weight.shape, (x.dtype, weight.dtype, bool(fast_accum)),
+                                   x.get_device(), weight_layout, backend))
+        if decision is None:
+            decision = _dispatch.decided("gemm_rs", x, weight, group, weight_layout, backend, fast_accum)
+        return _run(decision, (x, weight, bias, x_scale, w_scale))
     if _compiling():
         if _tp(group) == 1:
             return gemm(x, weight, bias, weight_layout=weight_layout, backend=backend)
@@ -127,13 +132,18 @@ def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
                                backend))
     if decision is None:
         decision = _dispatch.decided("gemm_rs", x, weight, group, weight_layout, backend)
+    return _run(decision, (x, weight, bias))
+
+
+def _run(decision: Decision, args: tuple):
+    """A communicating call on its decision: the registered op where the direct call does not apply, and the
+    decision for captured calls where this call is captured and its path under capture differs
+    (_dispatch.under_capture)."""
     try:
-        out = decision.run(x, weight, bias)
-        if out is NotImplemented:
-            out = decision.fallback(x, weight, bias)
+        out = decision.run(*args)
+        return decision.fallback(*args) if out is NotImplemented else out
     except NoGraphTwin as exc:
-        out = _dispatch.under_capture(decision, exc).run(x, weight, bias)
-    return out
+        return _dispatch.under_capture(decision, exc).run(*args)
 
 
 def refresh_settings() -> None:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from flux_layers.ops import _opcalls, reference
 from flux_layers.ops._checks import check_fused_tensor, check_matmul_args, check_matmul_shapes
 from flux_layers.ops.backend import Choice, choose
+from flux_layers.ops.fp8 import FP8_DTYPES
 from flux_layers.runtime import workspace
 from flux_layers.runtime.call_plan import AgCallPlan, RsCallPlan
 from flux_layers.runtime.tuning import KernelChoice
@@ -119,16 +120,19 @@ def _tp(group) -> int:
 
 
 def decide(op: str, x, weight, group, weight_layout: str, backend: str | None, *, dtype=None,
-           device=None) -> Decision:
+           device=None, fast_accum: bool | None = None) -> Decision:
     """``ops.decide``: the decision for a call of ``op`` with these arguments (tensors, or shapes with ``dtype`` and
-    ``device``), as the call would take it now (under CUDA-graph capture: the decision for captured calls)."""
+    ``device``), as the call would take it now (under CUDA-graph capture: the decision for captured calls).
+    ``fast_accum`` not None: an FP8 call (tensors only: both operands' formats are part of the decision)."""
     tensors = isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
     if tensors:
-        check_matmul_args(op, x, weight, None, weight_layout)
-        x_shape, w_shape, dtype, device = x.shape, weight.shape, x.dtype, x.device
+        dtype = _checked_dtype_slot(op, x, weight, weight_layout, fast_accum)
+        x_shape, w_shape, device = x.shape, weight.shape, x.device
     else:
         if dtype is None or device is None:
             raise TypeError(f"decide: {op}'s x and weight are tensors, or shapes with dtype= and device=")
+        if fast_accum is not None or dtype in FP8_DTYPES:
+            raise TypeError(f"decide: an FP8 {op} is decided from its tensors (both operands' formats count)")
         x_shape, w_shape, device = tuple(x), tuple(weight), torch.device(device)
         check_matmul_shapes(op, x_shape, w_shape, weight_layout)
     index = device.index if device.type == "cuda" and device.index is not None else -1
@@ -141,20 +145,37 @@ def decide(op: str, x, weight, group, weight_layout: str, backend: str | None, *
     return _keep(_chosen(key, x_shape, w_shape, dtype, device))
 
 
-def decided(op: str, x: torch.Tensor, weight: torch.Tensor, group, weight_layout: str,
-            backend: str | None) -> Decision:
+def decided(op: str, x: torch.Tensor, weight: torch.Tensor, group, weight_layout: str, backend: str | None,
+            fast_accum: bool | None = None) -> Decision:
     """The bound decision for a call with these arguments, made and kept where there is none yet (ops/__init__.py
-    calls it where its own lookup missed); a call under capture that may take another path gets the decision for
-    captured calls."""
-    check_matmul_args(op, x, weight, None, weight_layout)
-    key = call_key(op, group, x.shape, weight.shape, x.dtype, x.get_device(), weight_layout, backend)
+    calls it where its own lookup missed; ``fast_accum`` not None for an FP8 call); a call under capture that may
+    take another path gets the decision for captured calls."""
+    dtype = _checked_dtype_slot(op, x, weight, weight_layout, fast_accum)
+    key = call_key(op, group, x.shape, weight.shape, dtype, x.get_device(), weight_layout, backend)
     if _capture_sensitive(key) and x.is_cuda and _capturing():
         key += (_UNDER_CAPTURE,)
     found = _decisions.get(key)
     if found is not None:
         return _bind(found, x, weight)
-    chosen = _chosen(key, x.shape, weight.shape, x.dtype, x.device)
+    chosen = _chosen(key, x.shape, weight.shape, dtype, x.device)
     return _keep(chosen) if chosen.bound else _bind(chosen, x, weight)
+
+
+def _checked_dtype_slot(op: str, x: torch.Tensor, weight: torch.Tensor, weight_layout: str,
+                        fast_accum: bool | None):
+    """The dtype slot of a call's key, the operands checked: x's dtype (16-bit calls), or (x's format, the weight's
+    format, fast_accum) for an FP8 call (``fast_accum`` not None; the scales are per call: the op checks them)."""
+    _, _, n = check_matmul_args(op, x, weight, None, weight_layout)
+    if fast_accum is None:
+        return x.dtype
+    from flux_layers.ops.fp8 import check_fp8_args
+    check_fp8_args(op, x, weight, None, None, None, weight_layout, n, scales=False)
+    return fp8_dtype_slot(x, weight, fast_accum)
+
+
+def fp8_dtype_slot(x: torch.Tensor, weight: torch.Tensor, fast_accum: bool) -> tuple:
+    """An FP8 call's dtype slot of :func:`call_key` (ops/__init__.py builds the same inline)."""
+    return (x.dtype, weight.dtype, bool(fast_accum))
 
 
 def under_capture(decision: Decision, exc: workspace.NoGraphTwin) -> Decision:
@@ -172,29 +193,38 @@ def under_capture(decision: Decision, exc: workspace.NoGraphTwin) -> Decision:
     return captured
 
 
-def _chosen(key: tuple, x_shape, w_shape, dtype: torch.dtype, device: torch.device) -> Decision:
-    """A decision with its choice made (and, off the fused path, its call): not yet bound to a workspace."""
+def _chosen(key: tuple, x_shape, w_shape, dtype, device: torch.device) -> Decision:
+    """A decision with its choice made (and, off the fused path, its call): not yet bound to a workspace. ``dtype``:
+    the key's dtype slot (an FP8 call's is a tuple, :func:`fp8_dtype_slot`)."""
     op, group, _, _, _, _, weight_layout, backend = key[:8]
     m, k, n = check_matmul_shapes(op, x_shape, w_shape, weight_layout)
     tp = _tp(group)
     if op != "gemm" and tp == 1:  # no communication: the plain GEMM's choice, bound to it at the first call
-        gemm = decide("gemm", x_shape, w_shape, None, weight_layout, backend, dtype=dtype, device=device)
+        gemm = _decisions.get(call_key("gemm", None, x_shape, w_shape, dtype, key[5], weight_layout, backend))
+        if gemm is None:
+            gemm = _keep(_chosen(call_key("gemm", None, x_shape, w_shape, dtype, key[5], weight_layout, backend),
+                                 x_shape, w_shape, dtype, device))
         decision = Decision(op, gemm.choice, key=key, bound=False)
         return replace(decision, run=_binding_run(decision))
-    choice = choose(op, device=device, dtype=dtype, mkn=(m * tp if op == "ag_gemm" else m, k, n), group=group,
-                    backend=backend)
+    fp8 = _fp8(dtype)
+    choice = choose(op, device=device, dtype=dtype[0] if fp8 else dtype,
+                    mkn=(m * tp if op == "ag_gemm" else m, k, n), group=group, backend=backend)
     decision = Decision(op, choice, key=key, bound=False)
     if choice.path == "reference":
-        return _bound(decision, _reference(op, group, weight_layout))
+        return _bound(decision, _reference(op, group, weight_layout, dtype[2] if fp8 else None))
     return replace(decision, run=_binding_run(decision))
+
+
+def _fp8(dtype_slot) -> bool:
+    return isinstance(dtype_slot, tuple)
 
 
 def _binding_run(decision: Decision) -> Callable:
     """A chosen decision's ``run``: binds it (with the tensors of its first call), then makes the call."""
-    def run(x, weight, bias, *return_gathered):
+    def run(x, weight, bias, *rest):  # rest: [x_scale, w_scale,] [return_gathered]
         bound = _bind(decision, x, weight)
-        out = bound.run(x, weight, bias, *return_gathered)
-        return bound.fallback(x, weight, bias, *return_gathered) if out is NotImplemented else out
+        out = bound.run(x, weight, bias, *rest)
+        return bound.fallback(x, weight, bias, *rest) if out is NotImplemented else out
     return run
 
 
@@ -207,11 +237,15 @@ def _bind(decision: Decision, x: torch.Tensor, weight: torch.Tensor) -> Decision
     call checked across ranks, the workspace found (or grown) and the plan registered; kept in the cache."""
     if decision.bound:
         return decision
-    op, group, _, _, _, _, weight_layout, backend = decision.key[:8]
+    op, group, _, _, dtype, _, weight_layout, backend = decision.key[:8]
+    fp8 = _fp8(dtype)
     if op != "gemm" and _tp(group) == 1:
-        gemm = decided("gemm", x, weight, None, weight_layout, backend)
-        run = gemm.run if op == "gemm_rs" else _with_input(gemm.run)
+        gemm = decided("gemm", x, weight, None, weight_layout, backend, dtype[2] if fp8 else None)
+        run = gemm.run if op == "gemm_rs" else _with_input(gemm.run, fp8)
         bound = replace(gemm, op=op, key=decision.key, run=run, fallback=run)  # never NotImplemented
+    elif fp8:
+        bound = {"gemm": _fused_fp8_gemm, "ag_gemm": _fused_fp8_ag_gemm, "gemm_rs": _fused_fp8_gemm_rs}[op](
+            decision, x, weight, group, weight_layout, dtype[2])
     elif op == "gemm":
         bound = _fused_gemm(decision, x, weight, weight_layout)
     elif op == "ag_gemm":
@@ -223,15 +257,28 @@ def _bind(decision: Decision, x: torch.Tensor, weight: torch.Tensor) -> Decision
     return bound
 
 
-def _with_input(gemm_run: Callable) -> Callable:
-    """ag_gemm on a group of one: the plain GEMM, and x itself as the gathered input."""
-    def run(x, weight, bias, return_gathered):
-        out = gemm_run(x, weight, bias)
-        return (out, x) if return_gathered else out
-    return run
+def _with_input(gemm_run: Callable, fp8: bool) -> Callable:
+    """ag_gemm on a group of one: the plain GEMM, and x itself as the gathered input (FP8: with its scales)."""
+    if not fp8:
+        def run(x, weight, bias, return_gathered):
+            out = gemm_run(x, weight, bias)
+            return (out, x) if return_gathered else out
+        return run
+    from flux_layers.ops.fp8 import ScaledTensor
+
+    def run_fp8(x, weight, bias, x_scale, w_scale, return_gathered):
+        out = gemm_run(x, weight, bias, x_scale, w_scale)
+        if not return_gathered:
+            return out
+        return out, ScaledTensor(x, x_scale.reshape(1) if x_scale.numel() == 1 else x_scale)
+    return run_fp8
 
 
-def _reference(op: str, group, weight_layout: str) -> Callable:
+def _reference(op: str, group, weight_layout: str, fast_accum: bool | None) -> Callable:
+    """The reference path's call (``fast_accum`` not None: FP8 operands, whose call takes the scales after the
+    bias)."""
+    if fast_accum is not None:
+        return _fp8_reference(op, group, weight_layout, fast_accum)
     if op == "gemm":
         def run(x, weight, bias):
             check_matmul_args("gemm", x, weight, bias, weight_layout)
@@ -243,6 +290,23 @@ def _reference(op: str, group, weight_layout: str) -> Callable:
     else:
         def run(x, weight, bias):
             return reference.gemm_rs(x, weight, bias, group=group, weight_layout=weight_layout)
+    return run
+
+
+def _fp8_reference(op: str, group, weight_layout: str, fast_accum: bool) -> Callable:
+    if op == "gemm":
+        def run(x, weight, bias, x_scale, w_scale):
+            return reference.gemm(x, weight, bias, weight_layout=weight_layout, x_scale=x_scale, w_scale=w_scale,
+                                  fast_accum=fast_accum)
+    elif op == "ag_gemm":
+        def run(x_shard_m, weight, bias, x_scale, w_scale, return_gathered):
+            return reference.ag_gemm(x_shard_m, weight, bias, group=group, weight_layout=weight_layout,
+                                     return_gathered=return_gathered, x_scale=x_scale, w_scale=w_scale,
+                                     fast_accum=fast_accum)
+    else:
+        def run(x, weight, bias, x_scale, w_scale):
+            return reference.gemm_rs(x, weight, bias, group=group, weight_layout=weight_layout, x_scale=x_scale,
+                                     w_scale=w_scale, fast_accum=fast_accum)
     return run
 
 
@@ -331,88 +395,13 @@ def _fused_gemm_rs(decision: Decision, x, weight, group, weight_layout: str) -> 
 
 
 # ---------------------------------------------------------------- FP8 operands
-# FP8 calls (flux_layers/ops/fp8.py) are keyed by both operand formats and the accumulation in the dtype slot; their
-# ``run`` takes the scales after the bias: ``run(x, weight, bias, x_scale, w_scale[, return_gathered])``. The scales
-# are per-call tensors: the op checks them (their modes do not change the decision).
+# FP8 calls (flux_layers/ops/fp8.py) take the decisions above, keyed by both operand formats and the accumulation in
+# the dtype slot (fp8_dtype_slot); their ``run`` takes the scales after the bias: ``run(x, weight, bias, x_scale,
+# w_scale[, return_gathered])``. The scales are per-call tensors: the op checks them (their modes do not change the
+# decision).
 
 
-def fp8_key(op: str, group, x: torch.Tensor, weight: torch.Tensor, weight_layout: str, fast_accum: bool,
-            backend: str | None) -> tuple:
-    return call_key(op, group, x.shape, weight.shape, (x.dtype, weight.dtype, bool(fast_accum)), x.get_device(),
-                    weight_layout, backend)
-
-
-def fp8_decided(op: str, x: torch.Tensor, weight: torch.Tensor, group, weight_layout: str, fast_accum: bool,
-                backend: str | None) -> Decision:
-    """The decision of an FP8 call of ``op``, made and kept at its first call."""
-    key = fp8_key(op, group, x, weight, weight_layout, fast_accum, backend)
-    found = _decisions.get(key)
-    if found is not None:
-        return found
-    from flux_layers.ops.fp8 import check_fp8_args
-    _, _, n = check_matmul_args(op, x, weight, None, weight_layout)
-    check_fp8_args(op, x, weight, None, None, None, weight_layout, n, scales=False)
-    return _keep(_fp8_chosen(key, x, weight, group, weight_layout, bool(fast_accum), backend))
-
-
-def run_fp8(decision: Decision, x, weight, bias, x_scale, w_scale, *return_gathered):
-    """An FP8 call on its decision; a captured call whose fused path has no CUDA-graph twin takes the reference
-    path (as a 16-bit call's decision for captured calls does), unless the fused path was requested."""
-    try:
-        return decision.run(x, weight, bias, x_scale, w_scale, *return_gathered)
-    except workspace.NoGraphTwin:
-        if decision.key[7] == "fused":
-            raise
-        op, group, _, _, (_, _, fast_accum), _, weight_layout, _ = decision.key
-        return _fp8_reference(op, group, weight_layout, fast_accum)(x, weight, bias, x_scale, w_scale,
-                                                                    *return_gathered)
-
-
-def _fp8_chosen(key: tuple, x, weight, group, weight_layout: str, fast_accum: bool, backend) -> Decision:
-    op = key[0]
-    m, k, n = check_matmul_args(op, x, weight, None, weight_layout)
-    tp = _tp(group)
-    if op != "gemm" and tp == 1:  # no communication: the FP8 GEMM
-        gemm = fp8_decided("gemm", x, weight, None, weight_layout, fast_accum, backend)
-        if op == "gemm_rs":
-            return replace(gemm, op=op, key=key)
-        from flux_layers.ops.fp8 import ScaledTensor
-
-        def local(x, weight, bias, x_scale, w_scale, return_gathered):
-            out = gemm.run(x, weight, bias, x_scale, w_scale)
-            scale = x_scale.reshape(1) if x_scale.numel() == 1 else x_scale
-            return (out, ScaledTensor(x, scale)) if return_gathered else out
-        return _bound(replace(gemm, op=op, key=key), local)
-    choice = choose(op, device=x.device, dtype=x.dtype, mkn=(m * tp if op == "ag_gemm" else m, k, n), group=group,
-                    backend=backend)
-    decision = Decision(op, choice, key=key, bound=False)
-    if choice.path == "reference":
-        return _bound(decision, _fp8_reference(op, group, weight_layout, fast_accum))
-    if op == "gemm":
-        return _fused_fp8_gemm(decision, x, weight, fast_accum)
-    if op == "ag_gemm":
-        return _fused_fp8_ag_gemm(decision, x, weight, group, weight_layout, fast_accum)
-    return _fused_fp8_gemm_rs(decision, x, weight, group, weight_layout, fast_accum)
-
-
-def _fp8_reference(op: str, group, weight_layout: str, fast_accum: bool) -> Callable:
-    if op == "gemm":
-        def run(x, weight, bias, x_scale, w_scale):
-            return reference.gemm(x, weight, bias, weight_layout=weight_layout, x_scale=x_scale, w_scale=w_scale,
-                                  fast_accum=fast_accum)
-    elif op == "ag_gemm":
-        def run(x_shard_m, weight, bias, x_scale, w_scale, return_gathered):
-            return reference.ag_gemm(x_shard_m, weight, bias, group=group, weight_layout=weight_layout,
-                                     return_gathered=return_gathered, x_scale=x_scale, w_scale=w_scale,
-                                     fast_accum=fast_accum)
-    else:
-        def run(x, weight, bias, x_scale, w_scale):
-            return reference.gemm_rs(x, weight, bias, group=group, weight_layout=weight_layout, x_scale=x_scale,
-                                     w_scale=w_scale, fast_accum=fast_accum)
-    return run
-
-
-def _fused_fp8_gemm(decision: Decision, x, weight, fast_accum: bool) -> Decision:
+def _fused_fp8_gemm(decision: Decision, x, weight, group, weight_layout: str, fast_accum: bool) -> Decision:
     from flux_layers import _env
     from flux_layers.ops import fused_gemm
     from flux_layers.runtime import tuning
