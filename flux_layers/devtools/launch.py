@@ -8,8 +8,10 @@ re-raises the first failure in the parent with the child's traceback. ``fn`` mus
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import time
 import traceback
 
@@ -46,7 +48,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, backend, fn, args, errors, dump_at):
+def _worker(rank, world_size, port, backend, fn, args, errors, dump_at, dump_dir):
     import faulthandler
 
     import torch
@@ -56,9 +58,10 @@ def _worker(rank, world_size, port, backend, fn, args, errors, dump_at):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    # A rank still running shortly before the launcher kills it prints every thread's stack (to stderr, which pytest
-    # shows with the failure): what a hang was waiting for.
-    faulthandler.dump_traceback_later(max(dump_at - time.time(), 0.1), exit=False)
+    # A rank still running shortly before the launcher kills it writes every thread's stack to its own file, which
+    # the launcher prints rank by rank (to stderr, which pytest shows with the failure): what a hang was waiting for.
+    dump_file = open(os.path.join(dump_dir, f"rank{rank}.txt"), "w")  # noqa: SIM115 (open until the process ends)
+    faulthandler.dump_traceback_later(max(dump_at - time.time(), 0.1), exit=False, file=dump_file)
     try:
         if backend == "nccl" and shared_gpu():
             # Emulation on one GPU: every rank on GPU 0, gloo for the group (NCCL refuses two ranks on one GPU).
@@ -123,7 +126,8 @@ def _launch(fn, world_size, args, backend, timeout_s, grace_s: float = 30.0):
     port = free_port()
     # Wall-clock time, as every process reads it: a rank starts seconds after the launch (the spawn, torch's import).
     dump_at = time.time() + timeout_s - min(10.0, timeout_s / 4)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, errors, dump_at))
+    dump_dir = tempfile.mkdtemp(prefix="flux-launch-")
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, errors, dump_at, dump_dir))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -141,4 +145,18 @@ def _launch(fn, world_size, args, backend, timeout_s, grace_s: float = 30.0):
         p.join()
     while not errors.empty():
         failures.append(errors.get())
+    _print_dumps(dump_dir, world_size)
     return hung, failures, procs
+
+
+def _print_dumps(dump_dir: str, world_size: int) -> None:
+    """Every rank's stack dump (written only by a rank still running at ``dump_at``), one rank after another."""
+    for r in range(world_size):
+        path = os.path.join(dump_dir, f"rank{r}.txt")
+        text = ""
+        if os.path.exists(path):
+            with open(path) as f:
+                text = f.read()
+        if text.strip():
+            sys.stderr.write(f"--- rank {r}: every thread's stack, shortly before the kill ---\n{text}\n")
+    shutil.rmtree(dump_dir, ignore_errors=True)

@@ -26,3 +26,6 @@ def test_a_hung_rank_is_killed_at_the_cap_with_its_stacks_printed(monkeypatch, c
     assert time.monotonic() - began < 120, "the launch ran past FLUX_LAYERS_TEST_LAUNCH_S"
     err = capfd.readouterr().err
     assert "Timeout" in err and "_waiting_for_a_peer_that_never_comes" in err, err[-2000:]
+    # each rank's dump apart from the others' (four processes dumping at once to one stream interleave their lines)
+    hung = err[err.index("--- rank 1: every thread's stack"):]
+    assert "_waiting_for_a_peer_that_never_comes" in hung.split("--- rank", 2)[1], err[-2000:]
