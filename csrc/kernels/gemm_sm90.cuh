@@ -271,18 +271,14 @@ struct GemmKernel {
   }
 
   // ---------------------------------------------------------------- consumer: FP8 split accumulation
-  // The tensor cores accumulate kSplitTilesPerPromotion k tiles into a temporary fragment, which is added to the fp32
-  // accumulators once its wgmmas have completed; the two warp groups run a k tile apart, so each one's promotion
-  // runs under the other's wgmmas. Nothing is in flight across the loop's back edge or a branch, where ptxas would
-  // copy in-flight accumulator registers and serialize every wgmma of the kernel (C7514; CUTLASS's FP8 mainloop,
-  // which waits for every wgmma before each promotion, ran 0.8x cuBLASLt here). Both warp groups read every stage,
-  // so the stages held are the union of theirs: 2 promotions of 2 k tiles into two fragments, the second warp
-  // group 2 tiles behind, held all 6 stages at times and left the producer no room (measured 0.5-2% slower on
-  // most shapes than this loop, which holds at most 3; 3 tiles into two fragments, 0.72x cuBLASLt; a stagger of 2
-  // tiles, 0.83x at K = 28672: benchmarks/results/history/e714645-fp8-split-ab/). One fragment also leaves the
-  // registers the epilogue's scales take (TileScales). Releases every stage it reads; advances read_state.
+  // The tensor cores accumulate kSplitTilesPerPromotion k tiles into one of two temporary fragments, which is added
+  // to the fp32 accumulators once its wgmmas have completed, while the next k tiles' wgmmas run into the other
+  // fragment. (CUTLASS's FP8 mainloop, which waits for every wgmma before each promotion, had ptxas serialize every
+  // wgmma of this kernel, C7514, and ran 0.8x cuBLASLt.) Releases every stage it reads; advances read_state.
+  // k tiles (128 deep each) the tensor cores accumulate before a promotion: 2 measured 0.88-0.95x cuBLASLt at
+  // K >= 4096 against 0.86-0.92x with 1 (each iteration drains the pipe once; benchmarks/results/history/
+  // 1280a89-fp8-split-ab/), at 1.01x its error (the output's bf16 rounding dominates either way).
   static constexpr int kSplitTilesPerPromotion = 2;
-  static constexpr int kSplitStagger = 1;  // k tiles the second warp group starts behind the first
   template <class Accum>
   CUTLASS_DEVICE static void mma_fp8_split(MainloopPipeline& pipeline, PipelineState& read_state, Accum& accum,
                                            int k_count, int mma_thread_idx, SharedStorage& ss) {
@@ -293,14 +289,14 @@ struct GemmKernel {
     auto thread_mma = tiled_mma.get_slice(warp_group * cutlass::NumThreadsPerWarpGroup);
     Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
     Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
-    Tensor temp = make_fragment_like(accum);
+    Tensor even = make_fragment_like(accum);
+    Tensor odd = make_fragment_like(accum);
     clear(accum);
     PipelineState release = read_state;
 
-    // The next `count` k tiles into temp (one commit group each), then, once they completed, temp added to accum
-    // and their stages released.
-    auto run = [&](int count) {
-      warpgroup_fence_operand(temp);
+    // The next `count` k tiles into `into` (one commit group each).
+    auto issue = [&](auto& into, int count) {
+      warpgroup_fence_operand(into);
       tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
       for (int t = 0; t < count; ++t) {
         pipeline.consumer_wait(read_state, pipeline.consumer_try_wait(read_state));
@@ -308,30 +304,49 @@ struct GemmKernel {
         warpgroup_arrive();
         CUTLASS_PRAGMA_UNROLL
         for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-          cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), temp);
+          cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), into);
           tiled_mma.accumulate_ = GMMA::ScaleOut::One;
         }
         warpgroup_commit_batch();
         ++read_state;
       }
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(temp);
+    };
+    // Once the wgmmas of `done` completed: add them to accum and release their `count` stages.
+    auto promote = [&](auto& done, int count) {
+      warpgroup_fence_operand(done);
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(accum); ++i) accum(i) += temp(i);
+      for (int i = 0; i < size(accum); ++i) accum(i) += done(i);
       for (int t = 0; t < count; ++t) {
         pipeline.consumer_release(release);
         ++release;
       }
     };
+    // 2 * F k tiles per iteration (F per fragment), all retired inside it: nothing is in flight across the loop's
+    // back edge or a branch, where ptxas would copy in-flight accumulator registers and serialize every wgmma of the
+    // kernel. The second warp group starts with F k tiles alone, so the two warp groups drain their tensor pipes
+    // half an iteration apart and each one's promotion runs under the other's wgmmas.
     constexpr int F = kSplitTilesPerPromotion;
     int kt = 0;
-    if (warp_group == 1 && k_count > kSplitStagger) {
-      run(kSplitStagger);
-      kt = kSplitStagger;
+    if (warp_group == 1 && k_count > F) {
+      issue(even, F);
+      warpgroup_wait<0>();
+      promote(even, F);
+      kt = F;
     }
     CUTLASS_PRAGMA_NO_UNROLL
-    for (; kt + F <= k_count; kt += F) run(F);
-    if (kt < k_count) run(k_count - kt);
+    for (; kt + 2 * F <= k_count; kt += 2 * F) {
+      issue(even, F);
+      issue(odd, F);
+      warpgroup_wait<F>();
+      promote(even, F);
+      warpgroup_wait<0>();
+      promote(odd, F);
+    }
+    if (kt < k_count) {
+      issue(even, k_count - kt);
+      warpgroup_wait<0>();
+      promote(even, k_count - kt);
+    }
     warpgroup_fence_operand(accum);
   }
 
@@ -518,96 +533,50 @@ struct GemmKernel {
   // not the read-only path. Row and column scales are loaded a 16 x 16 block at a time (the fragment layout the
   // epilogue checks: rows r, r + 8, columns c, c + 1, c + 8, c + 9), each block's loads kept behind the previous
   // block's multiplies so that they do not all stay live at once.
-  // FP8 dequantization scales of the tile a consumer thread's accumulators cover, read before the tile's mainloop so
-  // that their loads complete under it (read in the epilogue, each block of accumulators waiting for its own loads,
-  // they cost a 128 x 128 tile several L2 round trips). The wgmma fragment's blocks of 8 (see the epilogue) lie on
-  // kRowBlocks rows of blocks kRowBlockStride apart (the warp groups' 64-row atoms side by side along M) and
-  // kColBlocks columns of blocks 16 apart: a block's 2 rows (r, r+8) and 4 columns (c, c+1, c+8, c+9) take their
-  // scales from row[rb] and col[cb].
-  static constexpr int kRowBlockStride = 64 * (kMmaThreads / cutlass::NumThreadsPerWarpGroup);
-  static constexpr int kRowBlocks = kTileM / kRowBlockStride;
-  static constexpr int kColBlocks = kTileN / 16;
-  // 128 x 256 tiles: 64 column scales on top of 128 accumulators spilled (96 bytes); their columns are read in the
-  // epilogue, a block at a time, as before.
-  static constexpr bool kColsAhead = kColBlocks <= 8;
-  struct TileScales {
-    float alpha;                                 // the tensor-wise scales' product
-    float row[kRowBlocks][2];                    // x's row-wise scales of rows (r, r+8)
-    float2 col[kColsAhead ? kColBlocks : 1][2];  // W's row-wise scales of columns (c, c+1) and (c+8, c+9)
-    bool per_row, per_col;
-    float const* b_scale;  // where W's are read in the epilogue (!kColsAhead)
-    int col0, last_col;
-  };
-  template <class Coords>
-  CUTLASS_DEVICE static TileScales load_scales(GemmProblem const& p, TileCoord t, Coords const& tCcD) {
-    TileScales s;
+  template <class Accum, class Coords>
+  CUTLASS_DEVICE static void apply_scales(GemmProblem const& p, TileCoord t, Accum& accum, Coords const& tCcD) {
     float const* a_scale = t.shard == p.own_shard && p.a_scale_own != nullptr
                                ? p.a_scale_own
                                : p.a_scale + int64_t(t.shard) * p.a_scale_shard_stride;
-    s.alpha = 1.f;
-    if (p.a_scale_mode == ScaleMode::kPerShard) s.alpha *= a_scale[0];
-    if (p.b_scale_mode == ScaleMode::kPerShard) s.alpha *= __ldg(p.b_scale);
-    s.per_row = p.a_scale_mode == ScaleMode::kPerRow;
-    s.per_col = p.b_scale_mode == ScaleMode::kPerRow;
+    float alpha = 1.f;
+    if (p.a_scale_mode == ScaleMode::kPerShard) alpha *= a_scale[0];
+    if (p.b_scale_mode == ScaleMode::kPerShard) alpha *= __ldg(p.b_scale);
+    bool const per_row = p.a_scale_mode == ScaleMode::kPerRow;
+    bool const per_col = p.b_scale_mode == ScaleMode::kPerRow;
+    if (!per_row && !per_col) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(accum); ++i) accum(i) *= alpha;
+      return;
+    }
     int const row0 = t.m * kTileM + get<0>(tCcD(0));
     int const col0 = t.n * kTileN + get<1>(tCcD(0));
     int const last_row = p.rows_per_shard - 1;
     int const last_col = p.n - 1;
-    CUTLASS_PRAGMA_UNROLL
-    for (int rb = 0; rb < kRowBlocks; ++rb) {
-      s.row[rb][0] = s.per_row ? a_scale[min(row0 + kRowBlockStride * rb, last_row)] : 1.f;
-      s.row[rb][1] = s.per_row ? a_scale[min(row0 + kRowBlockStride * rb + 8, last_row)] : 1.f;
-    }
-    s.b_scale = p.b_scale;
-    s.col0 = col0;
-    s.last_col = last_col;
-    CUTLASS_PRAGMA_UNROLL
-    for (int cb = 0; cb < (kColsAhead ? kColBlocks : 0); ++cb) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        int const c = col0 + 16 * cb + 8 * h;
-        s.col[cb][h] = s.per_col
-                           ? make_float2(__ldg(p.b_scale + min(c, last_col)), __ldg(p.b_scale + min(c + 1, last_col)))
-                           : make_float2(1.f, 1.f);
-      }
-    }
-    return s;
-  }
-
-  template <class Accum, class Coords>
-  CUTLASS_DEVICE static void apply_scales(TileScales const& s, Accum& accum, Coords const& tCcD) {
-    if (!s.per_row && !s.per_col) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(accum); ++i) accum(i) *= s.alpha;
-      return;
-    }
     cute::for_each(make_int_sequence<decltype(size(accum))::value / 8>{}, [&](auto b) {
       constexpr int i = decltype(b)::value * 8;
       auto o = tCcD.layout()(Int<i>{});
       constexpr int r_off = decltype(get<0>(o))::value;
       constexpr int c_off = decltype(get<1>(o))::value;
-      static_assert(r_off % kRowBlockStride == 0 && r_off / kRowBlockStride < kRowBlocks && c_off % 16 == 0 &&
-                        c_off / 16 < kColBlocks,
-                    "an accumulator block outside TileScales' grid");
-      float const* sr = s.row[r_off / kRowBlockStride];
-      float cols[4] = {1.f, 1.f, 1.f, 1.f};
-      if constexpr (kColsAhead) {
-        float2 const* sc = s.col[c_off / 16];
-        cols[0] = sc[0].x, cols[1] = sc[0].y, cols[2] = sc[1].x, cols[3] = sc[1].y;
-      } else if (s.per_col) {
+      float sr[2] = {alpha, alpha};
+      float sc[4] = {1.f, 1.f, 1.f, 1.f};
+      if (per_row) {
+        sr[0] *= a_scale[min(row0 + r_off, last_row)];
+        sr[1] *= a_scale[min(row0 + r_off + 8, last_row)];
+      }
+      if (per_col) {
         CUTLASS_PRAGMA_UNROLL
-        for (int u = 0; u < 4; ++u) cols[u] = __ldg(s.b_scale + min(s.col0 + c_off + u % 2 + 8 * (u / 2), s.last_col));
+        for (int u = 0; u < 4; ++u) sc[u] = __ldg(p.b_scale + min(col0 + c_off + u % 2 + 8 * (u / 2), last_col));
       }
       CUTLASS_PRAGMA_UNROLL
-      for (int u = 0; u < 8; ++u) accum(i + u) *= s.alpha * sr[(u / 2) % 2] * cols[u % 2 + 2 * (u / 4)];
-      if constexpr (!kColsAhead) asm volatile("" ::: "memory");  // one block's loads live at a time
+      for (int u = 0; u < 8; ++u) accum(i + u) *= sr[(u / 2) % 2] * sc[u % 2 + 2 * (u / 4)];
+      asm volatile("" ::: "memory");
     });
   }
 
   template <class Accum>
   CUTLASS_DEVICE static void epilogue(Params const& params, TileCoord t, Accum& accum, int mma_thread_idx,
                                       SharedStorage& ss, uint32_t& consumed_seen, PendingSignal& pending,
-                                      uint32_t& partial_phase, bool partials_loading, TileScales const& scales) {
+                                      uint32_t& partial_phase, bool partials_loading) {
     GemmProblem const& p = params.prob;
     int const row0 = t.m * kTileM;
     int const col0 = t.n * kTileN;
@@ -640,7 +609,7 @@ struct GemmKernel {
     // offsets are multiples of 8 plus 0/1, so which sub-tile an accumulator belongs to is static.
     int const r_base = get<0>(tCcD(0));
     int const c_base = get<1>(tCcD(0));
-    if constexpr (Cfg::kFp8) apply_scales(scales, accum, tCcD);
+    if constexpr (Cfg::kFp8) apply_scales(p, t, accum, tCcD);
     ElementD const* bias = static_cast<ElementD const*>(p.bias);
 
     // The wgmma accumulator fragment comes in runs of 8 that make one warp-wide 16 x 16 block: values
@@ -845,12 +814,6 @@ struct GemmKernel {
         }
         int const k_count = seg.k_end - seg.k_begin;
         bool const refused = call_failed(p);  // read before the mainloop, which hides the load
-        TileScales scales{};
-        if constexpr (Cfg::kFp8) {
-          Tensor tCcD = tiled_mma.get_thread_slice(mma_thread_idx)
-                            .partition_C(make_identity_tensor(make_shape(Int<kTileM>{}, Int<kTileN>{})));
-          scales = load_scales(p, t, tCcD);
-        }
         Tensor accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
         if constexpr (Cfg::kFp8 && Cfg::kAccumulation == Accumulation::kSplit) {
           mma_fp8_split(pipeline, read_state, accum, k_count, mma_thread_idx, ss);
@@ -870,7 +833,7 @@ struct GemmKernel {
                          mma_thread_idx);
           }
         }
-        epilogue(params, t, accum, mma_thread_idx, ss, consumed_seen, pending, partial_phase, partials_loading, scales);
+        epilogue(params, t, accum, mma_thread_idx, ss, consumed_seen, pending, partial_phase, partials_loading);
       }
       if (pending.shard >= 0) {
         epi_barrier();
