@@ -150,3 +150,38 @@ def test_retired_workspaces_drop_their_decisions(counted_choose):
     for callback in workspace._on_retire:
         callback(marker)
     assert key not in _dispatch._decisions
+
+
+def test_fp8_calls_take_the_same_decisions_bound_to_the_fp8_fused_calls(monkeypatch):
+    """An FP8 call is decided as a 16-bit one (its key's dtype slot: both formats and the accumulation), bound at its
+    first call to the FP8 fused call of its op, and kept; the 16-bit call of the same shapes is another decision."""
+    from flux_layers.ops.backend import Choice
+    ops.refresh_settings()
+    group = object()  # any hashable stands for the group: the group size and the choice are stubbed
+    monkeypatch.setattr(_dispatch, "_tp", lambda g: 1 if g is None else 2)
+    monkeypatch.setattr(_dispatch, "choose", lambda op, **kw: Choice("fused", "stubbed"))
+    bound = []
+
+    def binder(name):
+        def bind(decision, x, weight, group_, weight_layout, *fast_accum):
+            bound.append((name, decision.key[4], fast_accum))
+            return _dispatch._bound(decision, lambda *args: (name, len(args)))
+        return bind
+    for name in ("_fused_fp8_ag_gemm", "_fused_fp8_gemm_rs", "_fused_ag_gemm", "_fused_gemm_rs"):
+        monkeypatch.setattr(_dispatch, name, binder(name))
+    x8 = torch.randn(32, 64).to(torch.float8_e4m3fn)
+    w8 = torch.randn(48, 64).to(torch.float8_e4m3fn)
+    one = torch.ones(1)
+    for _ in range(2):
+        assert ops.ag_gemm(x8, w8, group=group, x_scale=one, w_scale=one, fast_accum=True) == ("_fused_fp8_ag_gemm", 6)
+        assert ops.gemm_rs(x8, w8, group=group, x_scale=one, w_scale=one) == ("_fused_fp8_gemm_rs", 5)
+    slot = (torch.float8_e4m3fn, torch.float8_e4m3fn)
+    assert bound == [("_fused_fp8_ag_gemm", slot + (True,), (True,)), ("_fused_fp8_gemm_rs", slot + (False,), (False,))]
+    decision = ops.decide("ag_gemm", x8, w8, group=group, fast_accum=True)
+    assert decision.bound and decision.key[4] == slot + (True,) and decision.reason == "stubbed"
+    x16, w16 = torch.randn(32, 64, dtype=torch.bfloat16), torch.randn(48, 64, dtype=torch.bfloat16)
+    assert ops.ag_gemm(x16, w16, group=group) == ("_fused_ag_gemm", 4)
+    assert bound[-1] == ("_fused_ag_gemm", torch.bfloat16, ())
+    with pytest.raises(ValueError, match="must have the same dtype"):
+        ops.ag_gemm(x8, w16, group=group, x_scale=one, w_scale=one)
+    ops.refresh_settings()
