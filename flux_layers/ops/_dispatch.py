@@ -200,10 +200,8 @@ def _chosen(key: tuple, x_shape, w_shape, dtype, device: torch.device) -> Decisi
     m, k, n = check_matmul_shapes(op, x_shape, w_shape, weight_layout)
     tp = _tp(group)
     if op != "gemm" and tp == 1:  # no communication: the plain GEMM's choice, bound to it at the first call
-        gemm = _decisions.get(call_key("gemm", None, x_shape, w_shape, dtype, key[5], weight_layout, backend))
-        if gemm is None:
-            gemm = _keep(_chosen(call_key("gemm", None, x_shape, w_shape, dtype, key[5], weight_layout, backend),
-                                 x_shape, w_shape, dtype, device))
+        gemm_key = call_key("gemm", None, x_shape, w_shape, dtype, key[5], weight_layout, backend)
+        gemm = _decisions.get(gemm_key) or _keep(_chosen(gemm_key, x_shape, w_shape, dtype, device))
         decision = Decision(op, gemm.choice, key=key, bound=False)
         return replace(decision, run=_binding_run(decision))
     fp8 = _fp8(dtype)
