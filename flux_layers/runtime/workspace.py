@@ -157,8 +157,8 @@ class Workspace:
 
     def close(self) -> None:
         """Free the native state (and the twin's) now; its memory goes with this object. Only once no call on it is
-        in flight on any rank (the cache closes an outgrown workspace after the device synchronization and the
-        barrier that retire it, and :func:`reset` after its barrier). Its handle is unknown to the ops afterwards."""
+        in flight on any rank (:func:`reset` closes the workspaces it forgets after its barrier; an outgrown one
+        closes when its last reference goes). Its handle is unknown to the ops afterwards."""
         self._closer()
         if self.graph_twin is not None:
             self.graph_twin.close()
