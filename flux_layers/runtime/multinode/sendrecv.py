@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -126,6 +127,8 @@ class HostStagedSendRecv:
         self.sent_bytes: collections.Counter = collections.Counter()
         self.received_bytes: collections.Counter = collections.Counter()
         self.exchanges = 0
+        self._trace = _env.get("TEST_STAND_IN_TRACE") == "1"
+        self._began = time.monotonic()
         self._cuda = torch.cuda.is_available()
         self._arrived = torch.zeros(1, dtype=torch.int32, pin_memory=self._cuda)  # the word the GPU waits on
         self._arrived_seq = 0  # its value, for the host side
@@ -153,6 +156,7 @@ class HostStagedSendRecv:
         self._seq += 1
         if self._seq >= _RELEASED:
             raise HostStagedTransferError(f"rank {self.rank}: the host-staged stand-in's exchange counter is spent")
+        self._log("enqueued", self._seq, sends, recvs)
         if any(t.is_cuda for t, _ in (*sends, *recvs)):
             self._exchange_cuda(self._seq, sends, recvs)
         else:
@@ -265,6 +269,7 @@ class HostStagedSendRecv:
                     continue  # released: its waits returned with the failure
                 self._current = (job, time.monotonic())
                 self._cond.notify_all()
+            self._log("taken", job.seq, job.sends, job.recvs)
             try:
                 while job.staged is not None and not job.staged.query():
                     if self._failure is not None:  # the watcher gave up on it
@@ -272,10 +277,12 @@ class HostStagedSendRecv:
                     time.sleep(_POLL_S)
                 if self._failure is not None:
                     continue
+                self._log("staged", job.seq)
                 works = [dist.isend(t, group=self.group, group_dst=peer, tag=TAG) for t, peer in job.sends]
                 works += [dist.irecv(t, group=self.group, group_src=peer, tag=TAG) for t, peer in job.recvs]
                 for work in works:
                     work.wait()
+                self._log("moved", job.seq)
             except Exception as exc:  # a peer that died closes its sockets: gloo raises here
                 self._fail(f"{self._describe(job)}: {type(exc).__name__}: {exc}", job)
                 continue
@@ -291,6 +298,17 @@ class HostStagedSendRecv:
                 self._arrived[0] = job.seq  # NOTE: after the receives completed: the GPU's wait sees the data
                 self._arrived_seq = job.seq
                 self._cond.notify_all()
+            self._log("stored", job.seq)
+
+    def _log(self, step: str, seq: int, sends: Sequence[Transfer] = (), recvs: Sequence[Transfer] = ()) -> None:
+        """One line of FLUX_LAYERS_TEST_STAND_IN_TRACE: this rank, the time since the stand-in was made, the step,
+        the exchange's number and (where given) its peers and bytes."""
+        if not self._trace:
+            return
+        moves = "".join(f" {kind} {peer}:{t.numel() * t.element_size()}B" for kind, transfers in
+                        (("to", sends), ("from", recvs)) for t, peer in transfers)
+        sys.stderr.write(f"[stand-in rank {self.rank} {time.monotonic() - self._began:9.4f}s] {step} {seq}{moves}\n")
+        sys.stderr.flush()
 
     def _watch(self) -> None:
         """The bound on a job: taken as hung ``timeout_s`` after the transfer thread took it."""

@@ -64,6 +64,24 @@ def test_stand_in_moves_every_tensor_it_is_given():
     run_distributed(_exchanges, 3)
 
 
+def _traced(rank, tp):
+    s = sendrecv.HostStagedSendRecv(dist.group.WORLD, timeout_s=30)
+    peer = 1 - rank
+    got = torch.empty(16)
+    s.exchange([(torch.full((16,), float(rank)), peer)], [(got, peer)])
+    assert torch.equal(got, torch.full((16,), float(peer)))
+
+
+def test_stand_in_traces_each_step_of_each_exchange(monkeypatch, capfd):
+    monkeypatch.setenv("FLUX_LAYERS_TEST_STAND_IN_TRACE", "1")
+    run_distributed(_traced, 2)
+    err = capfd.readouterr().err
+    for rank in (0, 1):
+        steps = [line.split("] ")[1].split()[0] for line in err.splitlines() if f"[stand-in rank {rank} " in line]
+        assert steps == ["enqueued", "taken", "staged", "moved", "stored"], err[-2000:]
+        assert f"enqueued 1 to {1 - rank}:64B from {1 - rank}:64B" in err, err[-2000:]
+
+
 class _Native:
     def __init__(self):
         self.failed = None
