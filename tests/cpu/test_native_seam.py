@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
 import os
 import re
 
@@ -54,7 +55,6 @@ def test_the_native_workspace_is_made_with_the_arguments_it_declares():
 def test_the_native_state_is_freed_by_a_method_not_by_the_destructor():
     """The state's free synchronizes with the device; a torch class's method runs with the GIL released, its
     destructor run from Python holds it (and would stall a Python thread the GPU waits on: the stand-in)."""
-    import inspect
     from flux_layers.runtime import workspace
     assert _workspace_schemas()["close"] == []
     assert "weakref.finalize(self, self.native.close)" in inspect.getsource(workspace.Workspace.__init__)
