@@ -30,6 +30,7 @@ launchers can set them per process.
 | FLUX_LAYERS_TEST_TP | ranks of the GPU tests' groups, 2 to 8 (0: every visible GPU, at least 2 and at most 8; 2 where the ranks share one GPU) | 0 |
 | FLUX_LAYERS_TEST_LAUNCH_S | most seconds a test's ranks may run (flux_layers/devtools/launch.py: the lower of this and the test's own limit; each rank prints its threads' stacks shortly before it is killed); 0: the test's own | 0 |
 | FLUX_LAYERS_TEST_STAND_IN_TRACE | ``1``: the host-staged stand-in (flux_layers/runtime/multinode/sendrecv.py) writes a line to stderr at each step of each exchange (enqueued, taken, staged, moved, stored), with the rank, the exchange's number, its peers and bytes: which rank's exchanges went out of step | 0 |
+| FLUX_LAYERS_TEST_PY_SPY | path of a ``py-spy`` executable: a test launch that hits its limit runs ``py-spy dump --native`` on each rank still running before it kills it (flux_layers/devtools/launch.py), which shows every thread's native frames and which thread holds the GIL. Empty: not run | (empty) |
 | FLUX_LAYERS_TEST_NODES | emulated nodes of the NCCL-transport GPU tests (tests/gpu/test_nccl_transport_gpu.py: FLUX_LAYERS_TEST_TP / N ranks per node); 0: their default layouts | 0 |
 
 (1) ``epilogue``: the GEMM epilogue stores into the peer; ``copy_engine``: staged locally, moved by the copy engine
@@ -68,6 +69,7 @@ _DEFAULTS = {
     "TEST_NODES": "0",
     "TEST_LAUNCH_S": "0",
     "TEST_STAND_IN_TRACE": "0",
+    "TEST_PY_SPY": "",
     "CUDA_GRAPHS": "0",
     "STREAM_K": "1",
     "STREAM_K_MAX_FILL": "75",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -139,6 +140,8 @@ def _launch(fn, world_size, args, backend, timeout_s, grace_s: float = 30.0):
             deadline = min(deadline, time.monotonic() + grace_s)
         time.sleep(0.05)
     hung = [i for i, p in enumerate(procs) if p.is_alive()]
+    if hung:
+        _native_stacks(procs, hung)
     for p in procs:
         if p.is_alive():
             p.kill()
@@ -147,6 +150,24 @@ def _launch(fn, world_size, args, backend, timeout_s, grace_s: float = 30.0):
         failures.append(errors.get())
     _print_dumps(dump_dir, world_size)
     return hung, failures, procs
+
+
+def _native_stacks(procs, ranks) -> None:
+    """``py-spy dump --native`` of each rank in ``ranks`` (FLUX_LAYERS_TEST_PY_SPY), to stderr: the native frames
+    of every thread, and which one holds the GIL, where the Python stacks alone cannot tell a thread blocked in C
+    from one waiting for the GIL."""
+    from flux_layers import _env
+    py_spy = _env.get("TEST_PY_SPY")
+    if not py_spy:
+        return
+    for r in ranks:
+        try:
+            done = subprocess.run([py_spy, "dump", "--native", "--pid", str(procs[r].pid)], capture_output=True,
+                                  text=True, timeout=60)
+            text = done.stdout + done.stderr
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            text = f"{py_spy} failed: {exc}"
+        sys.stderr.write(f"--- rank {r}: py-spy dump --native ---\n{text}\n")
 
 
 def _print_dumps(dump_dir: str, world_size: int) -> None:
