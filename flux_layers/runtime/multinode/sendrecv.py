@@ -18,18 +18,25 @@ The stand-in: one per group, with its own thread and CUDA stream. Exchange numbe
 any host wait:
 
 1. the stand-in's stream waits for the current stream, copies each distinct tensor to send into pinned host memory
-   and records ``staged``;
-2. the job (j, the pinned sends, pinned receive buffers, ``staged``) goes to the stand-in's thread;
+   and then stores j into the host word ``staged`` (``torch.ops.flux_layers.write_flag``: cuStreamWriteValue32 on
+   mapped host memory, ordered after the copies);
+2. the job (j, the pinned sends, pinned receive buffers) goes to the stand-in's thread;
 3. the stand-in's stream waits until the host word ``arrived`` holds >= j (``torch.ops.flux_layers.wait_flag``:
-   cuStreamWaitValue32 on mapped host memory), copies each receive buffer into its tensor and records ``done``; the
-   current stream waits for ``done``, as it waits for NCCL's stream.
+   cuStreamWaitValue32 on mapped host memory), copies each receive buffer into its tensor; the current stream waits
+   for the stand-in's stream, as it waits for NCCL's stream.
 
-The thread, job by job in order: waits for ``staged``, issues a gloo isend / irecv for every send and receive of the
-job (tag :data:`TAG`), waits for them and stores ``arrived = j``. NOTE: the GPU waits on a host store, never on work
-enqueued after its wait: with one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) a stream wait holds every later
-operation of every stream, so a flag that later GPU work would write never comes. One thread and one stream per group
-keep the exchanges of every executor on the group in issue order, as NCCL's calls on one communicator are; every rank
-issues the same exchanges in the same order, so each pair's messages match in order.
+The thread, job by job in order: waits until ``staged`` holds >= j, issues a gloo isend / irecv for every send and
+receive of the job (tag :data:`TAG`), waits for them and stores ``arrived = j``. NOTE: the GPU waits on a host store,
+never on work enqueued after its wait: with one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) a stream wait holds
+every later operation of every stream, so a flag that later GPU work would write never comes. One thread and one
+stream per group keep the exchanges of every executor on the group in issue order, as NCCL's calls on one
+communicator are; every rank issues the same exchanges in the same order, so each pair's messages match in order.
+
+NOTE: the thread makes no CUDA call at all (it reads and stores the two words through plain host loads and stores,
+and never frees a job's pinned buffers: the caller's next exchange does). A caller may sit in a CUDA call that waits
+for the device while holding the driver's locks (a library's first load, cublasCreate's cuLibraryLoadData, was one),
+and the device waits for this thread's store: a CUDA call here (an event query, or the pinned allocator's event
+record when a buffer is freed) would block on those locks for good.
 
 On CPU tensors (the CPU tests) the same thread, staging and word run; the caller waits for ``arrived`` itself.
 
@@ -45,6 +52,7 @@ not recover: a receive that hung stays posted (its buffer is kept).
 from __future__ import annotations
 
 import collections
+import ctypes
 import queue
 import sys
 import threading
@@ -96,7 +104,7 @@ class _Job:
     seq: int
     sends: list[Transfer]  # staged host tensors (as bytes) and their peers
     recvs: list[Transfer]  # host receive buffers (as bytes) and their peers
-    staged: torch.cuda.Event | None  # the staging copies' end (None: host tensors, staged already)
+    on_device: bool  # its sends are staged by the device: the thread waits for the word ``staged`` to reach seq
 
 
 class _MappedWord:
@@ -130,9 +138,12 @@ class HostStagedSendRecv:
         self._trace = _env.get("TEST_STAND_IN_TRACE") == "1"
         self._began = time.monotonic()
         self._cuda = torch.cuda.is_available()
-        self._arrived = torch.zeros(1, dtype=torch.int32, pin_memory=self._cuda)  # the word the GPU waits on
-        self._arrived_seq = 0  # its value, for the host side
-        self._arrived_on_device: torch.Tensor | None = None
+        # The host words [arrived, staged]: the GPU waits on the first and stores the second (module docstring).
+        self._words = torch.zeros(2, dtype=torch.int32, pin_memory=self._cuda)
+        self._arrived = ctypes.c_int32.from_address(self._words.data_ptr())
+        self._staged = ctypes.c_int32.from_address(self._words.data_ptr() + 4)
+        self._arrived_seq = 0  # arrived's value, for the host side
+        self._words_on_device: torch.Tensor | None = None
         self._stream: torch.cuda.Stream | None = None
         self._seq = 0
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -140,6 +151,10 @@ class HostStagedSendRecv:
         self._current: tuple[_Job, float] | None = None  # the thread's job and when it took it
         self._failure: str | None = None
         self._abandoned: list = []  # a failed job's buffers: a receive still posted may write into them
+        # Jobs the thread is done with, freed by the caller (the thread frees nothing: module docstring's NOTE);
+        # those up to _retired_seq the thread holds no reference to any more.
+        self._retired: collections.deque = collections.deque()
+        self._retired_seq = 0
         for target, what in ((self._serve, "transfers"), (self._watch, "watcher")):
             threading.Thread(target=target, name=f"flux-host-staged-{what}-rank{self.rank}", daemon=True).start()
 
@@ -149,6 +164,7 @@ class HostStagedSendRecv:
         """Enqueue ``sends`` and ``recvs`` (module docstring); on CUDA tensors the current stream then waits for
         them, on CPU tensors this call does. Raises :class:`HostStagedTransferError` once the stand-in failed."""
         self.raise_if_failed()
+        self._free_retired()
         sends = [(t, p) for t, p in sends if t.numel() > 0]  # both sides of a transfer see the same shape
         recvs = [(t, p) for t, p in recvs if t.numel() > 0]
         if not sends and not recvs:
@@ -168,21 +184,20 @@ class HostStagedSendRecv:
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
             staged_sends = self._stage(sends, pinned=True)
-            staged = None
             if staged_sends:
-                staged = torch.cuda.Event()
-                staged.record(stream)
+                torch.ops.flux_layers.write_flag.default(self._words_on_device, 1, seq)
             buffers = [(torch.empty(t.shape, dtype=t.dtype, pin_memory=True), t, peer) for t, peer in recvs]
-            self._jobs.put(_Job(seq, staged_sends, [(_as_bytes(b), peer) for b, _, peer in buffers], staged))
+            self._jobs.put(_Job(seq, staged_sends, [(_as_bytes(b), peer) for b, _, peer in buffers],
+                                bool(staged_sends)))
             if buffers:
-                torch.ops.flux_layers.wait_flag.default(self._arrived_on_device, 0, seq)
+                torch.ops.flux_layers.wait_flag.default(self._words_on_device, 0, seq)
                 for b, t, _ in buffers:
                     t.copy_(b, non_blocking=True)
         current.wait_stream(stream)
 
     def _exchange_host(self, seq: int, sends: Sequence[Transfer], recvs: Sequence[Transfer]) -> None:
         buffers = [(torch.empty(t.shape, dtype=t.dtype), t, peer) for t, peer in recvs]
-        self._jobs.put(_Job(seq, self._stage(sends, pinned=False), [(_as_bytes(b), p) for b, _, p in buffers], None))
+        self._jobs.put(_Job(seq, self._stage(sends, pinned=False), [(_as_bytes(b), p) for b, _, p in buffers], False))
         with self._cond:
             while self._arrived_seq < seq:
                 self._cond.wait()
@@ -210,14 +225,21 @@ class HostStagedSendRecv:
             from flux_layers import _library
             _library.require_library()  # the stream wait is the op library's (not loaded by importing this module)
             self._stream = torch.cuda.Stream(device=device, priority=-1)
-            self._arrived_on_device = torch.as_tensor(_MappedWord(self._arrived), device=device)
-            if not (self._arrived_on_device.is_cuda and self._arrived_on_device.data_ptr() == self._arrived.data_ptr()):
-                raise RuntimeError(f"rank {self.rank}: the host-staged stand-in's host word is not mapped in place on "
-                                   f"{device} (a copy would never see the host's stores)")
+            self._words_on_device = torch.as_tensor(_MappedWord(self._words), device=device)
+            if not (self._words_on_device.is_cuda and self._words_on_device.data_ptr() == self._words.data_ptr()):
+                raise RuntimeError(f"rank {self.rank}: the host-staged stand-in's host words are not mapped in place "
+                                   f"on {device} (a copy would never see the host's stores)")
         elif self._stream.device != device:
             raise ValueError(f"rank {self.rank}: the host-staged stand-in serves {self._stream.device}, got tensors "
                              f"on {device}")
         return self._stream
+
+    def _free_retired(self) -> None:
+        """Drop the jobs the thread is done with, on the caller's thread (the pinned allocator's free makes CUDA
+        calls)."""
+        done = self._retired_seq
+        while self._retired and self._retired[0].seq <= done:
+            self._retired.popleft()
 
     # ---------------------------------------------------------------- failures
 
@@ -238,7 +260,7 @@ class HostStagedSendRecv:
             self._failure = message
             if job is not None:
                 self._abandoned.append(job)
-            self._arrived[0] = _RELEASED
+            self._arrived.value = _RELEASED
             self._arrived_seq = _RELEASED
             self._cond.notify_all()
         from flux_layers.runtime import workspace
@@ -261,44 +283,51 @@ class HostStagedSendRecv:
     # ---------------------------------------------------------------- the threads
 
     def _serve(self) -> None:
-        """The transfers: one job at a time, in order."""
+        """The transfers: one job at a time, in order. No CUDA call here (module docstring's NOTE)."""
         while True:
             job = self._jobs.get()
-            with self._cond:
-                if self._failure is not None:
-                    continue  # released: its waits returned with the failure
-                self._current = (job, time.monotonic())
-                self._cond.notify_all()
-            self._log("taken", job.seq, job.sends, job.recvs)
-            try:
-                while job.staged is not None and not job.staged.query():
-                    if self._failure is not None:  # the watcher gave up on it
-                        break
-                    time.sleep(_POLL_S)
-                if self._failure is not None:
-                    continue
-                self._log("staged", job.seq)
-                works = [dist.isend(t, group=self.group, group_dst=peer, tag=TAG) for t, peer in job.sends]
-                works += [dist.irecv(t, group=self.group, group_src=peer, tag=TAG) for t, peer in job.recvs]
-                for work in works:
-                    work.wait()
-                self._log("moved", job.seq)
-            except Exception as exc:  # a peer that died closes its sockets: gloo raises here
-                self._fail(f"{self._describe(job)}: {type(exc).__name__}: {exc}", job)
-                continue
-            with self._cond:
-                self._current = None
-                if self._failure is not None:
-                    continue
-                for t, peer in job.sends:
-                    self.sent_bytes[peer] += t.numel()
-                for t, peer in job.recvs:
-                    self.received_bytes[peer] += t.numel()
-                self.exchanges += 1
-                self._arrived[0] = job.seq  # NOTE: after the receives completed: the GPU's wait sees the data
-                self._arrived_seq = job.seq
-                self._cond.notify_all()
-            self._log("stored", job.seq)
+            self._transfer(job)
+            self._retired.append(job)
+            seq = job.seq
+            del job  # the thread's last reference: the caller frees the job's buffers
+            self._retired_seq = seq
+
+    def _transfer(self, job: _Job) -> None:
+        with self._cond:
+            if self._failure is not None:
+                return  # released: its waits returned with the failure
+            self._current = (job, time.monotonic())
+            self._cond.notify_all()
+        self._log("taken", job.seq, job.sends, job.recvs)
+        try:
+            while job.on_device and self._staged.value < job.seq:
+                if self._failure is not None:  # the watcher gave up on it
+                    break
+                time.sleep(_POLL_S)
+            if self._failure is not None:
+                return
+            self._log("staged", job.seq)
+            works = [dist.isend(t, group=self.group, group_dst=peer, tag=TAG) for t, peer in job.sends]
+            works += [dist.irecv(t, group=self.group, group_src=peer, tag=TAG) for t, peer in job.recvs]
+            for work in works:
+                work.wait()
+            self._log("moved", job.seq)
+        except Exception as exc:  # a peer that died closes its sockets: gloo raises here
+            self._fail(f"{self._describe(job)}: {type(exc).__name__}: {exc}", job)
+            return
+        with self._cond:
+            self._current = None
+            if self._failure is not None:
+                return
+            for t, peer in job.sends:
+                self.sent_bytes[peer] += t.numel()
+            for t, peer in job.recvs:
+                self.received_bytes[peer] += t.numel()
+            self.exchanges += 1
+            self._arrived.value = job.seq  # NOTE: after the receives completed: the GPU's wait sees the data
+            self._arrived_seq = job.seq
+            self._cond.notify_all()
+        self._log("stored", job.seq)
 
     def _log(self, step: str, seq: int, sends: Sequence[Transfer] = (), recvs: Sequence[Transfer] = ()) -> None:
         """One line of FLUX_LAYERS_TEST_STAND_IN_TRACE: this rank, the time since the stand-in was made, the step,
@@ -317,11 +346,11 @@ class HostStagedSendRecv:
                 if self._current is None:
                     self._cond.wait()
                     continue
-                job, began = self._current
-                left = began + self.timeout_s - time.monotonic()
-                if left > 0:
+                left = self._current[1] + self.timeout_s - time.monotonic()
+                if left > 0:  # NOTE: holding no reference to the job meanwhile (the caller frees it)
                     self._cond.wait(left)
                     continue
+                job = self._current[0]
                 break
             else:
                 return

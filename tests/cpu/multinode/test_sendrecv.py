@@ -64,6 +64,34 @@ def test_stand_in_moves_every_tensor_it_is_given():
     run_distributed(_exchanges, 3)
 
 
+def _freed_by_the_caller(rank, tp):
+    import threading
+    import weakref
+    freed_on = []
+
+    class Job(sendrecv._Job):
+        def __init__(self, *args):
+            super().__init__(*args)
+            weakref.finalize(self, lambda: freed_on.append(threading.current_thread().name))
+
+    sendrecv._Job = Job
+    s = sendrecv.HostStagedSendRecv(dist.group.WORLD, timeout_s=30)
+    peer = 1 - rank
+    for i in range(6):
+        got = torch.empty(64)
+        s.exchange([(torch.full((64,), float(10 * rank + i)), peer)], [(got, peer)])
+        assert torch.equal(got, torch.full((64,), float(10 * peer + i))), (rank, i)
+        time.sleep(0.01)  # the thread has retired the job by now, and holds none of it
+    assert len(freed_on) >= 4, freed_on
+    main = threading.main_thread().name
+    # The thread makes no CUDA call, and freeing a job's pinned buffers makes some (sendrecv.py's NOTE)
+    assert set(freed_on) == {main}, f"rank {rank}: jobs freed on {freed_on}, not all on the caller's thread"
+
+
+def test_the_stand_ins_thread_frees_no_job():
+    run_distributed(_freed_by_the_caller, 2)
+
+
 def _traced(rank, tp):
     s = sendrecv.HostStagedSendRecv(dist.group.WORLD, timeout_s=30)
     peer = 1 - rank
