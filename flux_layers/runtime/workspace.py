@@ -277,15 +277,18 @@ class AgWorkspace(Workspace):
         devices = [None] * self.tp
         dist.all_gather_object(devices, torch.cuda.current_device(), group=self.group)
         self.devices = tuple(devices)
-        self._layout = None
+        self._layouts: dict[tuple[int, str], object] = {}
 
     @property
     def layout(self):
         """The group's transfer_plan.GroupLayout (nodes from the declared node size and the members' global ranks,
-        peer access and NUMA nodes from this host, by device index; nodes are taken to be alike)."""
-        if self._layout is None:
-            self._layout = topology.group_layout(self.devices, topology.group_node_ids(self.group))
-        return self._layout
+        peer access and NUMA nodes from this host, by device index; nodes are taken to be alike), for the node size
+        and NUMA map set now (FLUX_LAYERS_NODE_SIZE, FLUX_LAYERS_NUMA_MAP: a change counts from the next call)."""
+        key = (topology.declared_node_size(), _env.get("NUMA_MAP"))
+        found = self._layouts.get(key)
+        if found is None:
+            found = self._layouts[key] = topology.group_layout(self.devices, topology.group_node_ids(self.group))
+        return found
 
     @property
     def order(self) -> str:

@@ -542,3 +542,26 @@ def test_arrival_type_is_the_waits_on_of_forwards():
     forwards = [t for _, t in plan.transfers() if t.src != t.chunk[0]]
     assert forwards and all(t.waits_on == Arrival(t.chunk, t.src) for t in forwards)
     assert all(t.waits_on is None for _, t in plan.transfers() if t.src == t.chunk[0])
+
+
+def test_a_workspaces_layout_follows_the_node_size_and_numa_map_set_now(monkeypatch):
+    """AgWorkspace.layout (runtime/workspace.py) is made for the settings of the call that asks, not frozen at its
+    first use: a process that sets FLUX_LAYERS_NUMA_MAP after a call on the same workspace gets the NUMA-2D order."""
+    from flux_layers.runtime import workspace
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    monkeypatch.setattr(topology, "numa_node", lambda device: -1)
+    monkeypatch.setattr(topology, "group_node_ids", lambda group: topology.node_ids(4, ranks=(0, 1, 2, 3)))
+    ws = object.__new__(workspace.AgWorkspace)  # what layout reads: the members' devices, and its cache
+    ws.devices, ws.group, ws._layouts = (0, 1, 2, 3), None, {}
+    monkeypatch.setenv("FLUX_LAYERS_NODE_SIZE", "4")
+    one_node = ws.layout
+    assert one_node.nnodes == 1 and one_node.numa_of == (-1,) * 4 and ws.layout is one_node
+    monkeypatch.setenv("FLUX_LAYERS_NODE_SIZE", "2")
+    assert ws.layout.nnodes == 2 and ws.layout.numa_halves(0) is None
+    monkeypatch.setenv("FLUX_LAYERS_NUMA_MAP", "0,1")
+    assert ws.layout.numa_of == (0, 1, 0, 1) and ws.layout.numa_halves(0) is not None
+    assert choose_order(ws.layout, "numa2d") == "numa2d"
+    monkeypatch.setenv("FLUX_LAYERS_NODE_SIZE", "4")
+    monkeypatch.delenv("FLUX_LAYERS_NUMA_MAP")
+    assert ws.layout is one_node
