@@ -141,7 +141,7 @@ CASES: tuple[BadInput, ...] = (
     BadInput("ag_k_mismatch", lambda e: e.ag(e.t(ROWS, K), e.t(N // e.tp, K // 2)), ("K",), ("disagree on K",),
              "args", cpu=True),
     BadInput("ag_dtype_mismatch", lambda e: e.ag(e.t(ROWS, K), e.t(N // e.tp, K, dtype=torch.float16)),
-             ("weight",), ("same dtype",), "args", cpu=True),
+             ("weight",), ("same dtype", "of one dtype"), "args", cpu=True),
     # the bias is not part of a call's decision: checked per call (by the reference op, or the op library)
     BadInput("ag_bias_shape", lambda e: e.ag(e.t(ROWS, K), e.t(N // e.tp, K), e.t(N // e.tp + 8)), ("bias",),
              _BIAS_SHAPE, "op", cpu=True),
@@ -172,11 +172,11 @@ CASES: tuple[BadInput, ...] = (
     # ---- the fused path's checks (before the cross-rank check and the workspace)
     BadInput("ag_fp32_fused", lambda e: e.ag(e.t(ROWS, K, dtype=torch.float32), e.t(N // e.tp, K,
                                                                                        dtype=torch.float32),
-                                             backend="fused"), ("x", "weight"), ("bfloat16 or float16",), "fused",
-             errors=(RuntimeError,)),
+                                             backend="fused"), ("x", "weight"),
+             ("bfloat16 or float16", "bfloat16, float16 or FP8"), "fused", errors=(RuntimeError,)),
     BadInput("fused_ag_fp32", lambda e: _fused_ag(e, e.t(ROWS, K, dtype=torch.float32),
                                                   e.t(N // e.tp, K, dtype=torch.float32)), ("x_shard_m",),
-             ("bfloat16 or float16",), "fused"),
+             ("bfloat16 or float16", "bfloat16, float16, float8"), "fused"),
     BadInput("fused_ag_on_cpu", lambda e: _fused_ag(e, e.t(ROWS, K, device="cpu"), e.t(N // e.tp, K, device="cpu")),
              ("x_shard_m",), ("CUDA tensor",), "fused"),
     BadInput("fused_ag_n_not_multiple_of_8", lambda e: _fused_ag(e, e.t(ROWS, K), e.t(100, K)), ("N",),
