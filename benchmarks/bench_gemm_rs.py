@@ -160,7 +160,7 @@ def bench_shape_nccl(rank, tp, m, k, n, dtype, reps, sets=2):
     group = dist.group.WORLD
     k_local = k // tp
     xs, ws_, partial, rs_out = _inputs(rank, tp, m, k, n, dtype, sets)
-    rs_ws = workspace.get_rs_workspace(group, dtype, m, n, nccl=True)
+    rs_ws = workspace.get_rs_workspace(group, dtype, m, n, over_nccl=True)
 
     def fused(i, **cfg):
         return fused_gemm_rs.gemm_rs(xs[i % sets], ws_[i % sets], group=group, ws=rs_ws, transport="nccl", **cfg)

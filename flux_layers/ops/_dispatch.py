@@ -378,7 +378,7 @@ def _fused_gemm_rs(decision: Decision, x, weight, group, weight_layout: str) -> 
     weight_nn = weight_layout == "nn"
     if over_nccl("gemm_rs", group):
         check_same_call(group, call_signature("gemm_rs", m, k, n, x.dtype, weight_layout, "nccl"))
-        ws = workspace.get_rs_workspace(group, x.dtype, m, n, nccl=True)
+        ws = workspace.get_rs_workspace(group, x.dtype, m, n, over_nccl=True)
         call = fused_gemm_rs.plan_nccl_call(ws, m=m, k=k, n=n)
 
         def run(x, weight, bias):

@@ -87,8 +87,8 @@ class NcclCall:
 def plan_nccl_call(ws: workspace.RsWorkspace, *, m: int, k: int, n: int, tile: int | None = None,
                    swizzle: int | None = None, stream_k: bool | int | None = None, sm_count: int = 0) -> NcclCall:
     """:func:`plan_call` for a workspace of the NCCL transport; ``sm_count`` 0: all SMs but FLUX_LAYERS_NCCL_SMS."""
-    if not ws.nccl:
-        raise ValueError("plan_nccl_call: the workspace is not the NCCL transport's (RsWorkspace(..., nccl=True))")
+    if not ws.over_nccl:
+        raise ValueError("plan_nccl_call: the workspace is not the NCCL transport's (RsWorkspace(..., over_nccl=True))")
     kc = tuning.resolve_kernel("gemm_rs", dtype=ws.dtype, tp=ws.tp, mkn=(m, k, n), tile=tile, swizzle=swizzle,
                                stream_k=stream_k,
                                sm_count=sm_count or nccl_transport.gemm_sms_beside_nccl(ws.device))
@@ -154,13 +154,13 @@ def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     m, k, n = check_args(x, weight, bias, weight_layout, group)
     if ws is not None and not isinstance(ws, workspace.RsWorkspace):
         raise TypeError(f"gemm_rs: ws must be an RsWorkspace or None, got {type(ws).__name__}")
-    if transport is None and ws is not None and ws.nccl:
+    if transport is None and ws is not None and ws.over_nccl:
         transport = "nccl"
     nccl = transport == "nccl"
     if ws is None:
-        ws = workspace.get_rs_workspace(group, x.dtype, m, n, nccl=nccl)
-    elif m > ws.max_m or ws.n != n or ws.dtype != x.dtype or ws.nccl != nccl:
-        need, held = ("NCCL" if nccl else "peer-mapped"), ("NCCL" if ws.nccl else "peer-mapped")
+        ws = workspace.get_rs_workspace(group, x.dtype, m, n, over_nccl=nccl)
+    elif m > ws.max_m or ws.n != n or ws.dtype != x.dtype or ws.over_nccl != nccl:
+        need, held = ("NCCL" if nccl else "peer-mapped"), ("NCCL" if ws.over_nccl else "peer-mapped")
         raise ValueError(f"gemm_rs: call needs M={m}, N={n}, {x.dtype}, a {need} workspace; the workspace holds "
                          f"max_m={ws.max_m}, N={ws.n}, {ws.dtype}, {held}")
     if nccl:

@@ -261,7 +261,7 @@ class AgWorkspace(Workspace):
             raise ValueError("AgWorkspace: the NCCL transport has no CUDA-graph twin (captured calls are refused)")
         self.dtype, self.max_m, self.k, self.chunk_capacity = dtype, max_m, k, chunk_capacity
         self.transport = transport
-        nccl = transport == "nccl"
+        self.over_nccl = nccl = transport == "nccl"
         _library.require()
         sizes = torch.ops.flux_layers.ag_workspace_layout(tp=tp, max_m=max_m, k=k, chunk_capacity=chunk_capacity,
                                                           dtype=dtype_name(dtype))
@@ -314,33 +314,36 @@ class RsWorkspace(Workspace):
     copy-engine transport's chunk counts (csrc/runtime/gemm_rs.cpp); one comm stream per peer and, once the
     copy-engine transport is used, a local staging area of one slot per peer.
 
-    ``nccl``: the NCCL transport's workspace (flux_layers/runtime/multinode/nccl_rs_transport.py): local memory, the
-    staging area at once, and one stream, :attr:`transfer_stream`, on which the partials move (the op forks it)."""
+    ``over_nccl``: the NCCL transport's workspace (flux_layers/runtime/multinode/nccl_rs_transport.py): local memory,
+    the staging area at once, and one stream, :attr:`transfer_stream`, on which the partials move (the op forks it).
+    (An AgWorkspace says the same by its ``over_nccl``, from its ``transport``: the all-gather's workspace serves one
+    transport, the reduce-scatter's peer-mapped one both the epilogue and the copy-engine transports.)"""
 
     def __init__(self, group, dtype: torch.dtype, max_m: int, n: int, *, min_tile: int = 128,
-                 graph_protocol: bool = False, nccl: bool = False):
+                 graph_protocol: bool = False, over_nccl: bool = False):
         tp = dist.get_world_size(group)
         if max_m <= 0 or max_m % tp != 0:
             raise ValueError(f"RsWorkspace: max_m={max_m} must be a positive multiple of the group size {tp}")
-        if nccl and graph_protocol:
+        if over_nccl and graph_protocol:
             raise ValueError("RsWorkspace: the NCCL transport has no CUDA-graph twin (captured calls are refused)")
         self.dtype, self.max_m, self.n, self.min_tile = dtype, max_m, n, min_tile
-        self.nccl = nccl
+        self.over_nccl = over_nccl
         _library.require()
         # Enough tile flags for the smallest tile in either dimension (the op library's layout).
         sizes = torch.ops.flux_layers.rs_workspace_layout(tp=tp, max_m=max_m, n=n, min_tile=min_tile,
                                                           dtype=dtype_name(dtype))
         self.slot_rows, self.flags_per_source = sizes["slot_rows"], sizes["capacity"]
         self._stage_bytes = sizes["stage_bytes"]
-        super().__init__(group, kind="gemm_rs", sizes=sizes, num_comm_streams=1 if nccl else tp - 1, what="gemm_rs",
-                         graph_protocol=graph_protocol, dtype=dtype, max_m=max_m, inner=n, peer_mapped=not nccl)
+        super().__init__(group, kind="gemm_rs", sizes=sizes, num_comm_streams=1 if over_nccl else tp - 1,
+                         what="gemm_rs", graph_protocol=graph_protocol, dtype=dtype, max_m=max_m, inner=n,
+                         peer_mapped=not over_nccl)
         # This rank's receive slots: slot s holds source s's partial of our rows.
         self.recv = self._storage[:sizes["data_bytes"]].view(dtype).view(tp, self.slot_rows, n)
         self._stage: torch.Tensor | None = None
         self._stage_slots: dict[int, torch.Tensor] = {}
         # The NCCL transfers' stream (comm stream 0): the op forks it from the compute stream, the caller joins it.
-        self.transfer_stream = self.comm_streams[0] if nccl else None
-        if nccl:
+        self.transfer_stream = self.comm_streams[0] if over_nccl else None
+        if over_nccl:
             self.stage_buffer()
 
     def count_index(self, dst: int, chunk: int) -> int:
@@ -369,7 +372,7 @@ class RsWorkspace(Workspace):
         return self._stage
 
     def new_graph_twin(self) -> RsWorkspace | None:
-        if self.nccl:
+        if self.over_nccl:
             return None  # captured calls are refused (nccl_rs_transport.CAPTURE_REFUSAL)
         twin = RsWorkspace(self.group, self.dtype, self.max_m, self.n, min_tile=self.min_tile, graph_protocol=True)
         twin.stage_buffer()  # now, not from a graph's memory pool during capture
@@ -500,12 +503,12 @@ def get_ag_workspace(group, dtype: torch.dtype, m: int, k: int, transport: str =
                    lambda max_m: AgWorkspace(group, dtype, max_m, k, transport=transport), tp)
 
 
-def get_rs_workspace(group, dtype: torch.dtype, m: int, n: int, nccl: bool = False) -> RsWorkspace:
+def get_rs_workspace(group, dtype: torch.dtype, m: int, n: int, over_nccl: bool = False) -> RsWorkspace:
     """The cached reduce-scatter workspace for (group, dtype, n), grown if m exceeds it (M = 0 gets the smallest);
-    ``nccl``: the NCCL transport's (local memory), cached apart."""
+    ``over_nccl``: the NCCL transport's (local memory), cached apart."""
     tp = dist.get_world_size(group)
-    return _cached("rs_nccl" if nccl else "rs", group, dtype, n, max(m, tp),
-                   lambda max_m: RsWorkspace(group, dtype, max_m, n, nccl=nccl), tp)
+    return _cached("rs_nccl" if over_nccl else "rs", group, dtype, n, max(m, tp),
+                   lambda max_m: RsWorkspace(group, dtype, max_m, n, over_nccl=over_nccl), tp)
 
 
 def check_graph_replays() -> None:

@@ -256,7 +256,7 @@ def _rs_late_many_deterministic(rank, tp, seed):
     again = _rs_one_call(rank, tp, seed + 5, m, 1024 * tp, n, torch.bfloat16, "nt")
     assert torch.equal(first, again), f"rank {rank}: two NCCL gemm_rs runs on the same inputs differ bitwise"
     from flux_layers.runtime.workspace import RsWorkspace
-    ws = RsWorkspace(dist.group.WORLD, torch.bfloat16, 2048 * tp, 256, nccl=True)
+    ws = RsWorkspace(dist.group.WORLD, torch.bfloat16, 2048 * tp, 256, over_nccl=True)
     rows = [2048, 1000, 128, 2048, 64, 1536, 8, 1024]
     calls = 40 if lean() else 200
     for i in range(calls):

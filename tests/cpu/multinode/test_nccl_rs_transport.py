@@ -296,8 +296,8 @@ def _selection(rank, tp):
     class Made(Exception):
         pass
 
-    def get_rs_workspace(group, dtype, m, n, nccl=False):
-        made.append("Nccl" if nccl else "Peer")
+    def get_rs_workspace(group, dtype, m, n, over_nccl=False):
+        made.append("Nccl" if over_nccl else "Peer")
         raise Made
     _dispatch.choose = lambda *a, **k: backend.Choice("fused", "stand-in")
     _dispatch.check_same_call = lambda group, signature: signatures.append(signature[-1])
