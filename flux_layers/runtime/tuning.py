@@ -84,8 +84,11 @@ def table_key(op: str, rows: int, k: int, n: int, tp: int) -> tuple[int, int, in
 NEAREST_LOG2_DISTANCE = 0.5
 
 
-def dispatch_entry(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int]) -> dict | None:
-    """The table entry for a call of ``op`` whose per-rank GEMM is ``mkn`` (:func:`table_key`), or None."""
+def dispatch_entry(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int],
+                   accum: str | None = None) -> dict | None:
+    """The table entry for a call of ``op`` whose per-rank GEMM is ``mkn`` (:func:`table_key`), or None.
+    ``accum`` ('split' | 'fast'): only entries measured with that FP8 accumulation count, before the nearest is
+    chosen (a nearer entry of the other accumulation would otherwise hide a matching one); None: any."""
     if min(mkn) <= 0:  # an empty problem (M = 0 is a valid no-op) has no nearest measured shape
         return None
     gpu = _gpu_name()
@@ -96,6 +99,8 @@ def dispatch_entry(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int,
             continue
         for e in table.get("entries", []):
             if e.get("op") != op or e.get("dtype") != dtype_name or e.get("tp") != tp:
+                continue
+            if accum is not None and e.get("accum") != accum:
                 continue
             d = sum(abs(math.log2(a) - math.log2(b)) for a, b in zip(mkn, (e["m"], e["k"], e["n"])))
             if d < best_dist:
@@ -120,9 +125,7 @@ def kernel_config(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, 
     else the FP8 accumulation (entries are keyed by x's dtype and, for FP8, 'accum')."""
     accum = None if fast_accum is None else "fast" if fast_accum else "split"
     tile, swizzle = _DEFAULT_KERNEL[op] if accum is None else _DEFAULT_KERNEL_FP8[accum]
-    entry = dispatch_entry(op, dtype=dtype, tp=tp, mkn=mkn)
-    if entry is not None and accum is not None and entry.get("accum") != accum:
-        entry = None
+    entry = dispatch_entry(op, dtype=dtype, tp=tp, mkn=mkn, accum=accum)
     if entry is not None:
         tile, swizzle = int(entry.get("tile", tile)), int(entry.get("swizzle", swizzle))
     return tile, swizzle

@@ -169,3 +169,27 @@ def test_nearest_entry_is_taken_within_half_a_factor_two_only(monkeypatch, tmp_p
         assert not hit((4096, 8192, 8192)) and not hit((4096, 2048, 8192))  # a factor 2: the global key at TP 2
     finally:
         tuning._load_tables.cache_clear()
+
+
+def test_fp8_entries_are_chosen_within_their_accumulation(monkeypatch, tmp_path):
+    """A split-accumulation call takes the nearest split entry even where a fast one is nearer (and back), and
+    its kernel comes from that entry, not from the default."""
+    from flux_layers.runtime import tuning
+    table = tmp_path / "t.json"
+    entry = {"op": "gemm", "dtype": "float8_e4m3fn", "tp": 1, "k": 4096, "n": 4096}
+    table.write_text(json.dumps({"gpu": "cpu", "entries": [
+        dict(entry, m=4096, accum="fast", tile=1, swizzle=8),
+        dict(entry, m=5120, accum="split", tile=2, swizzle=4)]}))
+    monkeypatch.setenv("FLUX_LAYERS_TUNING", str(table))
+    monkeypatch.setattr(tuning, "_gpu_name", lambda: "cpu")
+    tuning._load_tables.cache_clear()
+    try:
+        fp8, mkn = torch.float8_e4m3fn, (4096, 4096, 4096)
+        assert tuning.dispatch_entry("gemm", dtype=fp8, tp=1, mkn=mkn)["accum"] == "fast"  # the nearest of any
+        assert tuning.dispatch_entry("gemm", dtype=fp8, tp=1, mkn=mkn, accum="split")["m"] == 5120
+        assert tuning.kernel_config("gemm", dtype=fp8, tp=1, mkn=mkn, fast_accum=False) == (2, 4)
+        assert tuning.kernel_config("gemm", dtype=fp8, tp=1, mkn=(5120, 4096, 4096), fast_accum=True) == (1, 8)
+        assert tuning.kernel_config("gemm", dtype=fp8, tp=1, mkn=(16384, 4096, 4096), fast_accum=False) == \
+            tuning._DEFAULT_KERNEL_FP8["split"]  # nothing near: the default
+    finally:
+        tuning._load_tables.cache_clear()
