@@ -167,6 +167,12 @@ class Workspace:
     def closed(self) -> bool:
         return not self._closer.alive
 
+    @property
+    def over_nccl(self) -> bool:
+        """Whether the chunks move over NCCL: the workspace is local memory, not mapped by its peers (both ops' NCCL
+        transports; topology.rs_over_nccl and backend.over_nccl decide it)."""
+        return not self.peer_mapped
+
     def new_graph_twin(self) -> Workspace:
         """A workspace of the same size under the CUDA-graph flag protocol (a collective; see the module
         docstring)."""
@@ -261,7 +267,7 @@ class AgWorkspace(Workspace):
             raise ValueError("AgWorkspace: the NCCL transport has no CUDA-graph twin (captured calls are refused)")
         self.dtype, self.max_m, self.k, self.chunk_capacity = dtype, max_m, k, chunk_capacity
         self.transport = transport
-        self.over_nccl = nccl = transport == "nccl"
+        nccl = transport == "nccl"
         _library.require()
         sizes = torch.ops.flux_layers.ag_workspace_layout(tp=tp, max_m=max_m, k=k, chunk_capacity=chunk_capacity,
                                                           dtype=dtype_name(dtype))
@@ -316,8 +322,8 @@ class RsWorkspace(Workspace):
 
     ``over_nccl``: the NCCL transport's workspace (flux_layers/runtime/multinode/nccl_rs_transport.py): local memory,
     the staging area at once, and one stream, :attr:`transfer_stream`, on which the partials move (the op forks it).
-    (An AgWorkspace says the same by its ``over_nccl``, from its ``transport``: the all-gather's workspace serves one
-    transport, the reduce-scatter's peer-mapped one both the epilogue and the copy-engine transports.)"""
+    (Both workspaces answer :attr:`Workspace.over_nccl`; an AgWorkspace's follows its ``transport``, since it serves
+    one, where the reduce-scatter's peer-mapped one serves both the epilogue and the copy-engine transports.)"""
 
     def __init__(self, group, dtype: torch.dtype, max_m: int, n: int, *, min_tile: int = 128,
                  graph_protocol: bool = False, over_nccl: bool = False):
@@ -327,7 +333,6 @@ class RsWorkspace(Workspace):
         if over_nccl and graph_protocol:
             raise ValueError("RsWorkspace: the NCCL transport has no CUDA-graph twin (captured calls are refused)")
         self.dtype, self.max_m, self.n, self.min_tile = dtype, max_m, n, min_tile
-        self.over_nccl = over_nccl
         _library.require()
         # Enough tile flags for the smallest tile in either dimension (the op library's layout).
         sizes = torch.ops.flux_layers.rs_workspace_layout(tp=tp, max_m=max_m, n=n, min_tile=min_tile,

@@ -194,11 +194,11 @@ def test_graph_twin_has_its_workspace_shape(monkeypatch):
     assert ag.new_graph_twin() is None and len(built) == 1
     rs = object.__new__(W.RsWorkspace)
     rs.group, rs.dtype, rs.max_m, rs.n, rs.min_tile = "tp", torch.float16, 512, 96, 64
-    rs.over_nccl = False
+    rs.peer_mapped = True
     assert isinstance(rs.new_graph_twin(), W.RsWorkspace)
     assert built[-2:] == [("RsWorkspace", "tp", torch.float16, 512, 96, {"min_tile": 64, "graph_protocol": True}),
                           "stage"]
-    rs.over_nccl = True  # the reduce-scatter's NCCL transport refuses captured calls too: no twin
+    rs.peer_mapped = False  # the reduce-scatter's NCCL transport refuses captured calls too: no twin
     assert rs.new_graph_twin() is None and len(built) == 3
 
 
