@@ -165,8 +165,8 @@ def _breakdown(rank, op, m, k, n, layout, data, group, args):
     parts["allocate_output"] = lambda x, w: torch.empty((out_rows, out_cols), device=x.device, dtype=x.dtype)
     full_x = torch.randn(out_rows, x.shape[1], device="cuda").to(x.dtype)
     gemm_out = torch.empty((out_rows, out_cols), device="cuda", dtype=x.dtype)
-    parts["plain_gemm_launch"] = lambda x, w: torch.ops.flux_layers.gemm(full_x, w, None, gemm_out, weight_nn, 1, 0,
-                                                                         16, 75)
+    parts["plain_gemm_launch"] = lambda x, w: torch.ops.flux_layers.gemm(full_x, w, None, None, None, gemm_out,
+                                                                         weight_nn, 1, 0, 16, 75, False)
     rows = []
     for name, fn in parts.items():
         for d in data:  # warm: a first call decides (a collective) and would dominate a single batch's median
