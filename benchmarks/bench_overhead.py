@@ -318,6 +318,7 @@ def main_rank(rank, tp, args):
                        "implementation checked against fp32 first"
                        + ("; shared GPU: ranks share one GPU, so only host_us is a TP figure" if args.shared_gpu
                           else "")),
+            "pin_cpus_per_rank": args.pin_cpus,
             "env": {k: v for k, v in os.environ.items() if k.startswith(("FLUX_LAYERS_", "NCCL_", "TORCH_SYMM",
                                                                           "NVSHMEM_", "CUDA_DEVICE_MAX"))},
             "results": results,
@@ -335,6 +336,8 @@ def _worker(rank, world, args, port):
         os.environ.setdefault(key, value)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
+    if args.pin_cpus:  # rank r on CPUs [r * n, (r + 1) * n): no migrations between vCPUs (threads made later inherit)
+        os.sched_setaffinity(0, range(rank * args.pin_cpus, (rank + 1) * args.pin_cpus))
     if args.shared_gpu:
         os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
         torch.cuda.set_device(0)
@@ -370,6 +373,8 @@ def main(argv=None):
     ap.add_argument("--shared-gpu", action="store_true", help="ranks share GPU 0 (host figures only)")
     ap.add_argument("--in-flight", type=int, default=0, help="calls per host-cost batch (default: --calls)")
     ap.add_argument("--breakdown", action="store_true", help="also time the parts of a fused call")
+    ap.add_argument("--pin-cpus", type=int, default=0,
+                    help="pin rank r to CPUs [r * N, (r + 1) * N) (0: no pinning, the default)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -385,6 +390,9 @@ def main(argv=None):
     world = args.nprocs or (2 if args.shared_gpu else torch.cuda.device_count())
     if world < 2:
         ap.error(f"needs at least 2 ranks ({torch.cuda.device_count()} GPUs visible; --shared-gpu runs 2 on one)")
+    if args.pin_cpus < 0 or world * args.pin_cpus > len(os.sched_getaffinity(0)):
+        ap.error(f"--pin-cpus {args.pin_cpus}: {world} ranks need {world * args.pin_cpus} CPUs, "
+                 f"{len(os.sched_getaffinity(0))} are available")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

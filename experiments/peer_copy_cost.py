@@ -157,8 +157,8 @@ def rank_main(rank, world, args):
 
 def _worker(rank, world, port, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES="1")
-    if args.pin_stride:  # rank r on CPU r * stride alone (whether the two ranks share a core is the question)
-        os.sched_setaffinity(0, {rank * args.pin_stride})
+    if args.pin_cpus:  # rank r on CPUs [r * n, (r + 1) * n): no migrations between vCPUs
+        os.sched_setaffinity(0, range(rank * args.pin_cpus, (rank + 1) * args.pin_cpus))
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -176,7 +176,7 @@ def main(argv=None):
     ap.add_argument("--bytes", type=int, default=8 << 20, help="bytes per copy")
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--batches", type=int, default=9)
-    ap.add_argument("--pin-stride", type=int, default=0, help="pin rank r to CPU r * this (0: no pinning)")
+    ap.add_argument("--pin-cpus", type=int, default=0, help="pin rank r to CPUs [r * N, (r + 1) * N) (0: none)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
