@@ -9,7 +9,10 @@ transposed FP8 weight, cast once per optimizer step and not counted here). Per c
 cast (flux_layers.ops.fp8.quantize: the op library's one-pass cast kernel; FLUX_LAYERS_FP8_CAST=two_pass for its
 amax and cast kernels), the FP8 GEMM of the op library (its
 default configuration, split accumulation) and torch._scaled_mm on the same operands; ``fp8`` = cast + flux FP8
-GEMM. Interleaved rounds, CUDA events after a GPU sleep, medians.
+GEMM; ``fp8_auto`` = cast + ``ops.gemm`` as dispatched (``auto``: at TP=1 these calls have no communication, so
+ops/backend.fp8_gemm_choice takes cuBLASLt unless the op library's kernel measured faster; ``auto_path`` says which
+ran). At TP > 1 these calls are the fused AG+GEMM / GEMM+RS, which run the op library's kernel: ``fp8`` is theirs.
+Interleaved rounds, CUDA events after a GPU sleep, medians.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ def layer_calls(hidden: int, ffn: int, seq: int) -> list[dict]:
 
 
 def bench_call(c, reps, rounds, sets=2):
+    from flux_layers import ops
     from flux_layers.ops import fp8, fused_gemm
     m, k, n, fmt = c["m"], c["k"], c["n"], c["fmt"]
     gen = torch.Generator(device="cuda").manual_seed(m + 3 * k + 7 * n)
@@ -63,11 +67,20 @@ def bench_call(c, reps, rounds, sets=2):
         q, w = cast(i), wq[i % sets]
         return fused_gemm.gemm(q.data, w.data, x_scale=q.scale, w_scale=w.scale)
 
+    def fp8_auto(i):
+        q, w = cast(i), wq[i % sets]
+        return ops.gemm(q.data, w.data, x_scale=q.scale, w_scale=w.scale)
+
+    auto = ops.decide("gemm", xq[0].data, wq[0].data)
     ref = (xq[0].data.float() * xq[0].scale) @ (wq[0].data.float() * wq[0].scale).t()
     err = ((flux_gemm(0).float() - ref).norm() / ref.norm()).item()
     if not err < 1e-2:
         raise RuntimeError(f"{c['name']}: flux FP8 GEMM relative error {err}")
-    variants = {"bf16": bf16, "cast": cast, "flux_fp8_gemm": flux_gemm, "scaled_mm": scaled_mm, "fp8": fp8_call}
+    auto_err = ((fp8_auto(0).float() - ref).norm() / ref.norm()).item()
+    if not auto_err < 1e-2:
+        raise RuntimeError(f"{c['name']}: ops.gemm ({auto.path}) relative error {auto_err}")
+    variants = {"bf16": bf16, "cast": cast, "flux_fp8_gemm": flux_gemm, "scaled_mm": scaled_mm, "fp8": fp8_call,
+                "fp8_auto": fp8_auto}
     samples = time_interleaved(variants, reps=reps, rounds=rounds)
     t = {key: median(v) for key, v in samples.items()}
     flop = 2.0 * m * n * k
@@ -75,7 +88,8 @@ def bench_call(c, reps, rounds, sets=2):
             "bf16_ms": t["bf16"], "cast_ms": t["cast"], "flux_fp8_gemm_ms": t["flux_fp8_gemm"],
             "scaled_mm_ms": t["scaled_mm"], "fp8_ms": t["fp8"], "cast_share": t["cast"] / t["flux_fp8_gemm"],
             "bf16_tflops": flop / t["bf16"] / 1e9, "flux_fp8_tflops": flop / t["flux_fp8_gemm"] / 1e9,
-            "speedup": t["bf16"] / t["fp8"], "flux_fp8_rel_error": err}
+            "speedup": t["bf16"] / t["fp8"], "flux_fp8_rel_error": err, "fp8_auto_ms": t["fp8_auto"],
+            "auto_path": auto.path, "auto_reason": auto.reason, "speedup_auto": t["bf16"] / t["fp8_auto"]}
 
 
 def main():
@@ -90,17 +104,21 @@ def main():
     from flux_layers import _library
     _library.require()
     rows = [bench_call(c, args.reps, args.rounds) for c in layer_calls(args.hidden, args.ffn, args.seq)]
-    sums = {key: sum(r[f"{key}_ms"] for r in rows) for key in ("bf16", "cast", "flux_fp8_gemm", "scaled_mm", "fp8")}
+    sums = {key: sum(r[f"{key}_ms"] for r in rows)
+            for key in ("bf16", "cast", "flux_fp8_gemm", "scaled_mm", "fp8", "fp8_auto")}
     print_table(rows, [("name", "call", ""), ("m", "M", ""), ("k", "K", ""), ("n", "N", ""),
                        ("bf16_ms", "bf16 ms", ".3f"), ("cast_ms", "cast ms", ".3f"),
                        ("flux_fp8_gemm_ms", "fp8 gemm ms", ".3f"), ("scaled_mm_ms", "_scaled_mm ms", ".3f"),
-                       ("fp8_ms", "cast+gemm ms", ".3f"), ("speedup", "bf16/fp8", ".2f")])
+                       ("fp8_ms", "cast+gemm ms", ".3f"), ("speedup", "bf16/fp8", ".2f"),
+                       ("fp8_auto_ms", "cast+auto ms", ".3f"), ("auto_path", "auto", "")])
     print(f"six calls: bf16 {sums['bf16']:.3f} ms, fp8 {sums['fp8']:.3f} ms (casts {sums['cast']:.3f} ms = "
-          f"{sums['cast'] / sums['flux_fp8_gemm']:.1%} of the FP8 GEMMs), {sums['bf16'] / sums['fp8']:.2f}x")
+          f"{sums['cast'] / sums['flux_fp8_gemm']:.1%} of the FP8 GEMMs), {sums['bf16'] / sums['fp8']:.2f}x; "
+          f"as dispatched at TP=1 {sums['fp8_auto']:.3f} ms, {sums['bf16'] / sums['fp8_auto']:.2f}x")
     if args.out:
         write_json(args.out, {**environment(1), "method": f"CUDA events, {args.rounds} interleaved rounds of "
                               f"{args.reps} reps per variant after warm-up, medians; TP=1, no communication",
                               "sum_ms": sums, "speedup": sums["bf16"] / sums["fp8"],
+                              "speedup_auto": sums["bf16"] / sums["fp8_auto"],
                               "cast_share": sums["cast"] / sums["flux_fp8_gemm"], "results": rows})
 
 

@@ -2,7 +2,8 @@
 package data of flux_layers).
 
     python -m tools.make_dispatch_table benchmarks/results/ag_gemm_h200x2.json \
-        benchmarks/results/gemm_rs_h200x2.json --out flux_layers/tuning_tables/dispatch_h200.json
+        benchmarks/results/gemm_rs_h200x2.json benchmarks/results/gemm_fp8_h200.json \
+        --out flux_layers/tuning_tables/dispatch_h200.json
 
 The benchmarks name a shape by its global M x K x N (bench_ag_gemm: N split over the ranks; bench_gemm_rs: K split);
 the table is keyed by the per-rank GEMM one rank's kernel runs, as every lookup passes it (the key convention of
@@ -14,6 +15,13 @@ operator in that run, else 'fused'; for GEMM+ReduceScatter runs that timed both 
 ('epilogue' or 'copy_engine'; :func:`rs_transport_times`). Lookups take the nearest measured shape
 (flux_layers/runtime/tuning.py).
 
+A plain FP8 GEMM run (benchmarks/bench_gemm_fp8.py: the op library's configurations beside cuBLASLt's
+``torch._scaled_mm``) gives ``gemm`` entries keyed by x's format and the accumulation ('split' | 'fast'), one per
+shape and accumulation: path 'sequential' (cuBLASLt: a plain GEMM has no communication, so the "sequential" path is
+the vendor GEMM) unless the op library's best configuration was faster under every scale mode measured, and that
+configuration's tile and swizzle, which calls forced onto the op library's kernel take (ops/backend.fp8_gemm_choice,
+runtime/tuning.kernel_config; the stream-K tail stays FLUX_LAYERS_STREAM_K's).
+
 ``--loop op_overhead.json`` (benchmarks/bench_overhead.py, run on as many GPUs as the ranks): for the shapes it
 measured, the path is decided by the plain back-to-back loop (host cost included: what a step sees when the CPU
 cannot run ahead), averaged over the weight layouts, instead of by GPU time alone; the entry keeps both.
@@ -24,6 +32,7 @@ import argparse
 import json
 
 from flux_layers.runtime import tuning
+from flux_layers.runtime.schedules import TILE_CONFIGS
 
 SEQ_KEY = {"ag_gemm": "nccl_then_gemm", "gemm_rs": "gemm_then_nccl"}
 
@@ -48,9 +57,34 @@ def rs_transport_times(times_ms: dict) -> dict[str, float | None]:
             for name in tuning.RS_TRANSPORTS}
 
 
+FP8_FORMATS = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+
+
+def fp8_gemm_entries(run: dict, path: str) -> list[dict]:
+    """The ``gemm`` entries of a bench_gemm_fp8 run (module docstring): rows grouped by shape, operand formats and
+    accumulation over their scale modes."""
+    tile_ids = {f"{m}x{n}": tile for tile, (m, n) in TILE_CONFIGS.items()}
+    groups: dict[tuple, list[dict]] = {}
+    for r in run["results"]:
+        groups.setdefault((r["m"], r["k"], r["n"], r["dtype"], r["accum"]), []).append(r)
+    out = []
+    for (m, k, n, pair, accum), rows in groups.items():
+        ratios = {r["scale"]: r["flux_best_over_cublas"] for r in rows}
+        best = max(rows, key=lambda r: r["flux_best_over_cublas"])
+        tile_name, swizzle, _ = best["config"].split("_")
+        out.append({"op": "gemm", "dtype": FP8_FORMATS[pair.split("x")[0]], "w_dtype": FP8_FORMATS[pair.split("x")[1]],
+                    "tp": 1, "m": m, "k": k, "n": n, "accum": accum,
+                    "path": "fused" if min(ratios.values()) > 1.0 else "sequential",
+                    "flux_best_over_cublas": ratios, "config": best["config"], "tile": tile_ids[tile_name],
+                    "swizzle": int(swizzle.removeprefix("swz")), "source": f"{path} @ {run.get('commit', '?')}"})
+    return out
+
+
 def entries_from(path: str) -> tuple[str, list[dict]]:
     with open(path) as f:
         run = json.load(f)
+    if "flux_best_over_cublas" in run["results"][0]:
+        return run["gpu"], fp8_gemm_entries(run, path)
     op = "ag_gemm" if "ce_ag_gbps" in run["results"][0] else "gemm_rs"
     out = []
     for r in run["results"]:

@@ -339,13 +339,15 @@ def _new_call(layer, recipe: Fp8Recipe, fprop_kind: Optional[str], dgrad_kind: O
                    gemm_backend=overlap.backend, record=layer.fp8_state.last)
 
 
-def _path(layer, op: str, device, dtype, mkn, backend, what: str) -> Choice:
-    """``last_paths`` entry of one FP8 GEMM: the path ops' dispatch takes for it (kept per shape) and what it is."""
-    key = (op, device, dtype, mkn, backend)
+def _path(layer, op: str, device, dtype, w_dtype, mkn, backend, what: str) -> Choice:
+    """``last_paths`` entry of one FP8 GEMM (operands of ``dtype`` and ``w_dtype``, split accumulation, as the
+    layers' calls ask): the path ops' dispatch takes for it (kept per shape) and what it is."""
+    key = (op, device, dtype, w_dtype, mkn, backend)
     choices = layer.fp8_state.paths
     if key not in choices:
         group = layer.tp_group if op != "gemm" else None
-        choices[key] = choose(op, device=device, dtype=dtype, mkn=mkn, group=group, backend=backend)
+        choices[key] = choose(op, device=device, dtype=dtype, mkn=mkn, group=group, backend=backend,
+                              w_dtype=w_dtype)
     choice = choices[key]
     return Choice(choice.path, f"FP8 {what}: {choice.reason}")
 
@@ -356,14 +358,17 @@ def _record_paths(layer, call: Fp8Call, fprop_op: str, dgrad_op: str, m: int, k:
     recipe = call.recipe
     fprop_backend = call.fprop_backend if fprop_op != "gemm" else call.gemm_backend
     dgrad_backend = call.dgrad_backend if dgrad_op != "gemm" else call.gemm_backend
-    wgrad = (_path(layer, "gemm", device, recipe.grad_dtype, (n, m, k), call.gemm_backend, wgrad_what)
+    # The second operand is of the forward format in all three: the FP8 weight (fprop, dgrad), the FP8 input (wgrad).
+    w8 = recipe.fprop_dtype
+    wgrad = (_path(layer, "gemm", device, recipe.grad_dtype, w8, (n, m, k), call.gemm_backend, wgrad_what)
              if _fp8_wgrad_ok(call, m) else Choice("local", f"{wgrad_what} in the activation dtype"
                                                    + ("" if recipe.wgrad else " (fp8_wgrad=False)")
                                                    + ("" if m % FP8_GEMM_ALIGN == 0 else
                                                       f" ({m} tokens, not a multiple of {FP8_GEMM_ALIGN})")))
     layer.last_paths = {
-        "fprop": _path(layer, fprop_op, device, recipe.fprop_dtype, (m, k, n), fprop_backend, f"{fprop_op} fprop"),
-        "dgrad": _path(layer, dgrad_op, device, recipe.grad_dtype, (m, n, k), dgrad_backend, f"{dgrad_op} dgrad"),
+        "fprop": _path(layer, fprop_op, device, recipe.fprop_dtype, w8, (m, k, n), fprop_backend,
+                       f"{fprop_op} fprop"),
+        "dgrad": _path(layer, dgrad_op, device, recipe.grad_dtype, w8, (m, n, k), dgrad_backend, f"{dgrad_op} dgrad"),
         "wgrad": wgrad,
     }
 

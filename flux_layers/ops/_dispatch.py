@@ -206,7 +206,8 @@ def _chosen(key: tuple, x_shape, w_shape, dtype, device: torch.device) -> Decisi
         return replace(decision, run=_binding_run(decision))
     fp8 = _fp8(dtype)
     choice = choose(op, device=device, dtype=dtype[0] if fp8 else dtype,
-                    mkn=(m * tp if op == "ag_gemm" else m, k, n), group=group, backend=backend)
+                    mkn=(m * tp if op == "ag_gemm" else m, k, n), group=group, backend=backend,
+                    fast_accum=fp8 and dtype[2], w_dtype=dtype[1] if fp8 else None)
     decision = Decision(op, choice, key=key, bound=False)
     if choice.path == "reference":
         return _bound(decision, _reference(op, group, weight_layout, dtype[2] if fp8 else None))

@@ -3,8 +3,10 @@
 ``fused``     : the op library's CUDA kernels (tile-level overlap); raises if they cannot run here.
 ``reference`` : torch.distributed collective + torch matmul (the sequential NCCL path; also the CPU path).
 ``auto``      : fused where it can run and the tuning table does not say the sequential path is faster for
-                this shape; otherwise reference. The returned :class:`Choice` says which and why, so layers and
-                benchmarks can report the path that actually ran.
+                this shape; otherwise reference. A plain GEMM of FP8 operands (no communication to fuse) takes
+                cuBLASLt (``torch._scaled_mm``, the reference path on CUDA) unless the table measured the op
+                library's FP8 kernel faster for the nearest shape (:func:`fp8_gemm_choice`). The returned
+                :class:`Choice` says which and why, so layers and benchmarks can report the path that actually ran.
 
 The request comes from the call's ``backend=`` argument, else ``FLUX_LAYERS_BACKEND`` (default ``auto``).
 """
@@ -56,7 +58,9 @@ def over_nccl(op: str, group) -> bool:
 
 
 def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int, int, int], group,
-           backend: str | None = None) -> Choice:
+           backend: str | None = None, fast_accum: bool = False, w_dtype: torch.dtype | None = None) -> Choice:
+    """The path of a call of ``op`` (x's ``dtype``; ``mkn`` its per-rank GEMM, runtime/tuning.py's key); ``fast_accum``
+    and ``w_dtype`` (the weight's format) the FP8 call's, which the plain FP8 GEMM's choice depends on."""
     requested = backend if backend is not None else _env.get("BACKEND")
     if requested not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {requested!r}")
@@ -114,16 +118,47 @@ def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int,
     if blockers:
         return Choice("reference", blockers[0])
     return auto_choice(op, dtype=dtype, tp=dist.get_world_size(group) if group is not None else 1, mkn=mkn,
-                       untried=untried)
+                       untried=untried, fast_accum=fast_accum, w_dtype=w_dtype)
 
 
-def auto_choice(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int], untried: str = "") -> Choice:
+def auto_choice(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int], untried: str = "",
+                fast_accum: bool = False, w_dtype: torch.dtype | None = None) -> Choice:
     """The ``auto`` path of a call that nothing blocks: the reference path where FLUX_LAYERS_DISPATCH=table and the
-    tuning table measured the sequential path faster for the nearest shape, else fused. ``mkn`` is the call's
-    per-rank GEMM (runtime/tuning.py's key convention), as :func:`choose` gets it."""
+    tuning table measured the sequential path faster for the nearest shape, else fused; a plain FP8 GEMM's is
+    :func:`fp8_gemm_choice`. ``mkn`` is the call's per-rank GEMM (runtime/tuning.py's key convention), as
+    :func:`choose` gets it."""
+    if op == "gemm" and dtype in FP8_DTYPES:
+        return fp8_gemm_choice(dtype=dtype, w_dtype=w_dtype, mkn=mkn, fast_accum=fast_accum)
     if _env.get("DISPATCH") == "table":
         from flux_layers.runtime import tuning
         entry = tuning.dispatch_entry(op, dtype=dtype, tp=tp, mkn=mkn)
         if entry is not None and entry.get("path") == "sequential":
             return Choice("reference", f"tuning table: sequential path measured faster ({entry.get('source', '?')})")
     return Choice("fused", "auto" + untried)
+
+
+# Where the op library's FP8 GEMM and cuBLASLt were both measured (benchmarks/results/gemm_fp8_h200.json, one H200,
+# 11 shapes, K 2048-28672): cuBLASLt was faster on every shape with split accumulation (the op library's best
+# configuration 0.81-0.97x) and on all but K = 28672 with fast accumulation. So a plain FP8 GEMM, which has no
+# communication to overlap, takes cuBLASLt unless the tuning table measured the op library's kernel faster.
+FP8_GEMM_DEFAULT = ("plain FP8 GEMMs take cuBLASLt (torch._scaled_mm), measured faster than the op library's FP8 "
+                    "GEMM (benchmarks/results/gemm_fp8_h200.json); backend='fused' or FLUX_LAYERS_DISPATCH=always "
+                    "runs the op library's")
+
+
+def fp8_gemm_choice(*, dtype: torch.dtype, w_dtype: torch.dtype | None, mkn: tuple[int, int, int],
+                    fast_accum: bool) -> Choice:
+    """The ``auto`` path of a plain GEMM of FP8 operands that nothing blocks: fused where FLUX_LAYERS_DISPATCH=always
+    or the tuning table's nearest entry for the operands' formats and the accumulation says the op library's kernel
+    was faster, else the reference path (cuBLASLt)."""
+    if _env.get("DISPATCH") == "always":
+        return Choice("fused", "auto (FLUX_LAYERS_DISPATCH=always)")
+    from flux_layers.runtime import tuning
+    entry = tuning.dispatch_entry("gemm", dtype=dtype, tp=1, mkn=mkn, accum="fast" if fast_accum else "split",
+                                  w_dtype=w_dtype)
+    if entry is None:
+        return Choice("reference", "auto: " + FP8_GEMM_DEFAULT)
+    source = entry.get("source", "?")
+    if entry.get("path") == "fused":
+        return Choice("fused", f"tuning table: the op library's FP8 GEMM measured faster than cuBLASLt ({source})")
+    return Choice("reference", f"tuning table: cuBLASLt (torch._scaled_mm) measured faster ({source})")

@@ -34,7 +34,8 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     check_fused_tensor("gemm", "x", x)
     check_fused_tensor("gemm", "weight", weight)
     kc = tuning.resolve_kernel("gemm", dtype=x.dtype, tp=1, mkn=(m, k, n), tile=tile, swizzle=swizzle,
-                               stream_k=stream_k, sm_count=sm_count, fast_accum=fast_accum if fp8 else None)
+                               stream_k=stream_k, sm_count=sm_count, fast_accum=fast_accum if fp8 else None,
+                               w_dtype=weight.dtype if fp8 else None)
     return run(x, weight, bias, weight_layout == "nn", kc, _env.get("POISON_OUTPUTS") == "1", x_scale, w_scale,
                fast_accum)
 

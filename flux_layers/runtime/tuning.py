@@ -85,14 +85,17 @@ NEAREST_LOG2_DISTANCE = 0.5
 
 
 def dispatch_entry(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int],
-                   accum: str | None = None) -> dict | None:
+                   accum: str | None = None, w_dtype: torch.dtype | None = None) -> dict | None:
     """The table entry for a call of ``op`` whose per-rank GEMM is ``mkn`` (:func:`table_key`), or None.
     ``accum`` ('split' | 'fast'): only entries measured with that FP8 accumulation count, before the nearest is
-    chosen (a nearer entry of the other accumulation would otherwise hide a matching one); None: any."""
+    chosen (a nearer entry of the other accumulation would otherwise hide a matching one); None: any. An entry that
+    names the weight's format (``w_dtype``: FP8 entries, whose kernel configurations exist per pair of formats)
+    counts only for a call with that weight format."""
     if min(mkn) <= 0:  # an empty problem (M = 0 is a valid no-op) has no nearest measured shape
         return None
     gpu = _gpu_name()
     dtype_name = str(dtype).replace("torch.", "")
+    w_dtype_name = None if w_dtype is None else str(w_dtype).replace("torch.", "")
     best, best_dist = None, math.inf
     for table in _load_tables(_env.get("TUNING")):
         if table.get("gpu") != gpu:
@@ -101,6 +104,8 @@ def dispatch_entry(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int,
             if e.get("op") != op or e.get("dtype") != dtype_name or e.get("tp") != tp:
                 continue
             if accum is not None and e.get("accum") != accum:
+                continue
+            if "w_dtype" in e and e["w_dtype"] != w_dtype_name:
                 continue
             d = sum(abs(math.log2(a) - math.log2(b)) for a, b in zip(mkn, (e["m"], e["k"], e["n"])))
             if d < best_dist:
@@ -119,13 +124,13 @@ _DEFAULT_KERNEL_FP8 = {"split": (2, 16), "fast": (1, 16)}
 
 
 def kernel_config(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int],
-                  fast_accum: bool | None = None) -> tuple[int, int]:
+                  fast_accum: bool | None = None, w_dtype: torch.dtype | None = None) -> tuple[int, int]:
     """(tile configuration id of flux::TileConfig, swizzle) for a call: a tuned entry's ``tile``/``swizzle``
     if one is close enough, else the measured default of the operator. ``fast_accum``: None for 16-bit operands,
-    else the FP8 accumulation (entries are keyed by x's dtype and, for FP8, 'accum')."""
+    else the FP8 accumulation (entries are keyed by x's dtype and, for FP8, 'accum' and the weight's format)."""
     accum = None if fast_accum is None else "fast" if fast_accum else "split"
     tile, swizzle = _DEFAULT_KERNEL[op] if accum is None else _DEFAULT_KERNEL_FP8[accum]
-    entry = dispatch_entry(op, dtype=dtype, tp=tp, mkn=mkn, accum=accum)
+    entry = dispatch_entry(op, dtype=dtype, tp=tp, mkn=mkn, accum=accum, w_dtype=w_dtype)
     if entry is not None:
         tile, swizzle = int(entry.get("tile", tile)), int(entry.get("swizzle", swizzle))
     return tile, swizzle
@@ -192,12 +197,13 @@ def stream_k_fill(op: str, stream_k: bool | int | None) -> int:
 
 def resolve_kernel(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int], tile: int | None = None,
                    swizzle: int | None = None, stream_k: bool | int | None = None, sm_count: int = 0,
-                   fast_accum: bool | None = None) -> KernelChoice:
+                   fast_accum: bool | None = None, w_dtype: torch.dtype | None = None) -> KernelChoice:
     """The kernel configuration of one call: what the caller asked for, else :func:`kernel_config` and
     ``FLUX_LAYERS_STREAM_K`` (see :func:`stream_k_fill`)."""
     if sm_count < 0:
         raise ValueError(f"{op}: sm_count must be >= 0 (0: all SMs), got {sm_count}")
-    default_tile, default_swizzle = kernel_config(op, dtype=dtype, tp=tp, mkn=mkn, fast_accum=fast_accum)
+    default_tile, default_swizzle = kernel_config(op, dtype=dtype, tp=tp, mkn=mkn, fast_accum=fast_accum,
+                                                  w_dtype=w_dtype)
     return KernelChoice(default_tile if tile is None else tile, default_swizzle if swizzle is None else swizzle,
                         stream_k_fill(op, stream_k), sm_count)
 

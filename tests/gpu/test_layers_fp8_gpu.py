@@ -1,8 +1,9 @@
 """The FP8 linears on GPUs (2 ranks, or 2 processes sharing one GPU with FLUX_LAYERS_TEST_SHARED_GPU=1), bf16
-activations: the fused backend ('auto': the fused FP8 GEMM, the FP8 AG/RS on their fused path once it exists)
-matches the same layers on the reference backend, and both match the fp64 reference of the same quantized math
-(tests/cpu/test_layers_fp8.py). Needs the op library (fails, never skips, without it); fused outputs are poisoned
-with NaN before every launch.
+activations: the layers on 'auto' (the fused FP8 AG+GEMM and GEMM+RS; the plain FP8 GEMMs, wgrad and the layers
+without sequence parallelism, as ops/backend.fp8_gemm_choice decides: cuBLASLt unless the op library's kernel
+measured faster) match the same layers on the reference backend, and both match the fp64 reference of the same
+quantized math (tests/cpu/test_layers_fp8.py). Needs the op library (fails, never skips, without it); fused outputs
+are poisoned with NaN before every launch.
 """
 from __future__ import annotations
 

@@ -1,0 +1,115 @@
+"""A plain FP8 GEMM's ``auto`` path (flux_layers/ops/backend.fp8_gemm_choice): cuBLASLt (``torch._scaled_mm``, the
+reference path on CUDA) unless the tuning table measured the op library's FP8 kernel faster for the nearest shape,
+the operands' formats and the accumulation; and the table's FP8 entries (tools/make_dispatch_table.py from
+benchmarks/results/gemm_fp8_h200.json) as the packaged table holds them. The GPU name is set to the table's, so the
+choice is made as on an H200; on the CPU the fused path is blocked before it is asked."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from flux_layers import ops
+from flux_layers.ops import _dispatch, backend
+from flux_layers.runtime import tuning
+from tools.make_dispatch_table import fp8_gemm_entries
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FUSED_SHAPE = (8192, 28672, 8192)  # the one measured shape where the op library's kernel beat cuBLASLt (fast)
+
+
+@pytest.fixture
+def on_h200(monkeypatch):
+    monkeypatch.setattr(tuning, "_gpu_name", lambda: "NVIDIA H200")
+    monkeypatch.delenv("FLUX_LAYERS_TUNING", raising=False)
+    monkeypatch.delenv("FLUX_LAYERS_DISPATCH", raising=False)
+    ops.refresh_settings()
+    yield monkeypatch
+    ops.refresh_settings()
+
+
+def _measured() -> dict[tuple, dict[str, float]]:
+    with open(os.path.join(ROOT, "benchmarks/results/gemm_fp8_h200.json")) as f:
+        run = json.load(f)
+    ratios: dict[tuple, dict[str, float]] = {}
+    for r in run["results"]:
+        ratios.setdefault((r["m"], r["k"], r["n"], r["accum"]), {})[r["scale"]] = r["flux_best_over_cublas"]
+    return ratios
+
+
+def test_every_measured_shape_takes_the_faster_implementation(on_h200):
+    measured = _measured()
+    assert len(measured) >= 20
+    for (m, k, n, accum), ratios in measured.items():
+        choice = backend.fp8_gemm_choice(dtype=E4M3, w_dtype=E4M3, mkn=(m, k, n), fast_accum=accum == "fast")
+        faster = "fused" if min(ratios.values()) > 1.0 else "reference"
+        assert choice.path == faster, f"{m}x{k}x{n} {accum}: {choice}, measured {ratios}"
+        assert "tuning table" in choice.reason and "gemm_fp8_h200.json" in choice.reason, choice.reason
+    assert backend.fp8_gemm_choice(dtype=E4M3, w_dtype=E4M3, mkn=FUSED_SHAPE, fast_accum=True).path == "fused"
+
+
+def test_unmeasured_shapes_and_format_pairs_take_cublaslt(on_h200):
+    choice = backend.fp8_gemm_choice(dtype=E4M3, w_dtype=E4M3, mkn=(256, 512, 128), fast_accum=False)
+    assert choice.path == "reference" and choice.reason == "auto: " + backend.FP8_GEMM_DEFAULT
+    # The entries were measured for e4m3 x e4m3: another pair of formats finds none, even at the fused shape.
+    for x_dtype, w_dtype in ((E4M3, E5M2), (E5M2, E4M3)):
+        choice = backend.fp8_gemm_choice(dtype=x_dtype, w_dtype=w_dtype, mkn=FUSED_SHAPE, fast_accum=True)
+        assert choice.path == "reference" and choice.reason.startswith("auto: "), (x_dtype, w_dtype, choice)
+
+
+def test_dispatch_always_runs_the_op_library(on_h200):
+    on_h200.setenv("FLUX_LAYERS_DISPATCH", "always")
+    ops.refresh_settings()
+    choice = backend.fp8_gemm_choice(dtype=E4M3, w_dtype=E4M3, mkn=(4096, 2048, 4096), fast_accum=False)
+    assert choice.path == "fused", choice
+
+
+def test_the_16_bit_plain_gemm_still_runs_the_op_library(on_h200):
+    assert backend.auto_choice("gemm", dtype=torch.bfloat16, tp=1, mkn=(4096, 2048, 4096)).path == "fused"
+
+
+def test_forced_fp8_kernels_take_the_measured_configuration_of_their_pair(on_h200):
+    # 4096x2048x4096 split: best measured 128 x 128 (id 2) in panels of 8, against the default's 16.
+    assert tuning.kernel_config("gemm", dtype=E4M3, tp=1, mkn=(4096, 2048, 4096), fast_accum=False,
+                                w_dtype=E4M3) == (2, 8)
+    # No entry for e4m3 x e5m2 (its instances differ): the default.
+    assert tuning.kernel_config("gemm", dtype=E4M3, tp=1, mkn=(4096, 2048, 4096), fast_accum=False,
+                                w_dtype=E5M2) == (2, 16)
+    # The fused ops have FP8 entries of their own (none yet): a plain GEMM's entry is not theirs.
+    assert tuning.kernel_config("ag_gemm", dtype=E4M3, tp=2, mkn=(4096, 2048, 4096), fast_accum=False,
+                                w_dtype=E4M3) == (2, 16)
+
+
+def test_decisions_hand_the_dispatcher_the_accumulation_and_the_weight_format(monkeypatch):
+    asked = []
+    real = _dispatch.choose
+
+    def spy(op, **kw):
+        asked.append((op, kw.get("fast_accum"), kw.get("w_dtype")))
+        return real(op, **kw)
+    monkeypatch.setattr(_dispatch, "choose", spy)
+    ops.refresh_settings()
+    x, w = torch.randn(32, 64).to(E5M2), torch.randn(48, 64).to(E4M3)
+    one = torch.ones((), dtype=torch.float32)
+    for fast in (False, True):
+        out = ops.gemm(x, w, x_scale=one, w_scale=one, fast_accum=fast)
+        assert out.shape == (32, 48) and out.dtype == torch.bfloat16
+    assert asked == [("gemm", False, E4M3), ("gemm", True, E4M3)], asked
+    ops.refresh_settings()
+
+
+def test_table_entries_from_a_run():
+    row = {"m": 4096, "k": 2048, "n": 4096, "dtype": "e4m3xe4m3", "accum": "fast"}
+    run = {"commit": "abc", "results": [
+        {**row, "scale": "tensor", "flux_best_over_cublas": 1.05, "config": "256x128_swz8_sk"},
+        {**row, "scale": "row", "flux_best_over_cublas": 0.99, "config": "128x256_swz16_dp"}]}
+    (entry,) = fp8_gemm_entries(run, "r.json")
+    # Faster under one scale mode only: cuBLASLt, with the best configuration measured (for forced calls).
+    assert entry["path"] == "sequential" and (entry["tile"], entry["swizzle"]) == (0, 8), entry
+    assert (entry["dtype"], entry["w_dtype"], entry["tp"], entry["accum"]) == ("float8_e4m3fn", "float8_e4m3fn", 1,
+                                                                                "fast")
+    run["results"][1]["flux_best_over_cublas"] = 1.01
+    assert fp8_gemm_entries(run, "r.json")[0]["path"] == "fused"
