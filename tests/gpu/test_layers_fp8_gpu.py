@@ -49,23 +49,29 @@ def _worker(rank, world, seed):
     solo = [dist.new_group([r]) for r in range(world)]
     for i, case in enumerate(_cases()):
         g = solo[rank] if case.tp1 else group
-        fused = _run_case(case, rank, world, g, seed + i, device="cuda", backend="auto")
         reference = _run_case(case, rank, world, g, seed + i, device="cuda", backend="reference")
-        where = f"rank {rank} {case}"
-        for name in ("output", "dgrad", "wgrad", "dbias"):
-            a, b = fused[name], reference[name]
-            if b is None:
-                assert a is None, (where, name)
-                continue
-            assert not torch.isnan(a).any(), f"{where} {name}: NaN (an element was never written)"
-            err = _rel(a.float().cpu(), b.double().cpu())
-            assert err < AGREE, f"{where} {name}: fused vs reference backend relative error {err:.3e}"
-        # The local FP8 GEMMs (wgrad; fprop and dgrad without SP) took the fused kernel.
-        paths = fused["paths"]
-        local = [p for p in ("fprop", "dgrad") if not case.sp or case.tp1] + (["wgrad"] if case.wgrad and not
-                                                                               case.frozen else [])
-        assert all(paths[p].path == "fused" for p in local), (where, paths)
-        assert all(p.path == "reference" for p in reference["paths"].values() if p.path != "local"), where
+        assert all(p.path == "reference" for p in reference["paths"].values() if p.path != "local"), case
+        # 'fused': every FP8 GEMM on the op library; 'auto': the local ones as ops/backend.fp8_gemm_choice decides.
+        for backend in ("fused", "auto"):
+            fused = _run_case(case, rank, world, g, seed + i, device="cuda", backend=backend)
+            where = f"rank {rank} {backend} {case}"
+            for name in ("output", "dgrad", "wgrad", "dbias"):
+                a, b = fused[name], reference[name]
+                if b is None:
+                    assert a is None, (where, name)
+                    continue
+                assert not torch.isnan(a).any(), f"{where} {name}: NaN (an element was never written)"
+                err = _rel(a.float().cpu(), b.double().cpu())
+                assert err < AGREE, f"{where} {name}: fused vs reference backend relative error {err:.3e}"
+            paths = fused["paths"]
+            communicating = [p for p in ("fprop", "dgrad") if case.sp and not case.tp1]
+            local = [p for p in ("fprop", "dgrad") if p not in communicating] + (
+                ["wgrad"] if case.wgrad and not case.frozen else [])
+            assert all(paths[p].path == "fused" for p in communicating), (where, paths)
+            if backend == "fused":
+                assert all(paths[p].path == "fused" for p in local), (where, paths)
+            else:
+                assert all("cuBLASLt" in paths[p].reason for p in local), (where, paths)
 
 
 def test_fp8_layers_fused_match_reference_backend():
