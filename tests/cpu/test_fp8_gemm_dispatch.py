@@ -1,6 +1,6 @@
 """A plain FP8 GEMM's ``auto`` path (flux_layers/ops/backend.fp8_gemm_choice): cuBLASLt (``torch._scaled_mm``, the
 reference path on CUDA) unless the tuning table measured the op library's FP8 kernel faster for the nearest shape,
-the operands' formats and the accumulation; and the table's FP8 entries (tools/make_dispatch_table.py from
+the operands' formats and the accumulation, with the table's FP8 entries (tools/make_dispatch_table.py from
 benchmarks/results/gemm_fp8_h200.json) as the packaged table holds them. The GPU name is set to the table's, so the
 choice is made as on an H200; on the CPU the fused path is blocked before it is asked."""
 from __future__ import annotations
@@ -14,7 +14,6 @@ import torch
 from flux_layers import ops
 from flux_layers.ops import _dispatch, backend
 from flux_layers.runtime import tuning
-from tools.make_dispatch_table import fp8_gemm_entries
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -100,16 +99,3 @@ def test_decisions_hand_the_dispatcher_the_accumulation_and_the_weight_format(mo
     assert asked == [("gemm", False, E4M3), ("gemm", True, E4M3)], asked
     ops.refresh_settings()
 
-
-def test_table_entries_from_a_run():
-    row = {"m": 4096, "k": 2048, "n": 4096, "dtype": "e4m3xe4m3", "accum": "fast"}
-    run = {"commit": "abc", "results": [
-        {**row, "scale": "tensor", "flux_best_over_cublas": 1.05, "config": "256x128_swz8_sk"},
-        {**row, "scale": "row", "flux_best_over_cublas": 0.99, "config": "128x256_swz16_dp"}]}
-    (entry,) = fp8_gemm_entries(run, "r.json")
-    # Faster under one scale mode only: cuBLASLt, with the best configuration measured (for forced calls).
-    assert entry["path"] == "sequential" and (entry["tile"], entry["swizzle"]) == (0, 8), entry
-    assert (entry["dtype"], entry["w_dtype"], entry["tp"], entry["accum"]) == ("float8_e4m3fn", "float8_e4m3fn", 1,
-                                                                                "fast")
-    run["results"][1]["flux_best_over_cublas"] = 1.01
-    assert fp8_gemm_entries(run, "r.json")[0]["path"] == "fused"

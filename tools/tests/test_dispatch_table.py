@@ -51,11 +51,17 @@ def test_packaged_table_matches_the_results_it_cites():
             if not os.path.exists(full):
                 pytest.fail(f"dispatch entry {entry} cites {path}, which is not in the repository")
             _, fresh = entries_from(full)
-            same_shape = [e for e in fresh if (e["op"], e["tp"], e["m"], e["k"], e["n"]) ==
-                          (entry["op"], entry["tp"], entry["m"], entry["k"], entry["n"])]
+            same_shape = [e for e in fresh if (e["op"], e["tp"], e["m"], e["k"], e["n"], e["dtype"], e.get("accum")) ==
+                          (entry["op"], entry["tp"], entry["m"], entry["k"], entry["n"], entry["dtype"],
+                           entry.get("accum"))]
             assert len(same_shape) == 1, f"{path} has no single row for {entry}"
             with open(full) as f:
                 assert json.load(f).get("commit") == commit, f"{path} is no longer the run of {commit}"
+            if entry["op"] == "gemm":  # a plain FP8 GEMM's entry (bench_gemm_fp8): its own shape, no ranks
+                fresh_entry = {**same_shape[0], "source": entry["source"]}  # (the source as the tool was given it)
+                assert fresh_entry == entry, f"{entry} disagrees with {path}: {same_shape[0]}"
+                checked += 1
+                continue
             # The key is what one rank held in that run (its own record: n_local / k_local), not the global shape.
             with open(full) as f:
                 row = next(r for r in json.load(f)["results"]
@@ -91,3 +97,20 @@ def test_loop_times_decide_where_measured(tmp_path):
     shared.write_text(json.dumps({"tp": 2, "shared_gpu": True, "results": []}))
     with pytest.raises(SystemExit, match="not TP figures"):
         loop_times(str(shared))
+
+
+def test_fp8_gemm_entries_from_a_run():
+    """A plain FP8 GEMM run's entries: cuBLASLt ('sequential') unless the op library's best configuration was faster
+    under every scale mode measured; that configuration's tile and swizzle either way."""
+    from tools.make_dispatch_table import fp8_gemm_entries
+    row = {"m": 4096, "k": 2048, "n": 4096, "dtype": "e4m3xe4m3", "accum": "fast"}
+    run = {"commit": "abc", "results": [
+        {**row, "scale": "tensor", "flux_best_over_cublas": 1.05, "config": "256x128_swz8_sk"},
+        {**row, "scale": "row", "flux_best_over_cublas": 0.99, "config": "128x256_swz16_dp"}]}
+    (entry,) = fp8_gemm_entries(run, "r.json")
+    assert entry["path"] == "sequential" and (entry["tile"], entry["swizzle"]) == (0, 8), entry
+    assert (entry["dtype"], entry["w_dtype"], entry["tp"], entry["accum"]) == ("float8_e4m3fn", "float8_e4m3fn", 1,
+                                                                                "fast")
+    assert entry["source"] == "r.json @ abc"
+    run["results"][1]["flux_best_over_cublas"] = 1.01
+    assert fp8_gemm_entries(run, "r.json")[0]["path"] == "fused"
