@@ -407,7 +407,8 @@ def _fused_fp8_gemm(decision: Decision, x, weight, group, weight_layout: str, fa
     m, k, n = check_matmul_args("gemm", x, weight, None, "nt")
     check_fused_tensor("gemm", "x", x)
     check_fused_tensor("gemm", "weight", weight)
-    kernel = tuning.resolve_kernel("gemm", dtype=x.dtype, tp=1, mkn=(m, k, n), fast_accum=fast_accum)
+    kernel = tuning.resolve_kernel("gemm", dtype=x.dtype, tp=1, mkn=(m, k, n), fast_accum=fast_accum,
+                                   w_dtype=weight.dtype)
     poison = _env.get("POISON_OUTPUTS") == "1"
 
     def run(x, weight, bias, x_scale, w_scale):  # the op checks the scales and operand types
