@@ -3,11 +3,12 @@ this rank's symmetric memory, a peer's symmetric memory (mapped from another pro
 
 cuda_api_cost.cu measures each operation on one process's own memory; a fused all-gather copies into (push) or
 out of (pull) a peer's symmetric memory and writes flags there. This probe runs two ranks as processes sharing
-GPU 0 (as the shared-GPU benchmarks do), both timing at once, and calls the CUDA runtime and driver through ctypes
-(the ctypes call's own cost is the ``cudaGetDevice`` row). Each row: ``--calls`` calls enqueued behind a GPU sleep
-long enough that the GPU never waits for the host, wall clock per call, median of ``--batches``, maximum over ranks.
+GPU 0 (flux_layers.devtools.launch's shared-GPU mode, as the GPU tests), both timing at once, and calls the CUDA
+runtime and driver through ctypes (the ctypes call's own cost is the ``cudaGetDevice`` row). Each row: ``--calls``
+calls enqueued behind a GPU sleep long enough that the GPU never waits for the host, wall clock per call, median of
+``--batches``, maximum over ranks; then the same with the other rank idle.
 
-    python -m experiments.peer_copy_cost [--bytes 8388608] [--out results.json]
+    python -m experiments.peer_copy_cost [--bytes 8388608] [--pin-cpus 1] [--out results.json]
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import ctypes
 import glob
 import json
 import os
-import socket
 import statistics
 import time
 
@@ -76,6 +76,8 @@ def _time(fn, calls, batches, active=True):
 
 def rank_main(rank, world, args):
     import torch.distributed._symmetric_memory as symm_mem
+    if args.pin_cpus:  # rank r's calling thread on CPUs [r * n, (r + 1) * n): no migrations between vCPUs
+        os.sched_setaffinity(0, range(rank * args.pin_cpus, (rank + 1) * args.pin_cpus))
     rt = _cudart()
     drv = ctypes.CDLL("libcuda.so.1")
     rt.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
@@ -155,23 +157,10 @@ def rank_main(rank, world, args):
                        "results": results}, f, indent=1)
 
 
-def _worker(rank, world, port, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES="1")
-    if args.pin_cpus:  # rank r on CPUs [r * n, (r + 1) * n): no migrations between vCPUs
-        os.sched_setaffinity(0, range(rank * args.pin_cpus, (rank + 1) * args.pin_cpus))
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        rank_main(rank, world, args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv=None):
     import sys
 
-    import torch.multiprocessing as mp
+    from flux_layers.devtools.launch import run_distributed
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bytes", type=int, default=8 << 20, help="bytes per copy")
     ap.add_argument("--calls", type=int, default=100)
@@ -180,10 +169,8 @@ def main(argv=None):
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(2, port, args), nprocs=2, join=True)
+    os.environ["FLUX_LAYERS_TEST_SHARED_GPU"] = "1"  # the launcher's mode: both ranks on GPU 0, gloo for the group
+    run_distributed(rank_main, 2, args, backend="nccl")
 
 
 if __name__ == "__main__":

@@ -72,8 +72,9 @@ def fp8_gemm_entries(run: dict, path: str) -> list[dict]:
         ratios = {r["scale"]: r["flux_best_over_cublas"] for r in rows}
         best = max(rows, key=lambda r: r["flux_best_over_cublas"])
         tile_name, swizzle, _ = best["config"].split("_")
-        out.append({"op": "gemm", "dtype": FP8_FORMATS[pair.split("x")[0]], "w_dtype": FP8_FORMATS[pair.split("x")[1]],
-                    "tp": 1, "m": m, "k": k, "n": n, "accum": accum,
+        x_format, w_format = pair.split("x")
+        out.append({"op": "gemm", "dtype": FP8_FORMATS[x_format], "w_dtype": FP8_FORMATS[w_format], "tp": 1,
+                    "m": m, "k": k, "n": n, "accum": accum,
                     "path": "fused" if min(ratios.values()) > 1.0 else "sequential",
                     "flux_best_over_cublas": ratios, "config": best["config"], "tile": tile_ids[tile_name],
                     "swizzle": int(swizzle.removeprefix("swz")), "source": f"{path} @ {run.get('commit', '?')}"})
