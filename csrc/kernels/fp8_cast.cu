@@ -70,12 +70,8 @@ __global__ void cast_kernel(const T* x, int64_t rows, int64_t cols, int64_t ld, 
     int64_t const r = i / vecs, c = i - r * vecs;
     float const s = scale_of<kFormat>(amax[per_row ? r : 0], margin_factor);
     if (c == 0 && (per_row || r == 0)) scale[per_row ? r : 0] = s;
-    float v[kVec];
-    load8(x + r * ld + c * kVec, v);
-    uint8_t q[kVec];
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) q[j] = to_fp8<kFormat>(v[j] / s);
-    *reinterpret_cast<uint2*>(data + r * cols + c * kVec) = *reinterpret_cast<const uint2*>(q);
+    *reinterpret_cast<uint2*>(data + r * cols + c * kVec) =
+        cast8<T, kFormat>(*reinterpret_cast<const uint4*>(x + r * ld + c * kVec), inverse_of(s));
   }
 }
 
@@ -87,20 +83,21 @@ __global__ void transpose_kernel(const T* x, int64_t rows, int64_t cols, int64_t
                                  uint8_t* data_t, float* scale) {
   __shared__ uint8_t tile[kTile][kTile + 4];
   int64_t const r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
-  float s = 1.f, common = 0.f;
+  float inv = 1.f, common = 0.f;
   if constexpr (kFromFp8) {
     for (int b = 0; b < blocks; ++b) common = fmaxf(common, block_scale[b]);
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) scale[0] = common;
   } else {
-    s = scale_of<kFormat>(amax[0], margin_factor);
+    float const s = scale_of<kFormat>(amax[0], margin_factor);
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) scale[0] = s;
+    inv = inverse_of(s);
   }
   int64_t const rows_per_block = kFromFp8 ? rows / blocks : 1;
   // Load: 64 rows x 8 vectors of 8 elements; 256 threads, two vectors each.
   for (int v = threadIdx.x; v < kTile * kTile / kVec; v += kThreads) {
     int const tr = v / (kTile / kVec), tc = (v % (kTile / kVec)) * kVec;
     int64_t const r = r0 + tr, c = c0 + tc;
-    uint8_t q[kVec] = {0, 0, 0, 0, 0, 0, 0, 0};
+    alignas(8) uint8_t q[kVec] = {0, 0, 0, 0, 0, 0, 0, 0};
     if (r < rows && c < cols) {  // cols is a multiple of 8: a vector lies inside or outside whole
       if constexpr (kFromFp8) {
         float const ratio = block_scale[r / rows_per_block] / common;
@@ -109,10 +106,7 @@ __global__ void transpose_kernel(const T* x, int64_t rows, int64_t cols, int64_t
 #pragma unroll
         for (int j = 0; j < kVec; ++j) q[j] = to_fp8<kFormat>(from_fp8<kFormat>(e[j]) * ratio);
       } else {
-        float f[kVec];
-        load8(x + r * ld + c, f);
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) q[j] = to_fp8<kFormat>(f[j] / s);
+        *reinterpret_cast<uint2*>(q) = cast8<T, kFormat>(*reinterpret_cast<const uint4*>(x + r * ld + c), inv);
         if (data != nullptr) *reinterpret_cast<uint2*>(data + r * cols + c) = *reinterpret_cast<const uint2*>(q);
       }
     }

@@ -94,8 +94,9 @@ __device__ __forceinline__ void copy_async(uint4* dst, const void* src, bool val
 // One unit's FP8 bytes: this thread's 8 of the row-major data and, with kTranspose, its share of the transposed
 // tile. CTA-uniform calls only (the transposed copy synchronises the CTA).
 template <class T, __nv_fp8_interpretation_t kFormat, bool kTranspose>
-__device__ __forceinline__ void emit(const Args& a, const Pos& p, const uint4& raw, float s, uint8_t* stage, int& buf) {
-  uint2 const q = cast8<T, kFormat>(raw, s);
+__device__ __forceinline__ void emit(const Args& a, const Pos& p, const uint4& raw, float inv, uint8_t* stage,
+                                     int& buf) {
+  uint2 const q = cast8<T, kFormat>(raw, inv);
   if (p.valid) *reinterpret_cast<uint2*>(a.data + p.out) = q;
   if constexpr (kTranspose) {
     // Two staged tiles: a thread writes tile i + 2 only after the barrier of tile i + 1, which every thread reaches
@@ -180,6 +181,7 @@ __global__ void __launch_bounds__(kThreads, 1) onepass_kernel(Args a) {
   for (int i = lane; i < int(gridDim.x); i += 32) amax = amax_combine(amax, __ldcg(a.partial + i));
   float const s = scale_of<kFormat>(warp_amax(amax), a.margin_factor);
   if (blockIdx.x == 0 && threadIdx.x == 0) a.scale[0] = s;
+  float const inv = inverse_of(s);
 
   // Phase 2: the spill (read again), then the held units.
   int buf = 0;
@@ -194,14 +196,14 @@ __global__ void __launch_bounds__(kThreads, 1) onepass_kernel(Args a) {
     }
 #pragma unroll
     for (int j = 0; j < kEmitBatch; ++j)
-      if (u + j * int(gridDim.x) < a.units) emit<T, kFormat, kTranspose>(a, p[j], v[j], s, stage, buf);
+      if (u + j * int(gridDim.x) < a.units) emit<T, kFormat, kTranspose>(a, p[j], v[j], inv, stage, buf);
   }
 #pragma unroll
   for (int k = 0; k < kRegUnits; ++k)
-    if (k < mine) emit<T, kFormat, kTranspose>(a, Map::at(a, first + k), reg[k], s, stage, buf);
+    if (k < mine) emit<T, kFormat, kTranspose>(a, Map::at(a, first + k), reg[k], inv, stage, buf);
   for (int k = kRegUnits; k < mine; ++k)
-    emit<T, kFormat, kTranspose>(a, Map::at(a, first + k), held_smem[(k - kRegUnits) * kThreads + threadIdx.x], s,
-                                 stage, buf);
+    emit<T, kFormat, kTranspose>(a, Map::at(a, first + k), held_smem[(k - kRegUnits) * kThreads + threadIdx.x],
+                                 inv, stage, buf);
 }
 
 using Kernel = void (*)(Args);

@@ -27,7 +27,7 @@ template <class T, __nv_fp8_interpretation_t kFormat>
 __global__ void __launch_bounds__(kRowMaxThreads)
     rowwise_kernel(const T* x, int64_t cols, int64_t ld, float margin_factor, uint8_t* data, float* scale) {
   __shared__ float warp_max[kRowMaxThreads / 32];
-  __shared__ float row_scale;
+  __shared__ float row_inv;  // inverse_of the row's scale
   int64_t const r = blockIdx.x;
   const T* const row = x + r * ld;
   uint8_t* const out = data + r * cols;
@@ -48,19 +48,19 @@ __global__ void __launch_bounds__(kRowMaxThreads)
     m = warp_amax(lane < step / 32 ? warp_max[lane] : 0.f);
     if (lane == 0) {
       float const s = scale_of<kFormat>(m, margin_factor);
-      row_scale = s;
+      row_inv = inverse_of(s);
       scale[r] = s;
     }
   }
   __syncthreads();
-  float const s = row_scale;
+  float const inv = row_inv;
 #pragma unroll
   for (int k = 0; k < kRowRegs; ++k) {
     int const c = int(threadIdx.x) + k * step;
-    if (c < vecs) *reinterpret_cast<uint2*>(out + int64_t(c) * kVec) = cast8<T, kFormat>(reg[k], s);
+    if (c < vecs) *reinterpret_cast<uint2*>(out + int64_t(c) * kVec) = cast8<T, kFormat>(reg[k], inv);
   }
   for (int c = int(threadIdx.x) + kRowRegs * step; c < vecs; c += step)
-    *reinterpret_cast<uint2*>(out + int64_t(c) * kVec) = cast8<T, kFormat>(load_row_vec(row, c, vecs), s);
+    *reinterpret_cast<uint2*>(out + int64_t(c) * kVec) = cast8<T, kFormat>(load_row_vec(row, c, vecs), inv);
 }
 
 template <class T, __nv_fp8_interpretation_t kFormat>

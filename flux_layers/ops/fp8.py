@@ -137,9 +137,10 @@ def quantize(t: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, *, rowwi
              margin: int = 0) -> ScaledTensor:
     """``t`` cast to FP8 with current scaling: scale = amax * 2^margin / FP8 max over the whole tensor (or per row,
     ``rowwise``; ``margin`` leaves 2^margin of headroom below the format's max, as megatron's ``fp8_margin``),
-    data = t / scale saturated to the format's range. An all-zero tensor (or row) gets scale 1. On CUDA, one kernel
-    that reads ``t`` once (tensor-wise: what the GPU holds on chip once, the rest twice) or, with
-    ``FLUX_LAYERS_FP8_CAST=two_pass``, an amax and a cast kernel; no host sync, capturable in CUDA graphs."""
+    data = t * (1 / scale) (the inverse rounded to fp32 once, as the kernels do) saturated to the format's range.
+    An all-zero tensor (or row) gets scale 1. On CUDA, one kernel that reads ``t`` once (tensor-wise: what the GPU
+    holds on chip once, the rest twice) or, with ``FLUX_LAYERS_FP8_CAST=two_pass``, an amax and a cast kernel; no
+    host sync, capturable in CUDA graphs."""
     _check_cast("quantize", t, dtype)
     if _cast_kernels(t):
         data, scale, _ = torch.ops.flux_layers.quantize_fp8(t, dtype, rowwise, 2.0**margin, False, _two_pass_casts())
@@ -155,7 +156,7 @@ def quantize_torch(t: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, *,
     src = t.float()
     amax = src.abs().amax(dim=1, keepdim=True) if rowwise else src.abs().amax().reshape(1)
     scale = torch.where(amax > 0, amax * 2.0**margin / fmax, torch.ones_like(amax))
-    data = (src / (scale if rowwise else scale[0])).clamp_(-fmax, fmax).to(dtype)
+    data = (src * (1.0 / (scale if rowwise else scale[0]))).clamp_(-fmax, fmax).to(dtype)
     return ScaledTensor(data, scale.contiguous())
 
 

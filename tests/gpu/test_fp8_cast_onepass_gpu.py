@@ -1,8 +1,7 @@
 """The one-pass FP8 casts (csrc/kernels/fp8_cast_onepass.cu, fp8_cast_rowwise.cu) give the bits of the torch math
-(flux_layers.ops.fp8.quantize_torch, run on the CPU: on CUDA torch divides by a scalar as a multiplication by its
-reciprocal, which is not the IEEE division the kernels and the CPU do) and of the two-pass kernels: shapes the grid
-holds on chip and shapes it holds only in part, odd row counts, strided rows, all zeros, one huge element,
-back-to-back calls and a CUDA-graph replay. 1 GPU."""
+(flux_layers.ops.fp8.quantize_torch, run on the CPU: a multiply by the inverse scale, as the kernels do) and of the
+two-pass kernels: shapes the grid holds on chip and shapes it holds only in part, odd row counts, strided rows, all
+zeros, one huge element, back-to-back calls and a CUDA-graph replay. 1 GPU."""
 from __future__ import annotations
 
 import os
