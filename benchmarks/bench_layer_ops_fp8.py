@@ -7,12 +7,14 @@ The calls of benchmarks/bench_layer_ops.py at TP=1 (hidden 4096, SwiGLU ffn 1100
 forward (x cast to e4m3, tensor-wise) and proj, fc2 dgrad (dY cast to e5m2, 'hybrid'; the FP8 GEMM reads the
 transposed FP8 weight, cast once per optimizer step and not counted here). Per call: bf16 cuBLAS (torch.matmul), the
 cast (flux_layers.ops.fp8.quantize: the op library's one-pass cast kernel; FLUX_LAYERS_FP8_CAST=two_pass for its
-amax and cast kernels), the FP8 GEMM of the op library (its
-default configuration, split accumulation) and torch._scaled_mm on the same operands; ``fp8`` = cast + flux FP8
+amax and cast kernels), the FP8 GEMM of the op library (its default
+configuration, split accumulation) and torch._scaled_mm on the same operands; ``fp8`` = cast + flux FP8
 GEMM; ``fp8_auto`` = cast + ``ops.gemm`` as dispatched (``auto``: at TP=1 these calls have no communication, so
 ops/backend.fp8_gemm_choice takes cuBLASLt unless the op library's kernel measured faster; ``auto_path`` says which
 ran). At TP > 1 these calls are the fused AG+GEMM / GEMM+RS, which run the op library's kernel: ``fp8`` is theirs.
-Interleaved rounds, CUDA events after a GPU sleep, medians.
+Interleaved rounds, CUDA events after a GPU sleep, medians: GPU time. Then ``loop_ms``: the six calls in sequence,
+steps issued back to back with no sleep (bf16, fp8, fp8_auto), per step: host cost included where the CPU cannot keep
+ahead. ``cast_share`` divides the casts by the op library's FP8 GEMMs, ``cast_share_auto`` by the GEMMs as dispatched.
 """
 from __future__ import annotations
 
@@ -21,10 +23,11 @@ from statistics import median
 
 import torch
 
-from benchmarks.harness import print_table, time_interleaved
+from benchmarks.harness import print_table, time_interleaved, time_loops_interleaved
 from flux_layers.devtools.records import environment, write_json
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+LOOP_KEYS = ("bf16", "fp8", "fp8_auto")
 
 
 def layer_calls(hidden: int, ffn: int, seq: int) -> list[dict]:
@@ -39,7 +42,9 @@ def layer_calls(hidden: int, ffn: int, seq: int) -> list[dict]:
     ]
 
 
-def bench_call(c, reps, rounds, sets=2):
+def call_variants(c, sets=2):
+    """The variants of one call, keyed as in the JSON (each ``fn(i)``), checked against an fp32 reference of the
+    dequantized operands first; and the figures of the check."""
     from flux_layers import ops
     from flux_layers.ops import fp8, fused_gemm
     m, k, n, fmt = c["m"], c["k"], c["n"], c["fmt"]
@@ -81,6 +86,12 @@ def bench_call(c, reps, rounds, sets=2):
         raise RuntimeError(f"{c['name']}: ops.gemm ({auto.path}) relative error {auto_err}")
     variants = {"bf16": bf16, "cast": cast, "flux_fp8_gemm": flux_gemm, "scaled_mm": scaled_mm, "fp8": fp8_call,
                 "fp8_auto": fp8_auto}
+    return variants, {"err": err, "auto": auto}
+
+
+def bench_call(c, variants, checked, reps, rounds):
+    m, k, n, fmt = c["m"], c["k"], c["n"], c["fmt"]
+    err, auto = checked["err"], checked["auto"]
     samples = time_interleaved(variants, reps=reps, rounds=rounds)
     t = {key: median(v) for key, v in samples.items()}
     flop = 2.0 * m * n * k
@@ -92,6 +103,11 @@ def bench_call(c, reps, rounds, sets=2):
             "auto_path": auto.path, "auto_reason": auto.reason, "speedup_auto": t["bf16"] / t["fp8_auto"]}
 
 
+def _dispatched_gemm_ms(rows: list[dict]) -> float:
+    """The six FP8 GEMMs' time as dispatched: the kernel ``auto`` picked for each call."""
+    return sum(r["scaled_mm_ms"] if r["auto_path"] == "reference" else r["flux_fp8_gemm_ms"] for r in rows)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=4096)
@@ -99,13 +115,21 @@ def main():
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--loop-calls", type=int, default=20, help="steps per back-to-back loop")
+    ap.add_argument("--loop-rounds", type=int, default=5)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     from flux_layers import _library
     _library.require()
-    rows = [bench_call(c, args.reps, args.rounds) for c in layer_calls(args.hidden, args.ffn, args.seq)]
+    calls = layer_calls(args.hidden, args.ffn, args.seq)
+    made = [call_variants(c) for c in calls]
+    rows = [bench_call(c, variants, checked, args.reps, args.rounds) for c, (variants, checked) in zip(calls, made)]
     sums = {key: sum(r[f"{key}_ms"] for r in rows)
             for key in ("bf16", "cast", "flux_fp8_gemm", "scaled_mm", "fp8", "fp8_auto")}
+    # The six calls one after another, issued back to back: what a training step sees, host cost included.
+    loops = {key: (lambda i, key=key: [variants[key](i) for variants, _ in made]) for key in LOOP_KEYS}
+    loop_samples = time_loops_interleaved(loops, calls=args.loop_calls, rounds=args.loop_rounds)
+    loop_ms = {key: median(v) for key, v in loop_samples.items()}
     print_table(rows, [("name", "call", ""), ("m", "M", ""), ("k", "K", ""), ("n", "N", ""),
                        ("bf16_ms", "bf16 ms", ".3f"), ("cast_ms", "cast ms", ".3f"),
                        ("flux_fp8_gemm_ms", "fp8 gemm ms", ".3f"), ("scaled_mm_ms", "_scaled_mm ms", ".3f"),
@@ -114,12 +138,21 @@ def main():
     print(f"six calls: bf16 {sums['bf16']:.3f} ms, fp8 {sums['fp8']:.3f} ms (casts {sums['cast']:.3f} ms = "
           f"{sums['cast'] / sums['flux_fp8_gemm']:.1%} of the FP8 GEMMs), {sums['bf16'] / sums['fp8']:.2f}x; "
           f"as dispatched at TP=1 {sums['fp8_auto']:.3f} ms, {sums['bf16'] / sums['fp8_auto']:.2f}x")
+    print(f"the six back to back, per step: bf16 {loop_ms['bf16']:.3f} ms, fp8 {loop_ms['fp8']:.3f} ms "
+          f"({loop_ms['bf16'] / loop_ms['fp8']:.2f}x), as dispatched {loop_ms['fp8_auto']:.3f} ms "
+          f"({loop_ms['bf16'] / loop_ms['fp8_auto']:.2f}x)")
     if args.out:
         write_json(args.out, {**environment(1), "method": f"CUDA events, {args.rounds} interleaved rounds of "
                               f"{args.reps} reps per variant after warm-up, medians; TP=1, no communication",
                               "sum_ms": sums, "speedup": sums["bf16"] / sums["fp8"],
                               "speedup_auto": sums["bf16"] / sums["fp8_auto"],
-                              "cast_share": sums["cast"] / sums["flux_fp8_gemm"], "results": rows})
+                              "cast_share": sums["cast"] / sums["flux_fp8_gemm"],
+                              "cast_share_auto": sums["cast"] / _dispatched_gemm_ms(rows),
+                              "loop_method": f"the six calls in sequence, {args.loop_calls} steps back to back "
+                              f"(CUDA events around the loop, no sleep), per step; median of {args.loop_rounds} "
+                              "interleaved rounds",
+                              "loop_ms": loop_ms, "loop_speedup": loop_ms["bf16"] / loop_ms["fp8"],
+                              "loop_speedup_auto": loop_ms["bf16"] / loop_ms["fp8_auto"], "results": rows})
 
 
 if __name__ == "__main__":

@@ -85,6 +85,33 @@ def time_samples_ms(fn, *, reps: int, warmup: int = 5, group=None, sleep_cycles:
     return samples
 
 
+def time_loop_ms(fn, *, calls: int, warmup: int = 3) -> float:
+    """Milliseconds per call of ``calls`` calls of ``fn(i)`` issued back to back (CUDA events around the loop, no
+    sleep): what a training loop sees, host cost included wherever the CPU cannot keep ahead of the GPU."""
+    for i in range(warmup):
+        fn(i)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for i in range(calls):
+        fn(warmup + i)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def time_loops_interleaved(variants: dict, *, calls: int, rounds: int) -> dict:
+    """Per-call milliseconds of every ``variants[key]`` (:func:`time_loop_ms`), one sample per round, the order
+    rotated per round as in :func:`time_interleaved`."""
+    samples = {key: [] for key in variants}
+    keys = list(variants)
+    for r in range(rounds):
+        shift = r * len(keys) // rounds
+        for key in keys[shift:] + keys[:shift]:
+            samples[key].append(time_loop_ms(variants[key], calls=calls))
+    return samples
+
+
 def time_interleaved(variants: dict, *, reps: int, rounds: int, warmup: int = 5, group=None,
                      on_round=None, windows: list | None = None, settings: dict | None = None) -> dict:
     """Samples (ms) of every ``variants[key](i)``: ``rounds`` rounds, each timing every variant for ``reps``
