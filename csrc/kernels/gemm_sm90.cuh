@@ -153,11 +153,9 @@ struct GemmKernel {
   static constexpr bool kRegisterSlack = kTileM == 128;
   // Registers per thread after setmaxnreg (the CTA's pool is 168 x 384). 128 x 256 tiles: the producer warp group
   // gets 56, the consumers 224, which they fit without spilling. Against 40 / 232 it measured within one run's
-  // resolution (docs/experiments.md, register split). FP8 split accumulation (128 x 128) holds three accumulator
-  // fragments (192 registers): at 224 its consumers spilled 20 bytes inside the mainloop, at 232 they do not.
-  static constexpr bool kFp8Split = Cfg::kFp8 && Cfg::kAccumulation == Accumulation::kSplit;
-  static constexpr uint32_t kLoadRegs = kRegisterSlack && !kFp8Split ? 56 : 40;
-  static constexpr uint32_t kMmaRegs = kRegisterSlack && !kFp8Split ? 224 : 232;
+  // resolution (docs/experiments.md, register split).
+  static constexpr uint32_t kLoadRegs = kRegisterSlack ? 56 : 40;
+  static constexpr uint32_t kMmaRegs = kRegisterSlack ? 224 : 232;
   static_assert(kLoadRegs * 128 + kMmaRegs * kMmaThreads <= 168 * kThreads, "register pool exceeded");
   static constexpr bool kSplitCapable = kRegisterSlack;
   static constexpr int kEpiBuffers = Cfg::kEpiBuffers;
