@@ -1,7 +1,7 @@
 // FP8 casts with current scaling (torch-free launchers; csrc/kernels/fp8_cast.cu). Scales are dequantization scales
 // (value = fp8 * scale), scale = amax * margin_factor / fp8_max, 1 where the amax is 0; data = x * (1 / scale) (the
-// inverse rounded once to fp32, then one multiply per element: cheaper than a division, at most an ulp of fp32 apart
-// before the FP8 rounding), saturated to the format's finite range and rounded to nearest: the same arithmetic as
+// inverse rounded once to fp32, then one multiply per element, cheaper than a division and within about an fp32 ulp
+// of x / scale), saturated to the format's finite range and rounded to nearest: the same arithmetic as
 // flux_layers/ops/fp8.py's torch path, so both give the same bits.
 #pragma once
 
