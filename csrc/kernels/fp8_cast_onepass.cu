@@ -202,8 +202,8 @@ __global__ void __launch_bounds__(kThreads, 1) onepass_kernel(Args a) {
   for (int k = 0; k < kRegUnits; ++k)
     if (k < mine) emit<T, kFormat, kTranspose>(a, Map::at(a, first + k), reg[k], inv, stage, buf);
   for (int k = kRegUnits; k < mine; ++k)
-    emit<T, kFormat, kTranspose>(a, Map::at(a, first + k), held_smem[(k - kRegUnits) * kThreads + threadIdx.x],
-                                 inv, stage, buf);
+    emit<T, kFormat, kTranspose>(a, Map::at(a, first + k), held_smem[(k - kRegUnits) * kThreads + threadIdx.x], inv,
+                                 stage, buf);
 }
 
 using Kernel = void (*)(Args);
