@@ -85,6 +85,13 @@ def time_samples_ms(fn, *, reps: int, warmup: int = 5, group=None, sleep_cycles:
     return samples
 
 
+def rotated(keys: list, r: int, rounds: int) -> list:
+    """``keys`` in round ``r``'s order of ``rounds``: the rounds start at evenly spread keys, so the machine's drift
+    over a run falls on all of them alike."""
+    shift = r * len(keys) // rounds
+    return keys[shift:] + keys[:shift]
+
+
 def time_loop_ms(fn, *, calls: int, warmup: int = 3) -> float:
     """Milliseconds per call of ``calls`` calls of ``fn(i)`` issued back to back (CUDA events around the loop, no
     sleep): what a training loop sees, host cost included wherever the CPU cannot keep ahead of the GPU."""
@@ -104,10 +111,8 @@ def time_loops_interleaved(variants: dict, *, calls: int, rounds: int) -> dict:
     """Per-call milliseconds of every ``variants[key]`` (:func:`time_loop_ms`), one sample per round, the order
     rotated per round as in :func:`time_interleaved`."""
     samples = {key: [] for key in variants}
-    keys = list(variants)
     for r in range(rounds):
-        shift = r * len(keys) // rounds
-        for key in keys[shift:] + keys[:shift]:
+        for key in rotated(list(variants), r, rounds):
             samples[key].append(time_loop_ms(variants[key], calls=calls))
     return samples
 
@@ -126,8 +131,7 @@ def time_interleaved(variants: dict, *, reps: int, rounds: int, warmup: int = 5,
     keys = list(variants)
     settings = settings or {}
     for r in range(rounds):
-        shift = r * len(keys) // rounds
-        for key in keys[shift:] + keys[:shift]:
+        for key in rotated(keys, r, rounds):
             began = time.time()
             with settings.get(key, contextlib.nullcontext)():
                 samples[key] += time_samples_ms(variants[key], reps=reps, warmup=warmup, group=group)

@@ -19,6 +19,20 @@ def test_time_interleaved_rotates_evenly_and_keeps_every_sample(monkeypatch):
     assert samples["c"][:4] == [3.0] * 4 and samples["c"][4:8] == [7.0] * 4  # each round's samples, in order
 
 
+def test_time_loops_interleaved_rotates_like_the_rounds_and_keeps_one_sample_per_round(monkeypatch):
+    order = []
+
+    def fake_loop(fn, *, calls):
+        order.append(fn(0))
+        return float(len(order) * calls)
+
+    monkeypatch.setattr(harness, "time_loop_ms", fake_loop)
+    variants = {name: (lambda i, name=name: name) for name in "abc"}
+    samples = harness.time_loops_interleaved(variants, calls=10, rounds=3)
+    assert order == list("abc") + list("bca") + list("cab")
+    assert samples == {"a": [10.0, 60.0, 80.0], "b": [20.0, 40.0, 90.0], "c": [30.0, 50.0, 70.0]}
+
+
 def test_time_interleaved_notes_each_variants_window(monkeypatch):
     monkeypatch.setattr(harness, "time_samples_ms", lambda fn, *, reps, warmup, group: [1.0] * reps)
     windows = []

@@ -66,12 +66,15 @@ __global__ void cast_kernel(const T* x, int64_t rows, int64_t cols, int64_t ld, 
                             float margin_factor, uint8_t* data, float* scale) {
   int64_t const vecs = cols / kVec;
   int64_t const total = rows * vecs;
+  float const tensor_scale = per_row ? 1.f : scale_of<kFormat>(amax[0], margin_factor);
+  float const tensor_inv = inverse_of(tensor_scale);
   for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < total; i += int64_t(gridDim.x) * kThreads) {
     int64_t const r = i / vecs, c = i - r * vecs;
-    float const s = scale_of<kFormat>(amax[per_row ? r : 0], margin_factor);
+    float const s = per_row ? scale_of<kFormat>(amax[r], margin_factor) : tensor_scale;
+    float const inv = per_row ? inverse_of(s) : tensor_inv;
     if (c == 0 && (per_row || r == 0)) scale[per_row ? r : 0] = s;
     *reinterpret_cast<uint2*>(data + r * cols + c * kVec) =
-        cast8<T, kFormat>(*reinterpret_cast<const uint4*>(x + r * ld + c * kVec), inverse_of(s));
+        cast8<T, kFormat>(*reinterpret_cast<const uint4*>(x + r * ld + c * kVec), inv);
   }
 }
 

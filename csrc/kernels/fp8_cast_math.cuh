@@ -90,15 +90,6 @@ __device__ __forceinline__ void load8(const T* p, float (&v)[kVec]) {
   unpack8<T>(*reinterpret_cast<const uint4*>(p), v);
 }
 
-template <class T>
-__device__ __forceinline__ float amax8(float m, const uint4& raw) {
-  float v[kVec];
-  unpack8<T>(raw, v);
-#pragma unroll
-  for (int i = 0; i < kVec; ++i) m = abs_max(m, v[i]);
-  return m;
-}
-
 // Packed amax of 16-bit elements (bfloat16 and float16 alike): |x| is the bit pattern without its sign, and
 // non-negative values order as those patterns, NaN above infinity; to_float is exact and monotone, so the float of
 // the largest pattern is the float amax of the elements. Two lanes of 16 bits in one word, one SIMD max per pair.
