@@ -769,6 +769,8 @@ struct GemmKernel {
     if (warp_group == 0) {
       cutlass::arch::warpgroup_reg_dealloc<kLoadRegs>();
       if (warp_in_group == 0 && lane_predicate) {
+        // Everything ahead of this grid on its stream is complete: x can be copied (GemmProblem::started_flag).
+        if (blockIdx.x == 0 && p.started_flag != nullptr) st_release<Scope::kSys>(p.started_flag, p.epoch);
         PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
         uint32_t signature_checked = 0;
         Segment seg;
@@ -780,6 +782,8 @@ struct GemmKernel {
         // Keep the CTA alive until every stage was released by the cluster's consumers (no remote
         // arrivals on this CTA's barriers after it exits).
         pipeline.producer_tail(write_state);
+        // Every stage this CTA loaded was consumed: it reads nothing more of A (GemmProblem::finished_ctas).
+        if (p.finished_ctas != nullptr) finish_call(p);
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<kMmaRegs>();

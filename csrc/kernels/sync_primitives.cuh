@@ -127,6 +127,20 @@ __device__ __forceinline__ bool wait_flag(const uint32_t* flag, uint32_t epoch, 
       [epoch](uint32_t v) { return epoch_reached(v, epoch); }, p.timeout_ns, p, code, index);
 }
 
+// The end of an eager push all-gather, by one thread of each CTA once the CTA has read everything it reads
+// (GemmProblem::finished_ctas). The last CTA to get here ends the call: once the comm stream's transfers are
+// complete (sent_flag), the peers may write into our buffer again (done_out) and the watchdog sees the call end.
+// The reset of the counter is safe: the stream's next grid starts after this one ends.
+__device__ __forceinline__ void finish_call(const GemmProblem& p) {
+  __threadfence();
+  if (atomicAdd(p.finished_ctas, 1u) != gridDim.x - 1) return;
+  atomicExch(p.finished_ctas, 0u);
+  wait_flag(p.sent_flag, p.epoch, p, kSentTimeout, 0);  // a timeout is recorded and releases this rank's waits
+  for (int q = 0; q < kMaxTp; ++q)
+    if (p.done_out[q] != nullptr) st_release<Scope::kSys>(p.done_out[q], p.epoch);
+  if (p.completion_word != nullptr) st_release<Scope::kSys>(p.completion_word, p.epoch);
+}
+
 // ---- flags inside one grid (stream-K partials): 0 = empty, 1 = written; cleared before each launch.
 
 // Wait for another CTA of this grid (all CTAs are co-resident, so only a bug can make this time out). The

@@ -11,6 +11,10 @@
 //                   streams wait avail[p][c], copy from p (mesh) or the left neighbour (ring), chunk[p][c] = e.
 //   compute       : the persistent GEMM (own shard at once; peers' tiles wait on chunk flags), then joins the
 //                   comm streams and writes done[r] = e at every peer.
+// Eager push: the GEMM itself forks and joins comm[0] (each host-side fork or join costs the host an event record
+// and a stream wait, ~3 us on the lent VMs): CTA 0's producer sets started = e, which comm[0] waits for in the
+// batch of its done waits; comm[0] sets sent = e after its last transfer (in the batch of its last flag where it
+// can), and the GEMM's last CTA waits for that, then writes done[r] = e at every peer and the completion word.
 // CUDA-graph protocol: done[p] is waited for >= 1 and cleared at once; chunk and avail are cleared after the
 // join, before done is written (a peer sets them again only after it saw that write).
 //   external      : the caller moves the chunks and sets chunk[g][c] = e in our flags (the NCCL transport); the
@@ -40,6 +44,7 @@ struct AgCall {
   int chunks;
   size_t row_bytes;
   uint32_t signature[kSignatureWords];
+  bool sent_with_last_flag = false;  // push(): comm[0]'s last flag write also sets our sent word
 
   // Byte address of rows [row, ...) of shard g in rank q's gathered buffer (compact for this call's M).
   char* region(int q, int g, int row) const { return a.buffers[q] + (size_t(g) * a.rows_per_shard + row) * row_bytes; }
@@ -48,13 +53,19 @@ struct AgCall {
   uint32_t* flag(int q, int64_t index) const { return a.flags[q] + index; }
   uint32_t* my(int64_t index) const { return a.flags[a.rank] + index; }
 
-  // Flag `index` = epoch at rank q; the first one of a stream at q after our signature in q's slot for us.
-  void flag_at(cudaStream_t s, int q, int64_t index, bool first) const {
-    if (first) {
-      stream_write_signed_flag(s, flag(q, flags.signature(a.rank)), signature, flag(q, index), a.epoch);
-    } else {
-      stream_write_u32(s, flag(q, index), a.epoch);
-    }
+  // The GEMM forks and joins comm[0] (see the top of this file).
+  bool kernel_forks() const { return a.mode == AgMode::kPush && !graph() && a.run_gemm; }
+
+  // Flag `index` = epoch at rank q; the first one of a stream at q after our signature in q's slot for us; `sent`:
+  // then our sent word, in the same batch (the stream's last operation).
+  void flag_at(cudaStream_t s, int q, int64_t index, bool first, bool sent = false) const {
+    FlagOp ops[kSignatureWords + 2];
+    int n = 0;
+    if (first)
+      for (int i = 0; i < kSignatureWords; ++i) ops[n++] = {flag(q, flags.signature(a.rank)) + i, signature[i]};
+    ops[n++] = {flag(q, index), a.epoch};
+    if (sent) ops[n++] = {my(flags.sent()), a.epoch};
+    stream_write_u32_all(s, ops, n);
   }
 
   void copy_rows(cudaStream_t s, char* dst, const char* src, size_t src_pitch, int rows) const {
@@ -68,12 +79,14 @@ struct AgCall {
 
   // Start of a call on stream s: every peer finished its previous call (stopped reading its buffer, which we
   // are about to write, and writing ours). One batch of waits (and of clears) for all peers.
+  // Where the GEMM forks the stream, the same batch waits for its start.
   void wait_peers_done(cudaStream_t s) const {
-    if (!graph() && a.epoch <= 1) return;
-    FlagOp ops[kMaxFlagOps];
+    FlagOp ops[kMaxFlagOps] = {};
     int n = 0;
-    for (int q = 0; q < a.tp; ++q)
-      if (q != a.rank) ops[n++] = {my(flags.done(q)), graph() ? 1u : a.epoch - 1};
+    if (graph() || a.epoch > 1)
+      for (int q = 0; q < a.tp; ++q)
+        if (q != a.rank) ops[n++] = {my(flags.done(q)), graph() ? 1u : a.epoch - 1};
+    if (kernel_forks()) ops[n++] = {my(flags.started()), a.epoch};
     stream_wait_u32_geq_all(s, ops, n);
     if (!graph()) return;
     for (int i = 0; i < n; ++i) ops[i].value = 0;
@@ -189,7 +202,9 @@ void push(const AgCall& p) {
         p.copy_scales(s, p.scale_slot(dst, r), a.x_scale, c, false);  // a shard's one scale: push_shard_scale
         p.copy_rows(s, p.region(dst, r, p.chunk_begin(c)), p.x_rows(p.chunk_begin(c)), p.x_pitch(), p.chunk_rows(c));
         // The first flag of each stream carries the signature: the two streams' flags may land in either order.
-        p.flag_at(s, dst, p.flags.chunk(r, c), c < (two_per_peer ? 2 : 1));
+        bool const first = c < (two_per_peer ? 2 : 1);
+        bool const last = o == tp - 1 && c == p.chunks - 1;
+        p.flag_at(s, dst, p.flags.chunk(r, c), first, last && p.sent_with_last_flag);
       }
     }
   } else {
@@ -197,7 +212,7 @@ void push(const AgCall& p) {
     for (int c = 0; c < p.chunks; ++c) {
       p.copy_scales(s, p.scale_slot(right, r), a.x_scale, c, c == 0);
       p.copy_rows(s, p.region(right, r, p.chunk_begin(c)), p.x_rows(p.chunk_begin(c)), p.x_pitch(), p.chunk_rows(c));
-      p.flag_at(s, right, p.flags.chunk(r, c), c == 0);
+      p.flag_at(s, right, p.flags.chunk(r, c), c == 0, tp == 2 && c == p.chunks - 1 && p.sent_with_last_flag);
     }
     for (int step = 1; step < tp - 1; ++step) {
       int g = (r - step + tp) % tp;
@@ -206,7 +221,8 @@ void push(const AgCall& p) {
         p.copy_scales(s, p.scale_slot(right, g), p.scale_slot(r, g), c, c == 0);
         p.copy_rows(s, p.region(right, g, p.chunk_begin(c)), p.region(r, g, p.chunk_begin(c)), p.row_bytes,
                     p.chunk_rows(c));
-        stream_write_u32(s, p.flag(right, p.flags.chunk(g, c)), a.epoch);
+        bool const last = step == tp - 2 && c == p.chunks - 1;
+        p.flag_at(s, right, p.flags.chunk(g, c), false, last && p.sent_with_last_flag);
       }
     }
   }
@@ -300,6 +316,14 @@ GemmProblem gemm_problem(const AgCall& p) {
   }
   g.b_scale_mode = a.w_scale_mode;
   g.b_scale = a.w_scale;
+  if (p.kernel_forks()) {
+    g.started_flag = p.my(p.flags.started());
+    g.sent_flag = p.my(p.flags.sent());
+    g.finished_ctas = p.my(p.flags.finished());
+    for (int q = 0; q < a.tp; ++q)
+      if (q != a.rank) g.done_out[q] = p.flag(q, p.flags.done(a.rank));
+    if (a.completion != nullptr) g.completion_word = CompletionRing::word(a.completion, a.epoch);
+  }
   g.launch = a.launch;
   return g;
 }
@@ -356,9 +380,14 @@ void ag_gemm(const AgGemmArgs& a) {
     // enqueued before the comm stream's handshake wait: with a single hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1)
     // a wait queued ahead of it would hold its own-shard tiles until the peer's previous call ended, and a peer that
     // died inside that call would hold the queue for good, where the GEMM's bounded waits give up and release it.
-    FLUX_CUDA_CHECK(cudaEventRecord(ev[0], a.compute));
-    if (a.run_gemm) launch_gemm(gemm_problem(p), a.types, a.layout, a.tile, a.compute);
-    FLUX_CUDA_CHECK(cudaStreamWaitEvent(s0, ev[0], 0));
+    if (p.kernel_forks()) {
+      p.sent_with_last_flag = used == 1 && a.gathered_out == nullptr;
+      launch_gemm(gemm_problem(p), a.types, a.layout, a.tile, a.compute);
+    } else {
+      FLUX_CUDA_CHECK(cudaEventRecord(ev[0], a.compute));
+      if (a.run_gemm) launch_gemm(gemm_problem(p), a.types, a.layout, a.tile, a.compute);
+      FLUX_CUDA_CHECK(cudaStreamWaitEvent(s0, ev[0], 0));
+    }
     p.wait_peers_done(s0);
     push_shard_scale(p, s0);
     if (used > 1) FLUX_CUDA_CHECK(cudaEventRecord(ready, s0));
@@ -372,6 +401,10 @@ void ag_gemm(const AgGemmArgs& a) {
     FLUX_CUDA_CHECK(cudaStreamWaitEvent(s0, ev[2 + i], 0));
   }
   if (a.gathered_out != nullptr) copy_out_gathered(p, a.mode == AgMode::kPull);
+  if (p.kernel_forks()) {  // the GEMM's last CTA joins comm[0] and signals the end (see the top of this file)
+    if (!p.sent_with_last_flag) stream_write_u32(s0, p.my(p.flags.sent()), a.epoch);
+    return;
+  }
   FLUX_CUDA_CHECK(cudaEventRecord(ev[2], s0));
   FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.compute, ev[2], 0));
   p.signal_done(a.compute);

@@ -64,6 +64,8 @@ const char* wait_error(int code) {
       return "a peer to release its receive slots (previous call)";
     case kSplitTimeout:
       return "a stream-K partial of its own grid";
+    case kSentTimeout:
+      return "its own copy-engine transfers (its comm stream waits for its peers' previous call)";
     default:
       return "an unknown wait";
   }

@@ -139,6 +139,31 @@ def test_ag_gemm_late_rank_and_back_to_back():
     run_distributed(_late_and_many, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl")
 
 
+def _x_overwritten(rank, tp, seed):
+    """x is the caller's again once the call is enqueued: overwriting it at once on the stream leaves every rank's
+    output and gathered input right (push: the GEMM's last CTA waits for the transfers that read x; pull: the comm
+    streams are joined). Shards of 16 MiB with a narrow GEMM, so that a transfer not waited for would still run."""
+    from flux_layers.ops import fused_ag_gemm
+    poison_outputs()
+    rows, k, n_local = 2048, 4096, 128
+    for i, (mode, gathered) in enumerate(itertools.product(("push", "pull"), (False, True))):
+        x, w, _ = global_inputs(seed + i, rows * tp, k, n_local * tp, torch.bfloat16, "nt")
+        x_shard_m = x.chunk(tp)[rank].clone()  # not a view of x, the reference's input
+        w_shard_n = w.chunk(tp)[rank].contiguous()
+        result = fused_ag_gemm.ag_gemm(x_shard_m, w_shard_n, group=dist.group.WORLD, mode=mode,
+                                       order="mesh", chunk_rows=0, return_gathered=gathered)
+        x_shard_m.fill_(float("nan"))
+        out = result[0] if gathered else result
+        assert_close_rel(out, *references(x, w_shard_n, None, "nt"), f"rank {rank} {mode} x overwritten")
+        if gathered:
+            assert torch.equal(result[1], x), f"rank {rank} {mode}: gathered input differs from x"
+    torch.cuda.synchronize()
+
+
+def test_ag_gemm_x_overwritten_after_the_call():
+    run_distributed(_x_overwritten, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl")
+
+
 def _timeout(rank, tp):
     from flux_layers.ops import fused_ag_gemm
     from flux_layers.runtime.workspace import AgWorkspace, WorkspaceError

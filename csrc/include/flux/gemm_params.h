@@ -61,6 +61,7 @@ enum WaitError : int {
   kConsumedTimeout = 3,
   kSplitTimeout = 4,       // a stream-K reducer waited too long for a partial of its own grid (a kernel bug)
   kSignatureMismatch = 5,  // a peer's call signature (below) differs from this rank's
+  kSentTimeout = 6,        // an all-gather's last CTA waited too long for its own comm stream's transfers
 };
 
 // The error record: host-mapped int[kErrorRecordWords], written once by the first failing waiter (error_claim):
@@ -136,6 +137,17 @@ struct GemmProblem {
   const uint32_t* chunk_flags = nullptr;
   int rows_per_chunk = 0;
   int chunks_per_shard = 0;
+  // Eager push all-gather (csrc/runtime/ag_gemm.cpp): the kernel's start and end stand in for the fork and join of
+  // the comm stream, which would cost the host an event record and a stream wait each. CTA 0's producer sets
+  // started_flag = epoch (x is ready: the comm stream waits for it before it copies x); the last CTA to finish
+  // (finished_ctas counts them and is 0 between calls) waits for sent_flag >= epoch (the comm stream's transfers,
+  // which read x, are complete), then sets every done_out (the peers' done word for this rank) and completion_word
+  // to epoch. Null: none of this (the host forks and joins).
+  uint32_t* started_flag = nullptr;
+  const uint32_t* sent_flag = nullptr;
+  uint32_t* finished_ctas = nullptr;
+  uint32_t* done_out[kMaxTp] = {nullptr};
+  uint32_t* completion_word = nullptr;
 
   // ---- ReduceScatter
   int rs_own_shard = -1;                        // shard reduced here (this rank's rows); -1: not a reduce-scatter

@@ -14,17 +14,24 @@ namespace flux {
 //   chunk[g][c] : rows chunk c of shard g are in this rank's gathered buffer     (the GEMM waits on these)
 //   avail[g][c] : chunk (g, c) can be pulled from this rank's source rank          (pull modes)
 //   done[p]     : rank p finished its previous call (its reads of our buffer and its writes into it)
+//   started     : this rank's GEMM of the call started, so x is ready  (eager push: GemmProblem::started_flag)
+//   sent        : this rank's comm stream finished the call's transfers  (eager push: GemmProblem::sent_flag)
 //   sig[p][kSignatureWords] : rank p's call signature (gemm_params.h), written before its first flag here
+//   finished    : the GEMM's count of finished CTAs (GemmProblem::finished_ctas; the kernel's own, never released)
 struct AgFlagLayout {
   int tp;
   int chunk_capacity;  // chunks per shard the workspace was sized for
   int64_t chunk(int g, int c) const { return int64_t(g) * chunk_capacity + c; }
   int64_t avail(int g, int c) const { return int64_t(tp) * chunk_capacity + int64_t(g) * chunk_capacity + c; }
   int64_t done(int p) const { return 2 * int64_t(tp) * chunk_capacity + p; }
-  int64_t signature(int p) const { return 2 * int64_t(tp) * chunk_capacity + tp + int64_t(p) * kSignatureWords; }
+  int64_t started() const { return done(tp); }
+  int64_t sent() const { return done(tp) + 1; }
+  int64_t signature(int p) const { return sent() + 1 + int64_t(p) * kSignatureWords; }
+  int64_t finished() const { return signature(tp); }
   int64_t data_words() const { return 2 * int64_t(tp) * chunk_capacity; }  // chunk and avail: cleared per call
-  int64_t release_words() const { return data_words() + tp; }  // chunk, avail and done: every word a wait reads
-  int64_t words() const { return signature(tp); }
+  // chunk, avail, done, started and sent: every word a wait reads
+  int64_t release_words() const { return data_words() + tp + 2; }
+  int64_t words() const { return finished() + 1; }
 };
 
 // Flag words of one rank in the reduce-scatter workspace (uint32; csrc/runtime/gemm_rs.cpp):
