@@ -62,6 +62,28 @@ int dump_rs_flags(int argc, char** argv) {
   return 0;
 }
 
+// agflags tp chunk_capacity: every word of the all-gather's flag layout, one "name index" line each, then
+// "release_words n" and "words n" (workspace_layout.h AgFlagLayout).
+int dump_ag_flags(int argc, char** argv) {
+  if (argc < 4) return 2;
+  flux::AgFlagLayout const f{std::atoi(argv[2]), std::atoi(argv[3])};
+  auto word = [](const char* name, int64_t index) { std::printf("%s %lld\n", name, static_cast<long long>(index)); };
+  for (int g = 0; g < f.tp; ++g)
+    for (int c = 0; c < f.chunk_capacity; ++c) {
+      word("chunk", f.chunk(g, c));
+      word("avail", f.avail(g, c));
+    }
+  for (int q = 0; q < f.tp; ++q) word("done", f.done(q));
+  word("started", f.started());
+  word("sent", f.sent());
+  for (int q = 0; q < f.tp; ++q)
+    for (int i = 0; i < flux::kSignatureWords; ++i) word("signature", f.signature(q) + i);
+  word("finished", f.finished());
+  word("release_words", f.release_words());
+  word("words", f.words());
+  return 0;
+}
+
 // constants: the values the Python mirrors must equal, one "name value..." line each.
 int dump_constants() {
   std::printf("max_tp %d\ncluster_m %d\nsplit_max_fill_pct %d\nrs_chunk_cols %d\n", flux::kMaxTp, flux::kClusterM,
@@ -78,6 +100,7 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "rschunks") return dump_rs_chunks(argc, argv);
   if (argc > 1 && std::string(argv[1]) == "signature") return dump_signature(argc, argv);
   if (argc > 1 && std::string(argv[1]) == "rsflags") return dump_rs_flags(argc, argv);
+  if (argc > 1 && std::string(argv[1]) == "agflags") return dump_ag_flags(argc, argv);
   // rows_per_shard n num_shards tile_m tile_n cluster_m swizzle_m order...
   if (argc < 8) return 2;
   flux::GemmProblem p;

@@ -217,6 +217,28 @@ def test_call_signature_word_round_trips(schedule_dump, op, layout, transport, d
     assert word < 2**32
 
 
+@pytest.mark.parametrize("tp,capacity", [(2, 1), (2, 16), (4, 3), (8, 64)])
+def test_all_gather_flag_words_are_distinct_and_released(schedule_dump, tp, capacity):
+    """Every word of the all-gather's flag layout has its own index inside the layout; the release range (what a
+    failed call sets to its maximum so that every wait returns) holds exactly the words a wait reads (chunk,
+    avail, done, started, sent), and neither the signatures nor the kernel's count of finished CTAs, which a
+    release would corrupt."""
+    out = subprocess.run([schedule_dump, "agflags", str(tp), str(capacity)], capture_output=True, text=True,
+                         check=True).stdout
+    words: dict[str, list[int]] = {}
+    for line in out.splitlines():
+        name, *values = line.split()
+        words.setdefault(name, []).extend(int(v) for v in values)
+    (release,), (total,) = words.pop("release_words"), words.pop("words")
+    every = [i for indices in words.values() for i in indices]
+    assert len(every) == len(set(every)) == total, "a flag word is shared or the layout has gaps"
+    assert sorted(every) == list(range(total))
+    assert [len(words[n]) for n in ("chunk", "avail", "done", "started", "sent", "signature", "finished")] == \
+        [tp * capacity, tp * capacity, tp, 1, 1, 3 * tp, 1]
+    waited = {i for n in ("chunk", "avail", "done", "started", "sent") for i in words[n]}
+    assert waited == set(range(release)), "the release range is not exactly the waited words"
+
+
 def test_constants_match_the_cpp_headers(schedule_dump):
     """schedules.py's constants mirror csrc/include/flux/gemm_params.h and tile_schedule.cuh, their one source."""
     out = subprocess.run([schedule_dump, "constants"], capture_output=True, text=True, check=True).stdout
