@@ -34,6 +34,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from benchmarks.harness import rotated, time_loop_ms, time_samples_ms
+
 SHAPES = "2048x4096x4096,3000x4096x11008,4096x8192x8192,16384x4096x4096"
 IMPLS = ("fused", "auto", "sequential", "torch_symm_mem")
 DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
@@ -177,31 +179,15 @@ def _breakdown(rank, op, m, k, n, layout, data, group, args):
     return rows
 
 
-def _gpu_ms(fn, data, reps):
-    samples = []
-    for i in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        dist.barrier()
-        torch.cuda._sleep(SLEEP_CYCLES_PER_MS)
-        start.record()
-        fn(*data[i % len(data)][:2])
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
+def _gpu_ms(fn, data, reps, group):
+    """Median milliseconds of one call behind a 1 ms GPU sleep, the ranks lined up before each."""
+    return statistics.median(time_samples_ms(lambda i: fn(*data[i % len(data)][:2]), reps=reps, warmup=0,
+                                             group=group, sleep_cycles=SLEEP_CYCLES_PER_MS, reduce_ranks=False))
 
 
-def _loop_ms(fn, data, calls):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    dist.barrier()
-    start.record()
-    for i in range(calls):
-        fn(*data[i % len(data)][:2])
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls
+def _loop_ms(fn, data, calls, group):
+    """Milliseconds per call of ``calls`` calls issued back to back."""
+    return time_loop_ms(lambda i: fn(*data[i % len(data)][:2]), calls=calls, warmup=0, group=group)
 
 
 def _max_over_ranks(value):
@@ -246,13 +232,12 @@ def bench_case(rank, tp, op, m, k, n, layout, args, group, impls):
     samples = {key: {"host_us": [], "gpu_ms": [], "loop_ms": []} for key in fns}
     keys = list(fns)
     for r in range(args.rounds):
-        shift = r * len(keys) // args.rounds
-        for key in keys[shift:] + keys[:shift]:
+        for key in rotated(keys, r, args.rounds):
             fn, inputs = fns[key], data[key[1]]
             samples[key]["host_us"].append(_host_us(fn, inputs, args.calls, args.sleep_ms, args.in_flight))
             if not args.shared_gpu:
-                samples[key]["gpu_ms"].append(_gpu_ms(fn, inputs, args.reps))
-                samples[key]["loop_ms"].append(_loop_ms(fn, inputs, args.calls))
+                samples[key]["gpu_ms"].append(_gpu_ms(fn, inputs, args.reps, group))
+                samples[key]["loop_ms"].append(_loop_ms(fn, inputs, args.calls, group))
     for (impl, name) in fns:
         med = {key: statistics.median(v) if v else None for key, v in samples[impl, name].items()}
         row = {"op": op, "m": m, "k": k, "n": n, "layout": layout, "impl": impl, "dtype": name,

@@ -92,13 +92,16 @@ def rotated(keys: list, r: int, rounds: int) -> list:
     return keys[shift:] + keys[:shift]
 
 
-def time_loop_ms(fn, *, calls: int, warmup: int = 3) -> float:
+def time_loop_ms(fn, *, calls: int, warmup: int = 3, group=None) -> float:
     """Milliseconds per call of ``calls`` calls of ``fn(i)`` issued back to back (CUDA events around the loop, no
-    sleep): what a training loop sees, host cost included wherever the CPU cannot keep ahead of the GPU."""
+    sleep): what a training loop sees, host cost included wherever the CPU cannot keep ahead of the GPU. With a
+    group, the ranks start the loop together (a barrier after the warm-up)."""
     for i in range(warmup):
         fn(i)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
+    if group is not None:
+        dist.barrier(group=group)
     start.record()
     for i in range(calls):
         fn(warmup + i)
