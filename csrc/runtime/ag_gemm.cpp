@@ -44,7 +44,6 @@ struct AgCall {
   int chunks;
   size_t row_bytes;
   uint32_t signature[kSignatureWords];
-  bool sent_with_last_flag = false;  // push(): comm[0]'s last flag write also sets our sent word
 
   // Byte address of rows [row, ...) of shard g in rank q's gathered buffer (compact for this call's M).
   char* region(int q, int g, int row) const { return a.buffers[q] + (size_t(g) * a.rows_per_shard + row) * row_bytes; }
@@ -55,6 +54,18 @@ struct AgCall {
 
   // The GEMM forks and joins comm[0] (see the top of this file).
   bool kernel_forks() const { return a.mode == AgMode::kPush && !graph() && a.run_gemm; }
+
+  // Comm streams this call issues work on (the others are neither forked nor joined: each fork or join is an event
+  // record and wait that the GPU pays for on every call).
+  int streams_used() const {
+    if (a.order == AgOrder::kRing) return 1;
+    int streams = a.tp - 1;
+    if (a.mode == AgMode::kPush && chunks > 1 && a.num_comm >= 2 * (a.tp - 1)) streams *= 2;  // see push()
+    return std::min(streams, a.num_comm);
+  }
+
+  // push(): comm[0]'s last flag write also sets our sent word (nothing follows it on comm[0]).
+  bool sent_with_last_flag() const { return kernel_forks() && streams_used() == 1 && a.gathered_out == nullptr; }
 
   // Flag `index` = epoch at rank q; the first one of a stream at q after our signature in q's slot for us; `sent`:
   // then our sent word, in the same batch (the stream's last operation).
@@ -204,7 +215,7 @@ void push(const AgCall& p) {
         // The first flag of each stream carries the signature: the two streams' flags may land in either order.
         bool const first = c < (two_per_peer ? 2 : 1);
         bool const last = o == tp - 1 && c == p.chunks - 1;
-        p.flag_at(s, dst, p.flags.chunk(r, c), first, last && p.sent_with_last_flag);
+        p.flag_at(s, dst, p.flags.chunk(r, c), first, last && p.sent_with_last_flag());
       }
     }
   } else {
@@ -212,7 +223,8 @@ void push(const AgCall& p) {
     for (int c = 0; c < p.chunks; ++c) {
       p.copy_scales(s, p.scale_slot(right, r), a.x_scale, c, c == 0);
       p.copy_rows(s, p.region(right, r, p.chunk_begin(c)), p.x_rows(p.chunk_begin(c)), p.x_pitch(), p.chunk_rows(c));
-      p.flag_at(s, right, p.flags.chunk(r, c), c == 0, tp == 2 && c == p.chunks - 1 && p.sent_with_last_flag);
+      bool const last = tp == 2 && c == p.chunks - 1;  // no shard to forward after ours
+      p.flag_at(s, right, p.flags.chunk(r, c), c == 0, last && p.sent_with_last_flag());
     }
     for (int step = 1; step < tp - 1; ++step) {
       int g = (r - step + tp) % tp;
@@ -222,7 +234,7 @@ void push(const AgCall& p) {
         p.copy_rows(s, p.region(right, g, p.chunk_begin(c)), p.region(r, g, p.chunk_begin(c)), p.row_bytes,
                     p.chunk_rows(c));
         bool const last = step == tp - 2 && c == p.chunks - 1;
-        p.flag_at(s, right, p.flags.chunk(g, c), false, last && p.sent_with_last_flag);
+        p.flag_at(s, right, p.flags.chunk(g, c), false, last && p.sent_with_last_flag());
       }
     }
   }
@@ -253,16 +265,6 @@ void copy_out_gathered(const AgCall& p, bool own_in_buffer) {
     if (scale_out != nullptr)
       FLUX_CUDA_CHECK(cudaMemcpyAsync(scale_out, p.scale_slot(a.rank, g), scale_bytes, cudaMemcpyDefault, s));
   }
-}
-
-// Comm streams this call issues work on (the others are neither forked nor joined: each fork or join is an event
-// record and wait that the GPU pays for on every call).
-int comm_streams_used(const AgCall& p) {
-  const AgGemmArgs& a = p.a;
-  if (a.order == AgOrder::kRing) return 1;
-  int streams = a.tp - 1;
-  if (a.mode == AgMode::kPush && p.chunks > 1 && a.num_comm >= 2 * (a.tp - 1)) streams *= 2;  // see push()
-  return std::min(streams, a.num_comm);
 }
 
 // The persistent GEMM of a call: own shard from x at once, the others from our gathered buffer, each tile after
@@ -363,7 +365,7 @@ void ag_gemm(const AgGemmArgs& a) {
   cudaEvent_t* const ev = a.events;
   cudaEvent_t ready = ev[1];
   cudaStream_t s0 = a.comm[0];
-  int const used = comm_streams_used(p);
+  int const used = p.streams_used();
   bool x_in_buffer = a.x == p.region(a.rank, a.rank, 0) && a.ldx == a.k;
   if (a.mode == AgMode::kPull) {
     // Pull: our shard must sit in our symmetric buffer before anyone pulls it. The staging copy is
@@ -381,7 +383,6 @@ void ag_gemm(const AgGemmArgs& a) {
     // a wait queued ahead of it would hold its own-shard tiles until the peer's previous call ended, and a peer that
     // died inside that call would hold the queue for good, where the GEMM's bounded waits give up and release it.
     if (p.kernel_forks()) {
-      p.sent_with_last_flag = used == 1 && a.gathered_out == nullptr;
       launch_gemm(gemm_problem(p), a.types, a.layout, a.tile, a.compute);
     } else {
       FLUX_CUDA_CHECK(cudaEventRecord(ev[0], a.compute));
@@ -402,7 +403,7 @@ void ag_gemm(const AgGemmArgs& a) {
   }
   if (a.gathered_out != nullptr) copy_out_gathered(p, a.mode == AgMode::kPull);
   if (p.kernel_forks()) {  // the GEMM's last CTA joins comm[0] and signals the end (see the top of this file)
-    if (!p.sent_with_last_flag) stream_write_u32(s0, p.my(p.flags.sent()), a.epoch);
+    if (!p.sent_with_last_flag()) stream_write_u32(s0, p.my(p.flags.sent()), a.epoch);
     return;
   }
   FLUX_CUDA_CHECK(cudaEventRecord(ev[2], s0));
