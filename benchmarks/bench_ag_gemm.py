@@ -18,7 +18,9 @@ and the JSON say which ran. With the NCCL transport (e.g. across nodes, or emula
 ) the variants are: cuBLAS GEMM alone, our GEMM alone on all SMs and on the SMs the fused op leaves it beside
 NCCL, NCCL all-gather alone, the NCCL transport's transfers alone (its send/recv batches and flags), NCCL then
 cuBLAS, torch's fused op, and the fused operator at 1, 2 and 4 chunks per shard; bound = max(GEMM alone, NCCL
-all-gather alone).
+all-gather alone). The hybrid transport (FLUX_LAYERS_TRANSPORT=hybrid with FLUX_LAYERS_NODE_SIZE, e.g. 2 on 4 GPUs:
+NCCL between the emulated nodes, copy-engine pushes inside them) runs the same variants, its transfers alone
+included.
 """
 from __future__ import annotations
 
@@ -164,8 +166,8 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
     return row
 
 
-def bench_shape_nccl(rank, tp, m, k, n, dtype, reps, sets=2):
-    """bench_shape for the NCCL transport (the module docstring's variants)."""
+def bench_shape_nccl(rank, tp, m, k, n, dtype, reps, sets=2, transport="nccl"):
+    """bench_shape for the NCCL or hybrid transport (the module docstring's variants)."""
     from flux_layers import ops
     from flux_layers.ops import fused_ag_gemm
     from flux_layers.runtime import tuning, workspace
@@ -175,13 +177,14 @@ def bench_shape_nccl(rank, tp, m, k, n, dtype, reps, sets=2):
     n_local = n // tp
     rows = m // tp
     xs, ws_, gathered = _inputs(rank, tp, m, k, n, dtype, sets)
-    ag_ws = workspace.get_ag_workspace(group, dtype, m, k, "nccl")
+    ag_ws = workspace.get_ag_workspace(group, dtype, m, k, transport)
 
     def fused(i, **cfg):
         return fused_ag_gemm.ag_gemm(xs[i % sets], ws_[i % sets], group=group, ws=ag_ws, **cfg)
 
-    ref, err = _checked(rank, fused(0), gathered[0], ws_[0], f"fused ag_gemm (nccl) on {m}x{k}x{n}")
-    check_kernel_variants(lambda **cfg: fused(0, **cfg), ref, f"rank {rank}: fused ag_gemm (nccl) on {m}x{k}x{n}")
+    ref, err = _checked(rank, fused(0), gathered[0], ws_[0], f"fused ag_gemm ({transport}) on {m}x{k}x{n}")
+    check_kernel_variants(lambda **cfg: fused(0, **cfg), ref,
+                          f"rank {rank}: fused ag_gemm ({transport}) on {m}x{k}x{n}")
 
     sms = nccl_transport.gemm_sms_beside_nccl(ag_ws.device)
     t = _unfused_times(rank, xs, ws_, gathered, reps, f"{m}x{k}x{n}", sms=sms)
@@ -197,15 +200,17 @@ def bench_shape_nccl(rank, tp, m, k, n, dtype, reps, sets=2):
     call = fused_ag_gemm.plan_nccl_call(ag_ws, m=m, k=k, n=n)
     row = {"m": m, "k": k, "n": n, "n_local": n_local, "tp": tp, "dtype": str(dtype).replace("torch.", ""),
            "times_ms": t, **overlap_figures(t, "nccl_ag", "nccl_then_gemm"),
-           "rel_err_vs_cublas": err, "transport": "nccl", "ag_order": call.executor.plan.order,
+           "rel_err_vs_cublas": err, "transport": transport, "ag_order": call.executor.plan.order,
            "node_of": list(ag_ws.layout.node_of), "gemm_sm_count": sms,
            "rows_per_chunk": call.rows_per_chunk,
            "dispatch_auto": ops.plan("ag_gemm", xs[0], ws_[0], group=group).path,
            "fused_default_config": tuning.kernel_name(tuning.resolve_kernel("ag_gemm", dtype=dtype, tp=tp,
                                                                             mkn=_key(xs[0], ws_[0], tp))),
            "implementation": "fused = flux_layers._C ag_gemm in external-transfer mode + NCCL send/recv batches "
-                             "(torch.distributed) each followed by its chunk flag (flux_layers/runtime/"
-                             "nccl_transport.py)"}
+                             "(torch.distributed) each followed by its chunk flag (flux_layers/runtime/multinode/"
+                             "nccl_transport.py)" + ("; inside each node, copy-engine pushes from the host, each "
+                                                     "followed by the chunk's flag at the peer (hybrid transport)"
+                                                     if transport == "hybrid" else "")}
     return row
 
 
@@ -215,21 +220,24 @@ def run(rank, tp, args):
     transport = ag_transport(dist.group.WORLD)
     rows = []
     for (m, k, n) in parse_shapes(args.shapes):
-        bench = bench_shape_nccl if transport == "nccl" else bench_shape
-        r = bench(rank, tp, m, k, n, dtype, args.reps)
+        if transport == "copy_engine":
+            r = bench_shape(rank, tp, m, k, n, dtype, args.reps)
+        else:
+            r = bench_shape_nccl(rank, tp, m, k, n, dtype, args.reps, transport=transport)
         rows.append(r)
         if rank == 0:
             tt = r["times_ms"]
-            comm = "nccl_p2p_ag" if transport == "nccl" else "ce_ag"
+            comm = "ce_ag" if transport == "copy_engine" else "nccl_p2p_ag"
             print(f"  {m}x{k}x{n} [{transport}]: gemm {tt['gemm_cublas']:.3f} {comm} {tt[comm]:.3f} "
                   f"seq {tt['nccl_then_gemm']:.3f} torch {tt['torch_symm_mem_fused']} fused {tt['fused']:.3f} ms",
                   flush=True)
-    if transport == "nccl":
+    if transport != "copy_engine":
         report_operator_rows(rank, tp, rows, operator_columns([
             ("gemm_flux_beside_nccl", "gemm_sms", ".3f"), ("nccl_ag", "nccl_ag", ".3f"),
             ("nccl_p2p_ag", "p2p_ag", ".3f"), ("nccl_then_gemm", "seq", ".3f"),
             ("torch_symm_mem_fused", "torch", ".3f"), ("fused", "fused", ".3f"), ("fused_1chunk", "f_1ch", ".3f"),
-            ("fused_2chunk", "f_2ch", ".3f"), ("fused_4chunk", "f_4ch", ".3f")]), args.out, extra={"transport": "nccl"})
+            ("fused_2chunk", "f_2ch", ".3f"), ("fused_4chunk", "f_4ch", ".3f")]), args.out,
+            extra={"transport": transport})
         return
     report_operator_rows(rank, tp, rows, operator_columns([
         ("ce_ag", "ce_ag", ".3f"), ("nccl_ag", "nccl_ag", ".3f"), ("nccl_then_gemm", "seq", ".3f"),

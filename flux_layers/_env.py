@@ -11,7 +11,7 @@ launchers can set them per process.
 | FLUX_LAYERS_AG_MODE | copy-engine all-gather direction: ``push`` or ``pull`` | push |
 | FLUX_LAYERS_AG_ORDER | all-gather order: ``auto`` (from topology), ``mesh``, ``ring`` (one node), ``internode`` (several nodes, NVLink inside each) or ``numa2d`` (PCIe nodes with two NUMA domains); flux_layers/runtime/topology.py | auto |
 | FLUX_LAYERS_NODE_SIZE | ranks per node, declaring node boundaries (global rank // N is the node); emulates several nodes on one machine. ``0``: torchrun's LOCAL_WORLD_SIZE where the job spans nodes, else one node | 0 |
-| FLUX_LAYERS_TRANSPORT | how chunks move between two ranks: ``copy_engine`` (peer-mapped memory, cudaMemcpy), ``nccl`` (send/recv through the group's NCCL communicator) or ``auto`` (copy engine where the pair can map each other's memory, else NCCL; always NCCL across nodes). GEMM+ReduceScatter takes its NCCL transport only with ``nccl`` (not yet run on GPUs); under ``auto`` a group without peer access takes its reference path | auto |
+| FLUX_LAYERS_TRANSPORT | how chunks move between two ranks: ``copy_engine`` (peer-mapped memory, cudaMemcpy), ``nccl`` (send/recv through the group's NCCL communicator), ``hybrid`` (the all-gather only: NCCL between nodes, host-driven copy-engine pushes inside them; not yet run on GPUs; the reduce-scatter as under ``auto``) or ``auto`` (copy engine where the pair can map each other's memory, else NCCL; always NCCL across nodes). GEMM+ReduceScatter takes its NCCL transport only with ``nccl`` (not yet run on GPUs); under ``auto`` a group without peer access takes its reference path | auto |
 | FLUX_LAYERS_NCCL_SMS | SMs the fused all-gather's GEMM leaves to NCCL's kernels on the ``nccl`` transport (flux_layers/runtime/multinode/nccl_transport.py) | 20 |
 | FLUX_LAYERS_NUMA_MAP | comma-separated NUMA node of each local rank's GPU (e.g. ``0,0,0,0,1,1,1,1``), overriding detection (NVML, else sysfs); with ``FLUX_LAYERS_AG_ORDER=numa2d`` it forces the NUMA-2D order. Empty: detect | (empty) |
 | FLUX_LAYERS_CHUNK_ROWS | rows per copy-engine chunk (0: per-shape heuristic) | 0 |
@@ -81,7 +81,7 @@ _CHOICES = {
     "DIRECT_CALLS": ("0", "1"),
     "AG_MODE": ("pull", "push"),
     "AG_ORDER": ("auto", "mesh", "ring", "internode", "numa2d"),
-    "TRANSPORT": ("auto", "copy_engine", "nccl"),
+    "TRANSPORT": ("auto", "copy_engine", "nccl", "hybrid"),
     "DISPATCH": ("table", "always"),
     "POISON_OUTPUTS": ("0", "1"),
     "TEST_SHARED_GPU": ("0", "1"),

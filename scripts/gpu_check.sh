@@ -139,13 +139,14 @@ flux_layers._library.path(), flux_layers._library.unavailable_reason())'" ;;
           tests/gpu/test_layers_gpu.py ${SHARED_TESTS_K:+-k "$SHARED_TESTS_K"}
         shared_run "$tp" 1 "shared_tp$tp"
       done ;;
-    shared_nodes)  # emulated nodes on one GPU (TPxNODES of $SHARED_NODES): the NCCL transports over the stand-in
+    shared_nodes)  # emulated nodes on one GPU (TPxNODES of $SHARED_NODES): the NCCL and hybrid transports over the
+      # stand-in
       for layout in ${SHARED_NODES:-4x2 8x2 8x4}; do
         tp=${layout%x*} nodes=${layout#*x}
         step "shared_nodes_$layout" "$(shared_limit nodes "$tp")" env FLUX_LAYERS_TEST_SHARED_GPU=1 \
           FLUX_LAYERS_TEST_TP="$tp" FLUX_LAYERS_TEST_NODES="$nodes" FLUX_LAYERS_TIMEOUT_S=${SHARED_TIMEOUT_S:-60} \
           $PY -m pytest -q -p no:cacheprovider tests/gpu/test_sendrecv_gpu.py tests/gpu/test_nccl_transport_gpu.py \
-          ${SHARED_TESTS_K:+-k "$SHARED_TESTS_K"}
+          tests/gpu/test_hybrid_transport_gpu.py ${SHARED_TESTS_K:+-k "$SHARED_TESTS_K"}
         shared_run "$tp" "$nodes" "shared_nodes_$layout"
       done ;;
     reliability_bench)  # one GPU: two ranks sharing it (--shared-gpu), results checked, times not TP times
@@ -172,8 +173,9 @@ benchmarks.bench_overhead --shared-gpu ${OVERHEAD_ARGS:-} --out $WORK/results/op
     gemm_bench) step gemm_bench 300 $PY -m benchmarks.bench_gemm --out "$WORK/results/gemm_h200.json" ;;
     ag_bench) step ag_bench 400 $PY -m benchmarks.bench_ag_gemm --out "$WORK/results/ag_gemm_$GPU_TAG.json" ;;
     rs_bench) step rs_bench 400 $PY -m benchmarks.bench_gemm_rs --out "$WORK/results/gemm_rs_$GPU_TAG.json" ;;
-    nccl_test)  # both operators over their NCCL transports (2+ GPUs; not in the default steps)
-      step nccl_test 420 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_nccl_transport_gpu.py ;;
+    nccl_test)  # both operators over their NCCL transports, and the hybrid all-gather (2+ GPUs; not default)
+      step nccl_test 420 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_nccl_transport_gpu.py \
+        tests/gpu/test_hybrid_transport_gpu.py ;;
     nccl_bench)  # both NCCL transports, every peer on another "node" (not in the default steps)
       step nccl_ag_bench 400 env FLUX_LAYERS_TRANSPORT=nccl FLUX_LAYERS_NODE_SIZE=1 $PY -m benchmarks.bench_ag_gemm \
         --out "$WORK/results/ag_gemm_internode_$GPU_TAG.json"

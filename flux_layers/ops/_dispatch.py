@@ -360,7 +360,7 @@ def _fused_ag_gemm(decision: Decision, x_shard_m, weight, group, weight_layout: 
     check_same_call(group, call_signature("ag_gemm", m, k, n, x_shard_m.dtype, weight_layout, transport))
     ws = workspace.get_ag_workspace(group, x_shard_m.dtype, m, k, transport)
     weight_nn = weight_layout == "nn"
-    if transport == "nccl":
+    if transport != "copy_engine":  # NCCL or hybrid: the transfers driven from the host
         call = fused_ag_gemm.plan_nccl_call(ws, m=m, k=k, n=n)
 
         def run(x_shard_m, weight, bias, return_gathered):

@@ -39,7 +39,7 @@ def _group_devices(tp: int) -> tuple[int, ...]:
 
 
 def ag_transport(group) -> str:
-    """How the fused all-gather of ``group`` moves its chunks, 'copy_engine' or 'nccl' (topology.ag_transport:
+    """How the fused all-gather of ``group`` moves its chunks, 'copy_engine', 'nccl' or 'hybrid' (topology.ag_transport:
     FLUX_LAYERS_TRANSPORT, else NCCL where the group spans nodes or its GPUs cannot map each other's memory).
     Every rank resolves the same (same settings, same node layout, nodes alike)."""
     from flux_layers.runtime import topology
@@ -48,11 +48,12 @@ def ag_transport(group) -> str:
 
 
 def over_nccl(op: str, group) -> bool:
-    """Whether a fused ``op`` of ``group`` moves data between ranks by NCCL, through workspaces in local memory (the
-    all-gather's :func:`ag_transport` 'nccl'; the reduce-scatter's only where FLUX_LAYERS_TRANSPORT=nccl,
-    topology.rs_over_nccl), rather than through peer-mapped memory. Every rank resolves the same."""
+    """Whether a fused ``op`` of ``group`` moves data between ranks by NCCL, through workspaces that not every peer
+    maps (the all-gather's :func:`ag_transport` 'nccl', local memory, or 'hybrid', mapped inside the node; the
+    reduce-scatter's only where FLUX_LAYERS_TRANSPORT=nccl, topology.rs_over_nccl), rather than through peer-mapped
+    memory alone. Every rank resolves the same."""
     if op == "ag_gemm":
-        return ag_transport(group) == "nccl"
+        return ag_transport(group) in ("nccl", "hybrid")
     from flux_layers.runtime import topology
     return topology.rs_over_nccl()
 
@@ -108,8 +109,11 @@ def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int,
                             "before the warm-up (FLUX_LAYERS_CUDA_GRAPHS=1 or "
                             "flux_layers.runtime.workspace.enable_cuda_graphs())")
 
-    # NOTE: the reduce-scatter's NCCL transport is taken only when forced and has not run on GPUs: say so.
+    # NOTE: the reduce-scatter's NCCL transport and the hybrid all-gather are taken only when forced and have not
+    # run on GPUs: say so.
     untried = " (over NCCL, FLUX_LAYERS_TRANSPORT=nccl: not yet run on GPUs)" if nccl and op == "gemm_rs" else ""
+    if nccl and op == "ag_gemm" and ag_transport(group) == "hybrid":
+        untried = " (hybrid transport, FLUX_LAYERS_TRANSPORT=hybrid: not yet run on GPUs)"
     untried += stand_in
     if requested == "fused":
         if blockers:

@@ -21,9 +21,19 @@ host on the workspace's transfer stream, each followed by its flag, and the GEMM
 in the transfer plan's arrival order, on all SMs but FLUX_LAYERS_NCCL_SMS
 (flux_layers/runtime/multinode/nccl_transport.py; :func:`plan_nccl_call`, :func:`run_nccl`). Not under CUDA-graph
 capture.
+
+Transport ``hybrid`` (FLUX_LAYERS_TRANSPORT=hybrid; a group over several nodes with peer access inside each): the
+same call, on a workspace mapped inside the node (runtime/workspace.py), with the transfer plan of
+``nccl_transport.hybrid_plan``: NCCL between nodes, and inside the node the transfer stream pushes chunks into the
+node peers' buffers with the copy engine (``copy_``, then the chunk's flag at the peer). Handshake, epoch e: a push
+into peer q first waits (once per call) until q's done word here holds e - 1; after the join, this rank writes done
+= e at every node peer that pushes here (its GEMM and transfers of call e stopped reading its buffer). A chunk pushed
+here that this rank forwards, and every chunk pushed here before the gathered input is copied out, is waited for
+on its flag.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -89,47 +99,67 @@ def plan_call(ws: workspace.AgWorkspace, *, m: int, k: int, n: int, tile: int | 
 
 @dataclass(frozen=True)
 class NcclCall:
-    """What a call on a workspace of the NCCL transport runs: the op's call plan (external transfers, the GEMM's
-    shard order, the SMs it may hold) and its index in the workspace, the chunking, this rank's part of the transfer
-    plan, and the index in the workspace's flags of each chunk's flag, ``chunk_flags[shard][chunk]``."""
+    """What a call on a workspace of the NCCL or hybrid transport runs: the op's call plan (external transfers, the
+    GEMM's shard order, the SMs it may hold) and its index in the workspace, the chunking, this rank's part of the
+    transfer plan, and the index in the workspace's flags of each chunk's flag, ``chunk_flags[shard][chunk]``.
+
+    Hybrid only: this rank's ``pushes`` inside its node (nccl_transport.NodePushes). A push into a target waits
+    first, once per call, until the target's done of the previous call is set, word ``done_flags[target]`` of this
+    rank's flags; after every call this rank sets done, word ``done_at_peers``, at each of the node's other ranks
+    (whichever plan the next call runs)."""
     plan: AgCallPlan
     index: int
     rows_per_chunk: int
     executor: nccl_transport.AgExecutor
     chunk_flags: tuple[tuple[int, ...], ...]
+    pushes: nccl_transport.NodePushes | None = None
+    done_flags: tuple[int, ...] = ()
+    done_at_peers: int = -1
 
 
 def plan_nccl_call(ws: workspace.AgWorkspace, *, m: int, k: int, n: int, tile: int | None = None,
                    swizzle: int | None = None, stream_k: bool | int | None = None, sm_count: int = 0,
                    order: str | None = None, chunk_rows: int | None = None) -> NcclCall:
-    """:func:`plan_call` for a workspace of the NCCL transport. ``order``: the transfer plan's (None:
+    """:func:`plan_call` for a workspace of the NCCL or hybrid transport. ``order``: the transfer plan's (None:
     FLUX_LAYERS_AG_ORDER, 'auto' choosing from the layout); ``sm_count`` 0:
     :func:`nccl_transport.gemm_sms_beside_nccl`."""
-    if ws.transport != "nccl":
+    if ws.transport not in ("nccl", "hybrid"):
         raise ValueError(f"plan_nccl_call: the workspace's transport is {ws.transport!r}")
+    hybrid = ws.transport == "hybrid"
     order = _env.get("AG_ORDER") if order is None else order
     elem = torch.tensor([], dtype=ws.dtype).element_size()
     rows = m // ws.tp
     rows_per_chunk = _rows_per_chunk(ws, rows, k * elem, chunk_rows)
     chunks = max(1, schedules.chunk_count(rows, rows_per_chunk))
-    transfers = nccl_transport.nccl_plan(ws.layout, chunks, order)
-    executor = nccl_transport.AgExecutor(transfers, ws.rank, ws.group)
+    transfers = (nccl_transport.hybrid_plan if hybrid else nccl_transport.nccl_plan)(ws.layout, chunks, order)
+    executor = nccl_transport.AgExecutor(transfers, ws.rank, ws.group, copy_engine=hybrid)
     kc = tuning.resolve_kernel("ag_gemm", dtype=ws.dtype, tp=ws.tp, mkn=(m, k, n), tile=tile, swizzle=swizzle,
                                stream_k=stream_k, sm_count=sm_count or nccl_transport.gemm_sms_beside_nccl(ws.device))
     plan = AgCallPlan(tile=kc.tile, swizzle=kc.swizzle, stream_k_fill=kc.stream_k_fill, sm_count=kc.sm_count,
                       mode="external", order="mesh", rows_per_chunk=rows_per_chunk,
                       shard_order=tuple(executor.gemm_order))
     chunk_flags = tuple(tuple(ws.flag_index("chunk", g, c) for c in range(chunks)) for g in range(ws.tp))
-    return NcclCall(plan, ws.plan_index(plan), rows_per_chunk, executor, chunk_flags)
+    call = NcclCall(plan, ws.plan_index(plan), rows_per_chunk, executor, chunk_flags)
+    if not hybrid:
+        return call
+    pushes = nccl_transport.node_pushes(transfers, ws.rank)
+    members = tuple(sorted((ws.rank, *pushes.peers)))
+    if members != ws.mapped:  # then on every rank: nodes are alike
+        raise ValueError(f"ag_gemm: the hybrid plan's node holds ranks {members}, the workspace maps {ws.mapped} (the "
+                         "node size changed since it was made; make a new workspace)")
+    return dataclasses.replace(call, pushes=pushes, done_flags=tuple(ws.flag_index("done", q) for q in range(ws.tp)),
+                               done_at_peers=ws.flag_index("done", ws.rank))
 
 
 def run_nccl(ws: workspace.AgWorkspace, call: NcclCall, x_shard_m: torch.Tensor, weight: torch.Tensor,
              bias: torch.Tensor | None, weight_nn: bool, return_gathered: bool, run_gemm: bool = True):
-    """One call on a workspace of the NCCL transport (module docstring): fork the transfer stream from the compute
-    stream, enqueue the GEMM (it waits per chunk on this rank's flags), then this rank's NCCL batches on the
-    transfer stream, each received chunk's flag set to the call's epoch after it, the gathered input copied out
-    there if asked for, and join. Returns out, or (out, gathered) if ``return_gathered``. ``run_gemm`` False: the
-    transfers alone (benchmarks). A call under CUDA-graph capture raises NoGraphTwin (the transport has none)."""
+    """One call on a workspace of the NCCL or hybrid transport (module docstring): fork the transfer stream from the
+    compute stream, enqueue the GEMM (it waits per chunk on this rank's flags), then this rank's batches on the
+    transfer stream (NCCL, each received chunk's flag set to the call's epoch after it; hybrid: then its pushes into
+    node peers' buffers, each followed by the chunk's flag there), the gathered input copied out there if asked for,
+    and join; hybrid: then done at each of the node's other ranks. Returns out, or (out, gathered) if
+    ``return_gathered``. ``run_gemm`` False: the transfers alone (benchmarks). A call under CUDA-graph capture raises
+    NoGraphTwin (the transport has none)."""
     if torch.cuda.is_current_stream_capturing():
         raise workspace.NoGraphTwin(f"ag_gemm: {nccl_transport.CAPTURE_REFUSAL}")
     x = x_shard_m if x_shard_m.is_contiguous() else x_shard_m.contiguous()  # NCCL sends contiguous memory
@@ -141,19 +171,36 @@ def run_nccl(ws: workspace.AgWorkspace, call: NcclCall, x_shard_m: torch.Tensor,
         return (out, x.new_empty((0, x.shape[1]))) if return_gathered else out
     epoch = ws.epoch  # the value this call's GEMM waits for
     buffer, flags, chunk_flags = ws.buffer[:rows * tp], ws.flags, call.chunk_flags
-    write_flag = torch.ops.flux_layers.write_flag.default
+    write_flag, wait_flag = torch.ops.flux_layers.write_flag.default, torch.ops.flux_layers.wait_flag.default
 
-    def region(g: int, c: int) -> torch.Tensor:
-        return buffer[g * rows + c * rpc:g * rows + min((c + 1) * rpc, rows)]
+    def region(g: int, c: int, of: torch.Tensor = buffer) -> torch.Tensor:
+        return of[g * rows + c * rpc:g * rows + min((c + 1) * rpc, rows)]
+
+    cleared: set[int] = set()  # push targets whose previous call's GEMM is known to have stopped reading
+
+    def push(dst: int, g: int, c: int, data: torch.Tensor) -> None:
+        if dst not in cleared:  # the target's done of the previous call: its buffer may be written again
+            wait_flag(flags, call.done_flags[dst], epoch - 1)
+            cleared.add(dst)
+        region(g, c, ws.peer_buffers[dst]).copy_(data)
+        write_flag(ws.peer_flags(dst), chunk_flags[g][c], epoch)
+
+    def wait_arrival(g: int, c: int) -> None:
+        wait_flag(flags, chunk_flags[g][c], epoch)
 
     with torch.cuda.stream(stream):
         call.executor.run(lambda c: x[c * rpc:(c + 1) * rpc], region,
-                          lambda g, c: write_flag(flags, chunk_flags[g][c], epoch))
+                          lambda g, c: write_flag(flags, chunk_flags[g][c], epoch), push, wait_arrival)
         if return_gathered:
+            for g, c in call.pushes.arriving if call.pushes else ():  # landed by the node peers' pushes
+                wait_arrival(g, c)
             gathered = torch.empty((rows * tp, x.shape[1]), dtype=x.dtype, device=x.device)
             gathered.copy_(buffer)
             gathered[ws.rank * rows:(ws.rank + 1) * rows].copy_(x)
     compute.wait_stream(stream)
+    # This rank's GEMM and transfers stopped reading its buffer: the node's other ranks may push their next call.
+    for q in call.pushes.peers if call.pushes else ():
+        write_flag(ws.peer_flags(q), call.done_at_peers, epoch)
     if not return_gathered:
         return out
     gathered.record_stream(compute)
@@ -177,8 +224,9 @@ def ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     same call decided once per shape. ``tile``/``swizzle``: kernel configuration (None: tuning table or the
     measured default); ``stream_k``: split a last, partial wave of tiles along K (None: FLUX_LAYERS_STREAM_K; an
     int: the fill limit, see tuning.stream_k_fill); ``sm_count``: SMs the persistent GEMM may hold (0: all, or all
-    but FLUX_LAYERS_NCCL_SMS on the NCCL transport); ``mode``, ``order``, ``chunk_rows``: the transfers (None: the
-    settings); ``transport``: 'copy_engine' or 'nccl' (None: ``ws``'s, else backend.ag_transport)."""
+    but FLUX_LAYERS_NCCL_SMS on the NCCL and hybrid transports); ``mode``, ``order``, ``chunk_rows``: the transfers
+    (None: the settings); ``transport``: 'copy_engine', 'nccl' or 'hybrid' (None: ``ws``'s, else
+    backend.ag_transport)."""
     m, k, n = check_args(x_shard_m, weight, bias, weight_layout, group)
     if ws is not None and not isinstance(ws, workspace.AgWorkspace):
         raise TypeError(f"ag_gemm: ws must be an AgWorkspace or None, got {type(ws).__name__}")
@@ -190,7 +238,9 @@ def ag_gemm(x_shard_m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     elif m > ws.max_m or ws.k != k or ws.dtype != x_shard_m.dtype or ws.transport != transport:
         raise ValueError(f"ag_gemm: call needs M={m}, K={k}, {x_shard_m.dtype}, transport {transport}; the workspace "
                          f"holds max_m={ws.max_m}, K={ws.k}, {ws.dtype}, transport {ws.transport}")
-    if transport == "nccl":
+    if transport not in workspace.AG_TRANSPORTS:
+        raise ValueError(f"ag_gemm: transport must be one of {workspace.AG_TRANSPORTS}, got {transport!r}")
+    if transport != "copy_engine":
         call = plan_nccl_call(ws, m=m, k=k, n=n, tile=tile, swizzle=swizzle, stream_k=stream_k, sm_count=sm_count,
                               order=order, chunk_rows=chunk_rows)
         return run_nccl(ws, call, x_shard_m, weight, bias, weight_layout == "nn", return_gathered)
@@ -217,8 +267,9 @@ def copy_engine_all_gather(x_shard_m: torch.Tensor, *, group, ws: workspace.AgWo
 
 
 def nccl_all_gather(x_shard_m: torch.Tensor, *, group, ws: workspace.AgWorkspace | None = None) -> torch.Tensor:
-    """The NCCL transport's transfers alone (no GEMM): returns a view [M, K] of the workspace's gathered buffer (our
-    own rows not filled), valid until the next call on that workspace. Used to time what the fused op overlaps."""
+    """The NCCL (or, on such a ``ws``, hybrid) transport's transfers alone (no GEMM): returns a view [M, K] of the
+    workspace's gathered buffer (our own rows not filled), valid until the next call on that workspace. Used to time
+    what the fused op overlaps."""
     _library.require()
     check_fused_tensor("nccl_all_gather", "x_shard_m", x_shard_m)
     rows, k = x_shard_m.shape

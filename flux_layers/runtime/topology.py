@@ -10,7 +10,10 @@
 Transports (:func:`ag_transport`): the copy engine between peer-mapped GPUs of one node (orders ``mesh`` and
 ``ring``; csrc/runtime/ag_gemm.cpp), and NCCL send/recv through the group's process group for a group that spans
 nodes or whose GPUs cannot map each other's memory, or when ``FLUX_LAYERS_TRANSPORT=nccl`` (every order of
-transfer_plan.py, every transfer on NCCL; flux_layers/runtime/multinode/nccl_transport.py). The reduce-scatter
+transfer_plan.py, every transfer on NCCL; flux_layers/runtime/multinode/nccl_transport.py). Forced
+``FLUX_LAYERS_TRANSPORT=hybrid`` (not yet run on GPUs, so never chosen by itself), a group over several nodes with
+peer access inside each moves its chunks by NCCL between nodes and by host-driven copy-engine pushes inside them
+(``nccl_transport.hybrid_plan``; the workspace mapped inside the node). The reduce-scatter
 (:func:`rs_over_nccl`) moves its partials by the epilogue's stores or the copy engine between peer-mapped GPUs of
 one node, and by NCCL (flux_layers/runtime/multinode/nccl_rs_transport.py) only when ``FLUX_LAYERS_TRANSPORT=nccl``:
 that path has not run on GPUs yet, so a group that spans nodes or lacks peer access keeps the reference path for it
@@ -248,15 +251,20 @@ def ag_order(group_devices: tuple[int, ...], node_of: Sequence[int] | None = Non
 
 
 def transport_matrix(layout: GroupLayout) -> tuple[tuple[str | None, ...], ...]:
-    """transport[src][dst] with FLUX_LAYERS_TRANSPORT applied (transfer_plan.choose_transport)."""
-    return choose_transport(layout, _env.get("TRANSPORT"))
+    """transport[src][dst] with FLUX_LAYERS_TRANSPORT applied (transfer_plan.choose_transport; ``hybrid`` is what
+    ``auto`` picks per pair)."""
+    forced = _env.get("TRANSPORT")
+    return choose_transport(layout, "auto" if forced == "hybrid" else forced)
 
 
 def ag_transport(devices: Sequence[int], node_ids: Sequence[int] | None = None) -> str:
     """How the fused all-gather of a group on CUDA devices `devices` (rank r on devices[r]) moves its chunks:
-    FLUX_LAYERS_TRANSPORT when forced, else ``nccl`` where the group spans nodes (``node_ids``; None:
-    :func:`node_ids` of ranks 0..tp-1) or two of its GPUs cannot map each other's memory, else ``copy_engine``.
-    (A forced ``copy_engine`` that cannot run is :func:`fused_path_blocker`'s to report.)"""
+    FLUX_LAYERS_TRANSPORT when forced (``hybrid``: NCCL between nodes, the copy engine inside them), else ``nccl``
+    where the group spans nodes (``node_ids``; None: :func:`node_ids` of ranks 0..tp-1) or two of its GPUs cannot
+    map each other's memory, else ``copy_engine``. (A forced ``copy_engine`` or ``hybrid`` that cannot run is
+    :func:`fused_path_blocker`'s to report.)"""
+    # NOTE: groups that span nodes take ``nccl`` unless ``hybrid`` is forced, until the hybrid transport has run on
+    # GPUs (tests/gpu/test_hybrid_transport_gpu.py).
     forced = _env.get("TRANSPORT")
     if forced != "auto":
         return forced
@@ -282,6 +290,22 @@ def rs_over_nccl() -> bool:
     return _env.get("TRANSPORT") == "nccl"
 
 
+def _hybrid_blocker(devices: tuple[int, ...], node_ids: tuple[int, ...] | None) -> str | None:
+    """Why the hybrid all-gather cannot serve a group, or None: its workspace maps the memory of every node's ranks
+    (runtime/workspace.py), so every pair inside a node needs peer access."""
+    node_of = node_ids if node_ids is not None else (0,) * len(devices)
+    for node in sorted(set(node_of)):
+        ranks = [r for r in range(len(devices)) if node_of[r] == node]
+        m = peer_access_matrix(tuple(devices[r] for r in ranks))
+        for i, a in enumerate(ranks):
+            for j, b in enumerate(ranks):
+                if i != j and not (m[i][j] and m[j][i]):
+                    return (f"GPUs {devices[a]} and {devices[b]} (ranks {a} and {b}, node {node}) cannot map each "
+                            "other's memory; the hybrid all-gather (FLUX_LAYERS_TRANSPORT=hybrid) maps every pair "
+                            "inside a node (FLUX_LAYERS_TRANSPORT=nccl serves such groups)")
+    return None
+
+
 def fused_path_blocker(devices: tuple[int, ...], node_ids: tuple[int, ...] | None = None, op: str = "ag_gemm"
                        ) -> str | None:
     """Why the fused kernels cannot serve `op` ('ag_gemm' or 'gemm_rs') for a group on CUDA devices `devices`
@@ -300,8 +324,11 @@ def fused_path_blocker(devices: tuple[int, ...], node_ids: tuple[int, ...] | Non
     if node_ids is not None and len(node_ids) != len(devices):
         raise ValueError(f"fused_path_blocker: {len(node_ids)} node ids for {len(devices)} devices")
     if op == "ag_gemm":
-        if ag_transport(devices, node_ids) == "nccl":
+        transport = ag_transport(devices, node_ids)
+        if transport == "nccl":
             return None
+        if transport == "hybrid":
+            return _hybrid_blocker(devices, node_ids)
         order = _env.get("AG_ORDER")
         if order not in ("auto",) + BUILT_ORDERS:
             return (f"FLUX_LAYERS_AG_ORDER={order}: the copy-engine all-gather runs the orders {BUILT_ORDERS}; "

@@ -84,7 +84,8 @@ class Workspace:
     op library's layout says one rank holds (``ag_workspace_layout`` / ``rs_workspace_layout``)."""
 
     def __init__(self, group, *, kind: str, sizes: dict, num_comm_streams: int, what: str, graph_protocol: bool,
-                 dtype: torch.dtype, max_m: int, inner: int, peer_mapped: bool = True):
+                 dtype: torch.dtype, max_m: int, inner: int, peer_mapped: bool = True,
+                 node_members: tuple[int, ...] | None = None):
         _library.require()  # the native workspace below is the op library's class
         if not dist.is_initialized():
             raise RuntimeError(f"{what}: torch.distributed is not initialised")
@@ -94,13 +95,22 @@ class Workspace:
         if not 2 <= self.tp <= MAX_TP:
             raise ValueError(f"{what}: the fused path supports TP groups of 2 to {MAX_TP} ranks, got {self.tp}")
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self.peer_mapped = peer_mapped
+        # The group ranks whose memory this rank maps: every rank, this node's (``node_members``: the hybrid
+        # all-gather, mapped over the node's own process group) or none but itself (local memory).
+        if node_members is not None:
+            if self.rank not in node_members:
+                raise ValueError(f"{what}: rank {self.rank} is not among the node members {node_members}")
+            self.mapped = tuple(node_members)
+        else:
+            self.mapped = tuple(range(self.tp)) if peer_mapped else (self.rank,)
+        self.peer_mapped = len(self.mapped) == self.tp
+        symmetric = len(self.mapped) > 1
 
         flag_words = sizes["flag_words"]
         self._data_offset = 0
         self._flag_offset = _align(sizes["data_bytes"])
         total = self._flag_offset + _align(flag_words * 4)
-        if peer_mapped:
+        if symmetric:
             import torch.distributed._symmetric_memory as symm_mem
             self._storage = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
         else:  # local memory: the NCCL transport moves the chunks (no peer mapping, null peer pointers below)
@@ -111,23 +121,32 @@ class Workspace:
             begin = sizes["handshake_begin"]
             self._storage[self._flag_offset:].view(torch.int32)[begin:begin + sizes["handshake_words"]] = 1
         torch.cuda.current_stream().synchronize()
-        if peer_mapped:
-            handle = symm_mem.rendezvous(self._storage, self.group)
-            my_base = handle.buffer_ptrs[self.rank]
-            offset = self._storage.data_ptr() - my_base
-            offsets = [None] * self.tp
-            dist.all_gather_object(offsets, offset, group=self.group)
+        self._handle = None
+        self._peer_storage: dict[int, torch.Tensor] = {}  # mapped peers' allocations, as this rank sees them
+        if symmetric:
+            map_group = self.group
+            if not self.peer_mapped:
+                from flux_layers.runtime.multinode import node_group
+                map_group = node_group.node_group(self.group, self.mapped)
+            handle = symm_mem.rendezvous(self._storage, map_group)
+            offset = self._storage.data_ptr() - handle.buffer_ptrs[self.mapped.index(self.rank)]
+            offsets = [None] * len(self.mapped)
+            dist.all_gather_object(offsets, offset, group=map_group)
             if len(set(offsets)) != 1:
                 raise RuntimeError(f"{what}: symmetric allocations are not at the same offset on every rank "
                                    f"({offsets}); create workspaces in the same order on every rank")
             self._handle = handle
-            self.base_ptrs = [p + offset for p in handle.buffer_ptrs]
+            from flux_layers.runtime.multinode.node_group import mapped_pointers
+            self.base_ptrs = mapped_pointers(self.tp, self.mapped, list(handle.buffer_ptrs), offset)
+            self._peer_storage = {q: handle.get_buffer(i, (total,), torch.uint8, storage_offset=offset)
+                                  for i, q in enumerate(self.mapped) if q != self.rank}
         else:
-            self._handle = None
             self.base_ptrs = [self._storage.data_ptr() if q == self.rank else 0 for q in range(self.tp)]
         self.data_ptrs = [p + self._data_offset if p else 0 for p in self.base_ptrs]
         self.flag_ptrs = [p + self._flag_offset if p else 0 for p in self.base_ptrs]
         self.flags = self._storage[self._flag_offset:self._flag_offset + flag_words * 4].view(torch.int32)
+        self._peer_flags = {q: t[self._flag_offset:self._flag_offset + flag_words * 4].view(torch.int32)
+                            for q, t in self._peer_storage.items()}
         self.comm_streams = [torch.cuda.Stream(device=self.device, priority=-1) for _ in range(num_comm_streams)]
         self.error_record = torch.zeros(ERROR_RECORD_WORDS, dtype=torch.int32, pin_memory=True)
         self.error_claim = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -169,9 +188,15 @@ class Workspace:
 
     @property
     def over_nccl(self) -> bool:
-        """Whether the chunks move over NCCL: the workspace is local memory, not mapped by its peers (both ops' NCCL
-        transports; topology.rs_over_nccl and backend.over_nccl decide it)."""
+        """Whether chunks move over NCCL: the workspace is not mapped by every peer (local memory: both ops' NCCL
+        transports; mapped inside the node only: the hybrid all-gather; topology.rs_over_nccl and backend.over_nccl
+        decide it)."""
         return not self.peer_mapped
+
+    def peer_flags(self, q: int) -> torch.Tensor:
+        """Mapped peer ``q``'s flag words as this rank sees them (where the host writes them: the hybrid
+        all-gather)."""
+        return self._peer_flags[q]
 
     def new_graph_twin(self) -> Workspace:
         """A workspace of the same size under the CUDA-graph flag protocol (a collective; see the module
@@ -250,36 +275,50 @@ class Workspace:
         self.native.mark_failed(f"{self.what}: released after a failed or abandoned call")
 
 
+AG_TRANSPORTS = ("copy_engine", "nccl", "hybrid")  # what moves the all-gather's chunks (topology.ag_transport)
+
+
 class AgWorkspace(Workspace):
     """AllGather+GEMM: a gathered-input buffer [max_m, k] per rank + chunk/avail/done flags (AgFlagLayout).
 
-    ``transport``: 'copy_engine' (symmetric memory, the op's copy-engine transfers) or 'nccl' (local memory; the
-    chunks arrive by NCCL, flux_layers/runtime/multinode/nccl_transport.py, driven from :attr:`transfer_stream`)."""
+    ``transport``: 'copy_engine' (symmetric memory, the op's copy-engine transfers), 'nccl' (local memory; the
+    chunks arrive by NCCL, flux_layers/runtime/multinode/nccl_transport.py, driven from :attr:`transfer_stream`) or
+    'hybrid' (symmetric memory mapped inside this rank's node only: NCCL between nodes and host-driven copy-engine
+    pushes inside the node, both from :attr:`transfer_stream`; the node members are fixed here, from the declared
+    node size)."""
 
     def __init__(self, group, dtype: torch.dtype, max_m: int, k: int, *, chunk_capacity: int = 16,
                  graph_protocol: bool = False, transport: str = "copy_engine"):
         tp = dist.get_world_size(group)
         if max_m <= 0 or max_m % tp != 0:
             raise ValueError(f"AgWorkspace: max_m={max_m} must be a positive multiple of the group size {tp}")
-        if transport not in ("copy_engine", "nccl"):
-            raise ValueError(f"AgWorkspace: transport must be 'copy_engine' or 'nccl', got {transport!r}")
-        if transport == "nccl" and graph_protocol:
-            raise ValueError("AgWorkspace: the NCCL transport has no CUDA-graph twin (captured calls are refused)")
+        if transport not in AG_TRANSPORTS:
+            raise ValueError(f"AgWorkspace: transport must be one of {AG_TRANSPORTS}, got {transport!r}")
+        if transport != "copy_engine" and graph_protocol:
+            raise ValueError(f"AgWorkspace: the {transport} transport has no CUDA-graph twin (captured calls are "
+                             "refused)")
         self.dtype, self.max_m, self.k, self.chunk_capacity = dtype, max_m, k, chunk_capacity
         self.transport = transport
-        nccl = transport == "nccl"
+        external = transport != "copy_engine"  # the chunks are moved from the host, the GEMM in external mode
+        members = None
+        if transport == "hybrid":
+            from flux_layers.runtime.multinode.node_group import node_members
+            members = node_members(topology.group_node_ids(group), dist.get_rank(group))
         _library.require()
         sizes = torch.ops.flux_layers.ag_workspace_layout(tp=tp, max_m=max_m, k=k, chunk_capacity=chunk_capacity,
                                                           dtype=dtype_name(dtype))
-        super().__init__(group, kind="ag_gemm", sizes=sizes, num_comm_streams=1 if nccl else tp, what="ag_gemm",
-                         graph_protocol=graph_protocol, dtype=dtype, max_m=max_m, inner=k, peer_mapped=not nccl)
+        super().__init__(group, kind="ag_gemm", sizes=sizes, num_comm_streams=1 if external else tp, what="ag_gemm",
+                         graph_protocol=graph_protocol, dtype=dtype, max_m=max_m, inner=k,
+                         peer_mapped=transport == "copy_engine", node_members=members)
         elem = torch.tensor([], dtype=dtype).element_size()
         self.buffer = self._storage[:max_m * k * elem].view(dtype).view(max_m, k)
+        # Each mapped peer's gathered buffer as this rank sees it (what the hybrid transport's pushes write into).
+        self.peer_buffers = {q: t[:max_m * k * elem].view(dtype).view(max_m, k) for q, t in self._peer_storage.items()}
         # FP8 rows: the gathered scales, max_m floats (the op library's scale region; scale_offset 0: none)
         self.scales = (self._storage[sizes["scale_offset"]:sizes["scale_offset"] + max_m * 4].view(torch.float32)
                        if sizes["scale_offset"] else None)
-        # The NCCL transfers' stream: forked from the compute stream before each call's GEMM, joined after.
-        self.transfer_stream = torch.cuda.Stream(device=self.device, priority=-1) if nccl else None
+        # The host-driven transfers' stream: forked from the compute stream before each call's GEMM, joined after.
+        self.transfer_stream = torch.cuda.Stream(device=self.device, priority=-1) if external else None
         devices = [None] * self.tp
         dist.all_gather_object(devices, torch.cuda.current_device(), group=self.group)
         self.devices = tuple(devices)
@@ -309,7 +348,7 @@ class AgWorkspace(Workspace):
         return self.buffer[self.rank * rows:(self.rank + 1) * rows]
 
     def new_graph_twin(self) -> AgWorkspace | None:
-        if self.transport == "nccl":
+        if self.transport != "copy_engine":
             return None  # captured calls are refused (nccl_transport.CAPTURE_REFUSAL)
         return AgWorkspace(self.group, self.dtype, self.max_m, self.k, chunk_capacity=self.chunk_capacity,
                            graph_protocol=True)

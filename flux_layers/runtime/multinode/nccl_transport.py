@@ -43,7 +43,9 @@ waited for first (``wait_arrival``: on GPUs a stream wait on this rank's flag of
 arrive in an earlier step, so every batch of every rank completes (by induction on the batch keys). The CPU tests
 run that too, with shared-memory tensors standing in for peer-mapped buffers. What such plans still lack on GPUs is
 their workspace (peer-mapped inside a node, local across, and the start-of-call handshake with the node's peers
-that a push into their buffers needs): the fused op runs all-NCCL plans (``nccl_plan``) for groups that span nodes.
+that a push into their buffers needs) are built too (the ``hybrid`` transport, flux_layers/ops/fused_ag_gemm.py,
+:func:`node_pushes`), but have not run on GPUs yet: unless FLUX_LAYERS_TRANSPORT=hybrid, the fused op runs all-NCCL
+plans (``nccl_plan``) for groups that span nodes.
 
 CUDA graphs: not supported; a captured call is refused (:data:`CAPTURE_REFUSAL`). NCCL calls can be captured, but
 the executor's batches are host-driven and untested under capture; the copy-engine transport serves captured
@@ -120,6 +122,24 @@ def hybrid_plan(layout: GroupLayout, chunks: int, order: str | None = None) -> A
     return build_ag_plan(layout, order, chunks=chunks)
 
 
+@dataclass(frozen=True)
+class NodePushes:
+    """A rank's side of a hybrid plan's copy-engine pushes inside its node: the peers it pushes into
+    (``targets``), the node's other ranks (``peers``) and the chunks pushed into it (``arriving``, in plan order)."""
+    targets: tuple[int, ...]
+    peers: tuple[int, ...]
+    arriving: tuple[Chunk, ...]
+
+
+def node_pushes(plan: AgPlan, rank: int) -> NodePushes:
+    """``rank``'s :class:`NodePushes` in ``plan`` (every copy-engine transfer stays inside a node: validated plans)."""
+    copies = [t for _, t in plan.transfers() if t.transport == "copy_engine" and rank in (t.src, t.dst)]
+    members = plan.layout.members(plan.layout.node_of[rank])
+    return NodePushes(targets=tuple(sorted({t.dst for t in copies if t.src == rank})),
+                      peers=tuple(q for q in members if q != rank),
+                      arriving=tuple(dict.fromkeys(t.chunk for t in copies if t.dst == rank)))
+
+
 def gemm_sms_beside_nccl(device: torch.device) -> int:
     """SMs the persistent GEMM may hold while NCCL's kernels run beside it (either operator's NCCL transport): all
     but FLUX_LAYERS_NCCL_SMS, even (the GEMM's clusters pair SMs). A grid on every SM would spin on flags that NCCL
@@ -175,5 +195,5 @@ class AgExecutor:
                 push(t.dst, *t.chunk, own(t.chunk[1]) if t.chunk[0] == self.rank else region(*t.chunk))
 
 
-__all__ = ["CAPTURE_REFUSAL", "Batch", "rank_batches", "nccl_plan", "hybrid_plan", "gemm_sms_beside_nccl",
-           "AgExecutor"]
+__all__ = ["CAPTURE_REFUSAL", "Batch", "rank_batches", "nccl_plan", "hybrid_plan", "NodePushes", "node_pushes",
+           "gemm_sms_beside_nccl", "AgExecutor"]
