@@ -16,9 +16,7 @@ done handshake); the dispatched op on FLUX_LAYERS_TRANSPORT=hybrid, saying it ha
 refused; a rank of the last node dying makes the survivors raise within the timeout (on the stand-in)."""
 from __future__ import annotations
 
-import collections
 import os
-import time
 
 import pytest
 import torch
@@ -26,6 +24,13 @@ import torch.distributed as dist
 
 from flux_layers import _env
 from flux_layers.devtools.launch import run_distributed, shared_gpu, tp_under_test
+from tests.gpu.external_transfers import (
+    ag_matrix,
+    check_received,
+    layout_name,
+    set_layout,
+    survive_peer_death,
+)
 from tests.gpu.gpu_support import (
     ag_gemm_checked,
     assert_close_rel,
@@ -58,23 +63,7 @@ LAYOUTS = _layouts(TP, _env.get_int("TEST_NODES"))
 
 
 def _set_layout(node_size: str, order: str, numa: str) -> None:
-    os.environ["FLUX_LAYERS_TRANSPORT"] = "hybrid"
-    os.environ["FLUX_LAYERS_NODE_SIZE"] = node_size
-    os.environ["FLUX_LAYERS_AG_ORDER"] = order
-    os.environ["FLUX_LAYERS_NUMA_MAP"] = numa
-
-
-def _layout_name() -> str:
-    return f"hybrid node_size={os.environ['FLUX_LAYERS_NODE_SIZE']} order={os.environ['FLUX_LAYERS_AG_ORDER']}"
-
-
-def _received_bytes() -> collections.Counter:
-    """What the stand-in received so far, by peer (empty off the stand-in), once this rank's work is done."""
-    from flux_layers.runtime.multinode import sendrecv
-    torch.cuda.synchronize()
-    if not shared_gpu():
-        return collections.Counter()
-    return collections.Counter(sendrecv.stand_in(dist.group.WORLD).received_bytes)
+    set_layout("hybrid", node_size, order, numa)
 
 
 def _check_plan(rank, tp, m, k, n_local, dtype, chunk_rows, received_before) -> None:
@@ -85,53 +74,24 @@ def _check_plan(rank, tp, m, k, n_local, dtype, chunk_rows, received_before) -> 
     ws = workspace.get_ag_workspace(dist.group.WORLD, dtype, m, k, "hybrid")
     registered = len(ws._plans)
     call = fused_ag_gemm.plan_nccl_call(ws, m=m, k=k, n=n_local, chunk_rows=chunk_rows)
-    plan, what = call.executor.plan, f"rank {rank} {_layout_name()}"
+    plan, what = call.executor.plan, f"rank {rank} hybrid {layout_name()}"
     size = int(os.environ["FLUX_LAYERS_NODE_SIZE"])
     node = tuple(range(rank // size * size, (rank // size + 1) * size))
     assert plan.layout.nnodes == tp // size and ws.mapped == node, f"{what}: plan {plan.order}, maps {ws.mapped}"
     assert len(ws._plans) == registered and call.plan.mode == "external", f"{what}: the call did not run {call.plan}"
     assert call.pushes is not None and call.pushes.peers == tuple(q for q in node if q != rank), what
     assert bool(call.pushes.targets) == (size > 1), f"{what}: pushes to {call.pushes.targets}"
-    if not shared_gpu():
-        return
-    rows, rpc = m // tp, call.rows_per_chunk
-    want: collections.Counter = collections.Counter()
-    for batch in call.executor.batches:
-        for t in batch.recvs:
-            want[t.src] += min(rpc, rows - t.chunk[1] * rpc) * k * dtype.itemsize
-    got = _received_bytes() - received_before
-    assert got == want, f"{what}: the stand-in received {dict(got)} bytes by peer, the plan {dict(want)}"
+    got = check_received(call, m, tp, k, dtype, received_before, what)
     assert not set(got) & set(node), f"{what}: chunks of the node crossed the stand-in: {dict(got)}"
 
 
 def _one_call(rank, tp, seed, m, k, n, dtype, layout, **kwargs):
-    ag_gemm_checked(rank, tp, seed, m, k, n, dtype, layout, transport="hybrid", **kwargs, what=_layout_name())
-
-
-def _cases(tp):
-    """(layout, dtype, weight layout, (M, K, N), chunk rows): every combination, or where lean each layout's
-    shapes and chunkings, dtype and weight layout varied across them."""
-    shapes = ((1024 * tp, 1024, 384 * tp), (1000 * tp, 520, 136 * tp))
-    cases = []
-    for layout in LAYOUTS:
-        for i, (shape, chunk_rows) in enumerate((s, c) for s in shapes for c in (0, 128)):
-            if lean():
-                cases.append((layout, (torch.bfloat16, torch.float16)[(i // 2) ^ (i % 2)], ("nt", "nn")[i // 2],
-                              shape, chunk_rows))
-            else:
-                cases += [(layout, dtype, w, shape, chunk_rows) for dtype in (torch.bfloat16, torch.float16)
-                          for w in ("nt", "nn")]
-    return cases
+    ag_gemm_checked(rank, tp, seed, m, k, n, dtype, layout, transport="hybrid", **kwargs,
+                    what=f"hybrid {layout_name()}")
 
 
 def _matrix(rank, tp, seed):
-    poison_outputs()
-    for i, (layout, dtype, weight_layout, (m, k, n), chunk_rows) in enumerate(_cases(tp)):
-        _set_layout(*layout)
-        before = _received_bytes()
-        _one_call(rank, tp, seed + i, m, k, n, dtype, weight_layout, chunk_rows=chunk_rows)
-        _check_plan(rank, tp, m, k, n // tp, dtype, chunk_rows, before)
-    torch.cuda.synchronize()
+    ag_matrix(rank, tp, seed, "hybrid", LAYOUTS, _check_plan)
 
 
 def test_hybrid_ag_gemm_layouts_dtypes_weight_layouts():
@@ -205,7 +165,6 @@ def _after_death():
 
 def _peer_death(rank, tp, seed):
     from flux_layers import ops
-    from flux_layers.runtime.workspace import WorkspaceError
     os.environ["FLUX_LAYERS_TIMEOUT_S"] = str(TIMEOUT_S)  # read when the workspaces and the stand-in are made
     _set_layout(*LAYOUTS[0])
     ops.refresh_settings()
@@ -218,18 +177,7 @@ def _peer_death(rank, tp, seed):
     dist.barrier()
     if rank == tp - 1:
         os._exit(0)  # the last node loses a rank between calls: no error, no goodbye
-    began = time.monotonic()
-    for _ in range(3):  # one of the calls after it raises, or the device's waits give up
-        try:
-            _after_death()
-        except WorkspaceError:
-            break
-    torch.cuda.synchronize()  # returns: the kernels' waits (and the stand-in's) gave up
-    elapsed = time.monotonic() - began
-    assert elapsed < TIMEOUT_S + 10, f"rank {rank}: the device drained only after {elapsed:.1f} s"
-    with pytest.raises(WorkspaceError, match="host-staged stand-in|timed out"):
-        _after_death()
-    os._exit(0)  # the peer is gone: no collective shutdown
+    survive_peer_death(rank, [_after_death], TIMEOUT_S)
 
 
 @pytest.mark.skipif(not shared_gpu(), reason="NCCL's own receive from a dead peer stays pending until its watchdog "

@@ -24,9 +24,7 @@ A rank of another node dying makes both operators raise on the survivors within 
 drain (on the stand-in; NCCL's own receive from a dead peer stays pending, docs/design.md §7)."""
 from __future__ import annotations
 
-import collections
 import os
-import time
 
 import pytest
 import torch
@@ -34,6 +32,13 @@ import torch.distributed as dist
 
 from flux_layers import _env
 from flux_layers.devtools.launch import run_distributed, shared_gpu, tp_under_test
+from tests.gpu.external_transfers import (
+    ag_matrix,
+    check_received,
+    layout_name,
+    set_layout,
+    survive_peer_death,
+)
 from tests.gpu.gpu_support import (
     ag_gemm_checked,
     assert_close_rel,
@@ -71,23 +76,7 @@ TIMEOUT_S = 5.0  # the dead peer is found within it; the calls before the death 
 
 
 def _set_layout(node_size: str, order: str, numa: str) -> None:
-    os.environ["FLUX_LAYERS_TRANSPORT"] = "nccl"
-    os.environ["FLUX_LAYERS_NODE_SIZE"] = node_size
-    os.environ["FLUX_LAYERS_AG_ORDER"] = order
-    os.environ["FLUX_LAYERS_NUMA_MAP"] = numa
-
-
-def _layout_name() -> str:
-    return f"node_size={os.environ['FLUX_LAYERS_NODE_SIZE']} order={os.environ['FLUX_LAYERS_AG_ORDER']}"
-
-
-def _received_bytes(rank) -> collections.Counter:
-    """What the stand-in received so far, by peer (empty off the stand-in), once this rank's work is done."""
-    from flux_layers.runtime.multinode import sendrecv
-    torch.cuda.synchronize()
-    if not shared_gpu():
-        return collections.Counter()
-    return collections.Counter(sendrecv.stand_in(dist.group.WORLD).received_bytes)
+    set_layout("nccl", node_size, order, numa)
 
 
 def _check_ag_plan(rank, tp, m, k, n_local, dtype, chunk_rows, received_before) -> None:
@@ -99,7 +88,7 @@ def _check_ag_plan(rank, tp, m, k, n_local, dtype, chunk_rows, received_before) 
     ws = workspace.get_ag_workspace(dist.group.WORLD, dtype, m, k, "nccl")
     registered = len(ws._plans)
     call = fused_ag_gemm.plan_nccl_call(ws, m=m, k=k, n=n_local, chunk_rows=chunk_rows)
-    plan, what = call.executor.plan, f"rank {rank} {_layout_name()}"
+    plan, what = call.executor.plan, f"rank {rank} {layout_name()}"
     node_size, order = int(os.environ["FLUX_LAYERS_NODE_SIZE"]), os.environ["FLUX_LAYERS_AG_ORDER"]
     assert plan.layout.nnodes == tp // node_size and order in ("auto", plan.order), f"{what}: plan {plan.order}"
     # plan_nccl_call registers its plan: the call registered this one already
@@ -108,45 +97,16 @@ def _check_ag_plan(rank, tp, m, k, n_local, dtype, chunk_rows, received_before) 
         assert isinstance(call.executor.sendrecv, sendrecv.GroupSendRecv), what
         return
     assert isinstance(call.executor.sendrecv, sendrecv.HostStagedSendRecv), what
-    rows, rpc = m // tp, call.rows_per_chunk
-    want: collections.Counter = collections.Counter()
-    for batch in call.executor.batches:
-        for t in batch.recvs:
-            want[t.src] += min(rpc, rows - t.chunk[1] * rpc) * k * dtype.itemsize
-    got = _received_bytes(rank) - received_before
-    assert got == want, f"{what}: the stand-in received {dict(got)} bytes by peer, the plan {dict(want)}"
+    check_received(call, m, tp, k, dtype, received_before, what)
 
 
 def _one_call(rank, tp, seed, m, k, n, dtype, layout, **kwargs):
     ag_gemm_checked(rank, tp, seed, m, k, n, dtype, layout, transport="nccl", **kwargs,
-                    what=f"nccl ag_gemm {_layout_name()}")
-
-
-def _ag_cases(tp):
-    """(layout, dtype, weight layout, (M, K, N), chunk rows): every combination, or where lean each layout's
-    shapes and chunkings, dtype and weight layout varied across them."""
-    # per-rank share a multiple of the tile, and one that is not a multiple of 128
-    shapes = ((1024 * tp, 1024, 384 * tp), (1000 * tp, 520, 136 * tp))
-    cases = []
-    for layout in LAYOUTS:
-        for i, (shape, chunk_rows) in enumerate((s, c) for s in shapes for c in (0, 128)):
-            if lean():
-                cases.append((layout, (torch.bfloat16, torch.float16)[(i // 2) ^ (i % 2)], ("nt", "nn")[i // 2],
-                              shape, chunk_rows))
-            else:
-                cases += [(layout, dtype, w, shape, chunk_rows) for dtype in (torch.bfloat16, torch.float16)
-                          for w in ("nt", "nn")]
-    return cases
+                    what=f"nccl ag_gemm {layout_name()}")
 
 
 def _matrix(rank, tp, seed):
-    poison_outputs()
-    for i, (layout, dtype, weight_layout, (m, k, n), chunk_rows) in enumerate(_ag_cases(tp)):
-        _set_layout(*layout)
-        before = _received_bytes(rank)
-        _one_call(rank, tp, seed + i, m, k, n, dtype, weight_layout, chunk_rows=chunk_rows)
-        _check_ag_plan(rank, tp, m, k, n // tp, dtype, chunk_rows, before)
-    torch.cuda.synchronize()
+    ag_matrix(rank, tp, seed, "nccl", LAYOUTS, _check_ag_plan)
 
 
 def test_nccl_ag_gemm_layouts_dtypes_weight_layouts():
@@ -215,7 +175,7 @@ def test_nccl_transport_taken_by_the_dispatcher():
 
 def _rs_one_call(rank, tp, seed, m, k, n, dtype, layout, **kwargs):
     return gemm_rs_checked(rank, tp, seed, m, k, n, dtype, layout, transport="nccl", **kwargs,
-                           what=f"nccl gemm_rs tile={kwargs.get('tile')} {_layout_name()}")
+                           what=f"nccl gemm_rs tile={kwargs.get('tile')} {layout_name()}")
 
 
 def _rs_cases(tp):
@@ -345,7 +305,6 @@ def _after_death(tp, op):
 
 def _peer_death_across_nodes(rank, tp, seed):
     from flux_layers import ops
-    from flux_layers.runtime.workspace import WorkspaceError
     os.environ["FLUX_LAYERS_TIMEOUT_S"] = str(TIMEOUT_S)  # read when the workspaces and the stand-in are made
     _set_layout(*MULTI_NODE)
     ops.refresh_settings()
@@ -355,20 +314,8 @@ def _peer_death_across_nodes(rank, tp, seed):
     dist.barrier()
     if rank == tp - 1:
         os._exit(0)  # the last node loses a rank between calls: no error, no goodbye
-    began = time.monotonic()
-    for i in range(3):  # calls of both operators after it: one of them raises, or the device's waits give up
-        try:  # shapes decided before the death: no collective
-            _after_death(tp, "ag_gemm")
-            _after_death(tp, "gemm_rs")
-        except WorkspaceError:
-            break
-    torch.cuda.synchronize()  # returns: the stand-in and the kernels' waits gave up
-    elapsed = time.monotonic() - began
-    assert elapsed < TIMEOUT_S + 10, f"rank {rank}: the device drained only after {elapsed:.1f} s"
-    for op in ("ag_gemm", "gemm_rs"):  # the workspaces refuse, naming the failure
-        with pytest.raises(WorkspaceError, match="host-staged stand-in|timed out"):
-            _after_death(tp, op)
-    os._exit(0)  # the peer is gone: no collective shutdown
+    # calls of both operators after it (shapes decided before the death: no collective)
+    survive_peer_death(rank, [lambda: _after_death(tp, "ag_gemm"), lambda: _after_death(tp, "gemm_rs")], TIMEOUT_S)
 
 
 @pytest.mark.skipif(not shared_gpu(), reason="NCCL's own receive from a dead peer stays pending until its watchdog "
