@@ -311,8 +311,9 @@ def fused_path_blocker(devices: tuple[int, ...], node_ids: tuple[int, ...] | Non
     """Why the fused kernels cannot serve `op` ('ag_gemm' or 'gemm_rs') for a group on CUDA devices `devices`
     (rank r on devices[r]), or None.
 
-    The all-gather runs on the copy engine (one node, every pair peer-mapped, order 'mesh' or 'ring') or on NCCL
-    (:func:`ag_transport`: any group, every order of transfer_plan.py, all transfers by NCCL). The reduce-scatter
+    The all-gather runs on the copy engine (one node, every pair peer-mapped, order 'mesh' or 'ring'), on NCCL
+    (:func:`ag_transport`: any group, every order of transfer_plan.py, all transfers by NCCL) or, forced, on the
+    hybrid transport (every pair inside a node peer-mapped). The reduce-scatter
     runs on NCCL for any group where FLUX_LAYERS_TRANSPORT=nccl (:func:`rs_over_nccl`), else it needs the copy
     engine's conditions (:data:`RS_NCCL_UNTRIED`). Pass ``node_ids`` from :func:`node_ids`
     with the members' global ranks or :func:`gather_hostnames`; without them the declared node size

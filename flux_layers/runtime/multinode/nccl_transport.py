@@ -41,11 +41,11 @@ NCCL part of their batch, so a chunk received here by NCCL is forwarded only onc
 local peer pushed here (a ring inside the node, NUMA-2D) and that this rank forwards, by NCCL or by a push, is
 waited for first (``wait_arrival``: on GPUs a stream wait on this rank's flag of the chunk); the plan has it
 arrive in an earlier step, so every batch of every rank completes (by induction on the batch keys). The CPU tests
-run that too, with shared-memory tensors standing in for peer-mapped buffers. What such plans still lack on GPUs is
-their workspace (peer-mapped inside a node, local across, and the start-of-call handshake with the node's peers
-that a push into their buffers needs) are built too (the ``hybrid`` transport, flux_layers/ops/fused_ag_gemm.py,
-:func:`node_pushes`), but have not run on GPUs yet: unless FLUX_LAYERS_TRANSPORT=hybrid, the fused op runs all-NCCL
-plans (``nccl_plan``) for groups that span nodes.
+run that too, with shared-memory tensors standing in for peer-mapped buffers. On GPUs such plans run as the
+``hybrid`` transport (flux_layers/ops/fused_ag_gemm.py): a workspace mapped inside the node and local across, and a
+done handshake with the node's peers before a push into their buffers (:func:`node_pushes` says whom). It has not
+run on GPUs yet: unless FLUX_LAYERS_TRANSPORT=hybrid, the fused op runs all-NCCL plans (``nccl_plan``) for groups
+that span nodes.
 
 CUDA graphs: not supported; a captured call is refused (:data:`CAPTURE_REFUSAL`). NCCL calls can be captured, but
 the executor's batches are host-driven and untested under capture; the copy-engine transport serves captured
