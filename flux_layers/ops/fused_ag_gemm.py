@@ -151,6 +151,13 @@ def plan_nccl_call(ws: workspace.AgWorkspace, *, m: int, k: int, n: int, tile: i
                                done_at_peers=ws.flag_index("done", ws.rank))
 
 
+def flag_ops():
+    """(write_flag, wait_flag): the op library's stream operations on a 32-bit flag word (cuStreamWriteValue32,
+    cuStreamWaitValue32 >=), which :func:`run_nccl` issues; the CPU tests of the hybrid handshake put host stand-ins
+    here."""
+    return torch.ops.flux_layers.write_flag.default, torch.ops.flux_layers.wait_flag.default
+
+
 def run_nccl(ws: workspace.AgWorkspace, call: NcclCall, x_shard_m: torch.Tensor, weight: torch.Tensor,
              bias: torch.Tensor | None, weight_nn: bool, return_gathered: bool, run_gemm: bool = True):
     """One call on a workspace of the NCCL or hybrid transport (module docstring): fork the transfer stream from the
@@ -171,7 +178,7 @@ def run_nccl(ws: workspace.AgWorkspace, call: NcclCall, x_shard_m: torch.Tensor,
         return (out, x.new_empty((0, x.shape[1]))) if return_gathered else out
     epoch = ws.epoch  # the value this call's GEMM waits for
     buffer, flags, chunk_flags = ws.buffer[:rows * tp], ws.flags, call.chunk_flags
-    write_flag, wait_flag = torch.ops.flux_layers.write_flag.default, torch.ops.flux_layers.wait_flag.default
+    write_flag, wait_flag = flag_ops()
 
     def region(g: int, c: int, of: torch.Tensor = buffer) -> torch.Tensor:
         return of[g * rows + c * rpc:g * rows + min((c + 1) * rpc, rows)]

@@ -1,8 +1,16 @@
 """The hybrid all-gather's CPU side (FLUX_LAYERS_TRANSPORT=hybrid: NCCL between nodes, host-driven copy-engine
 pushes inside them): each rank's pushes and arrivals in a hybrid plan (nccl_transport.node_pushes, what its
 handshake and gathered copy wait on), the node group its workspace maps memory over (node_group.py) with gloo, the
-pointers it hands the op library, and the transport's selection (topology.ag_transport, fused_path_blocker)."""
+pointers it hands the op library, the transport's selection (topology.ag_transport, fused_path_blocker), and
+fused_ag_gemm.run_nccl's hybrid calls themselves across 2-8 gloo processes on shared-memory buffers and flags (the
+streams, the GEMM and the flag operations stood in on the host): back-to-back calls with the order changing, each
+gathered input exact, which fails without the done handshake."""
 from __future__ import annotations
+
+import contextlib
+import os
+import time
+import types
 
 import pytest
 import torch
@@ -116,3 +124,104 @@ def test_hybrid_transport_selection(monkeypatch):
     reason = topology.fused_path_blocker(devices, nodes)
     assert "ranks 2 and 3, node 1" in reason and "FLUX_LAYERS_TRANSPORT=nccl" in reason
     assert topology.fused_path_blocker(devices, (0, 1, 0, 1)) is None  # 2 and 3 on different nodes
+
+
+# ---------------------------------------------------------------- the hybrid call itself, on CPU
+
+class _Stream:
+    def wait_stream(self, other) -> None:
+        pass
+
+
+class _HostWorkspace:
+    """What run_nccl and plan_nccl_call read of a hybrid AgWorkspace, over shared-memory tensors: every rank's
+    gathered buffer (buffers[q]) and flag words (flags[q]); the flag words' indices are this stand-in's own (distinct
+    per region and rank), the op library's layout is not needed to check the protocol."""
+
+    def __init__(self, rank, tp, node_size, buffers, flags, k):
+        self.rank, self.tp, self.group, self.k = rank, tp, dist.group.WORLD, k
+        self.dtype, self.chunk_capacity, self.device = torch.float64, 16, torch.device("cpu")
+        self.transport, self.transfer_stream, self.epoch_count = "hybrid", _Stream(), 0
+        self.node_size = node_size
+        self.mapped = node_group.node_members(tuple(r // node_size for r in range(tp)), rank)
+        self.buffer, self.flags = buffers[rank], flags[rank]
+        self.peer_buffers = {q: buffers[q] for q in self.mapped if q != rank}
+        self._flags_of = flags
+        self._plans: dict = {}
+
+    @property
+    def layout(self):  # the node size fixed, the NUMA map as set now (as AgWorkspace.layout follows it)
+        size, tp = self.node_size, self.tp
+        numa = [int(v) for v in os.environ.get("FLUX_LAYERS_NUMA_MAP", "").split(",") if v] or [0] * size
+        return topology.group_layout((0,) * tp, tuple(r // size for r in range(tp)), numa_of=numa * (tp // size),
+                                     peer=[[a != b and a // size == b // size for b in range(tp)] for a in range(tp)])
+
+    @property
+    def epoch(self) -> int:
+        return self.epoch_count
+
+    def peer_flags(self, q):
+        return self._flags_of[q]
+
+    def flag_index(self, region, rank, chunk=0):
+        base = {"chunk": 0, "done": self.tp * self.chunk_capacity}[region]
+        return base + rank * (self.chunk_capacity if region == "chunk" else 1) + chunk
+
+    def plan_index(self, plan):
+        return self._plans.setdefault(plan, len(self._plans))
+
+
+def _wait(flags, index, value):
+    deadline = time.monotonic() + 30
+    while int(flags[index]) < value:
+        assert time.monotonic() < deadline, f"flag {index} never reached {value} (holds {int(flags[index])})"
+        time.sleep(0.0005)
+
+
+def _write(flags, index, value):
+    flags[index] = value
+
+
+def _hybrid_calls(rank, tp, node_size, layouts, buffers, flags, k):
+    """Back-to-back hybrid calls through fused_ag_gemm.run_nccl on host tensors (streams and the GEMM stood in,
+    the flag operations done on the host at once): each call's gathered input exact, with the order changing between
+    calls and a rank late now and then, so a push that did not wait for its target's previous call would show."""
+    from flux_layers.ops import fused_ag_gemm
+
+    class _Op:  # the GEMM in external mode: advances the epoch, computes nothing
+        def __call__(self, *args):
+            ws.epoch_count += 1
+            return None
+
+    torch.cuda.is_current_stream_capturing = lambda: False
+    torch.cuda.current_stream = lambda: _Stream()
+    torch.cuda.stream = lambda s: contextlib.nullcontext()
+    torch.Tensor.record_stream = lambda self, s: None
+    fused_ag_gemm.flag_ops = lambda: (_write, _wait)
+    fused_ag_gemm._opcalls = types.SimpleNamespace(ag_gemm=lambda *args: _Op())
+    ws = _HostWorkspace(rank, tp, node_size, buffers, flags, k)
+    for i in range(12):
+        order, numa = layouts[i % len(layouts)]
+        os.environ["FLUX_LAYERS_AG_ORDER"], os.environ["FLUX_LAYERS_NUMA_MAP"] = order, numa
+        rows = (5, 8, 3)[i % 3]
+        x_global = torch.arange(rows * tp * k, dtype=torch.float64).reshape(rows * tp, k) + 1000 * i
+        call = fused_ag_gemm.plan_nccl_call(ws, m=rows * tp, k=k, n=8, chunk_rows=(2, 0)[i % 2], sm_count=132)
+        if rank == i % tp and i % 4 == 1:
+            time.sleep(0.05)
+        _, gathered = fused_ag_gemm.run_nccl(ws, call, x_global[rank * rows:(rank + 1) * rows], None, None, False,
+                                             True)
+        assert torch.equal(gathered, x_global), f"rank {rank} call {i} ({order}): gathered input differs"
+        assert call.pushes is not None and set(call.pushes.peers) == set(ws.mapped) - {rank}
+    dist.barrier()
+
+
+@pytest.mark.parametrize("tp,node_size", [(4, 2), (8, 4), (8, 2), (2, 2)])
+def test_hybrid_calls_back_to_back_on_host_tensors(tp, node_size):
+    k = 3
+    buffers = torch.full((tp, 8 * tp, k), float("nan"), dtype=torch.float64).share_memory_()
+    flags = torch.zeros((tp, 16 * tp + tp), dtype=torch.int32).share_memory_()
+    nnodes = tp // node_size
+    layouts = [("internode" if nnodes > 1 else "mesh", "")]
+    if nnodes > 1 and node_size % 2 == 0:
+        layouts.append(("numa2d", ",".join(["0"] * (node_size // 2) + ["1"] * (node_size // 2))))
+    run_distributed(_hybrid_calls, tp, node_size, layouts, buffers, flags, k)
