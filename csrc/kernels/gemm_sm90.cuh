@@ -768,8 +768,12 @@ struct GemmKernel {
 
     if (warp_group == 0) {
       cutlass::arch::warpgroup_reg_dealloc<kLoadRegs>();
+      if constexpr (Cfg::kFp8) {
+        if (warp_in_group == 0 && blockIdx.x == 0 && p.scale_push_count > 0) push_scales(p, thread_idx % 32);
+      }
       if (warp_in_group == 0 && lane_predicate) {
-        // Everything ahead of this grid on its stream is complete: x can be copied (GemmProblem::started_flag).
+        // Everything ahead of this grid on its stream is complete: x can be copied (GemmProblem::started_flag), and
+        // its scales are at the peers (push_scales).
         if (blockIdx.x == 0 && p.started_flag != nullptr) st_release<Scope::kSys>(p.started_flag, p.epoch);
         PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
         uint32_t signature_checked = 0;

@@ -127,6 +127,19 @@ __device__ __forceinline__ bool wait_flag(const uint32_t* flag, uint32_t epoch, 
       [epoch](uint32_t v) { return epoch_reached(v, epoch); }, p.timeout_ns, p, code, index);
 }
 
+// The start of an eager push all-gather of FP8 rows, by one warp of CTA 0 before started_flag is set: this rank's
+// x scales into every peer's slot for them (GemmProblem::scale_push_dst). Each lane's fence makes its stores visible
+// to the whole system before the warp's started_flag store, which the comm stream waits for before its chunk flags.
+__device__ __forceinline__ void push_scales(const GemmProblem& p, int lane) {
+  for (int i = lane; i < p.scale_push_count; i += 32) {
+    float const s = p.scale_push_src[i];
+    for (int q = 0; q < kMaxTp; ++q)
+      if (p.scale_push_dst[q] != nullptr) p.scale_push_dst[q][i] = s;
+  }
+  __threadfence_system();
+  __syncwarp();
+}
+
 // The end of an eager push all-gather, by one thread of each CTA once the CTA has read everything it reads
 // (GemmProblem::finished_ctas). The last CTA to get here ends the call: once the comm stream's transfers are
 // complete (sent_flag), the peers may write into our buffer again (done_out) and the watchdog sees the call end.

@@ -15,6 +15,10 @@
 // and a stream wait, ~3 us on the lent VMs): CTA 0's producer sets started = e, which comm[0] waits for in the
 // batch of its done waits; comm[0] sets sent = e after its last transfer (in the batch of its last flag where it
 // can), and the GEMM's last CTA waits for that, then writes done[r] = e at every peer and the completion word.
+// FP8 rows: a shard's scales reach each rank's scale region ahead of the shard's first chunk flag there, in the half
+// of the epoch's parity (AgGemmArgs::scales). Eager push, mesh: the GEMM's CTA 0 stores ours into every peer before
+// it sets started (GemmProblem::scale_push_dst), so no copy call carries them; otherwise a copy on the stream that
+// carries the chunk.
 // CUDA-graph protocol: done[p] is waited for >= 1 and cleared at once; chunk and avail are cleared after the
 // join, before done is written (a peer sets them again only after it saw that write).
 //   external      : the caller moves the chunks and sets chunk[g][c] = e in our flags (the NCCL transport); the
@@ -63,6 +67,9 @@ struct AgCall {
     if (a.mode == AgMode::kPush && chunks > 1 && a.num_comm >= 2 * (a.tp - 1)) streams *= 2;  // see push()
     return std::min(streams, a.num_comm);
   }
+
+  // The GEMM stores our scales into the peers' regions at its start (see the top of this file).
+  bool kernel_pushes_scales() const { return kernel_forks() && scaled() && a.order == AgOrder::kMesh; }
 
   // push(): comm[0]'s last flag write also sets our sent word (nothing follows it on comm[0]).
   bool sent_with_last_flag() const { return kernel_forks() && streams_used() == 1 && a.gathered_out == nullptr; }
@@ -119,16 +126,19 @@ struct AgCall {
   const char* x_rows(int row) const { return static_cast<const char*>(a.x) + size_t(row) * a.ldx * (row_bytes / a.k); }
   size_t x_pitch() const { return size_t(a.ldx) * (row_bytes / a.k); }
 
-  // FP8 scales (AgGemmArgs::x_scale): a shard's scales, one or one per row, at slot g of rank q's scale region.
+  // FP8 scales (AgGemmArgs::x_scale): a shard's scales, one or one per row, at slot g of rank q's scale region (the
+  // half of this call's epoch parity).
   bool scaled() const { return a.x_scale_mode != ScaleMode::kNone; }
   bool row_scales() const { return a.x_scale_mode == ScaleMode::kPerRow; }
   int scales_per_shard() const { return row_scales() ? a.rows_per_shard : 1; }
-  float* scale_slot(int q, int g) const { return a.scales[q] + size_t(g) * scales_per_shard(); }
+  float* scale_slot(int q, int g) const {
+    return a.scales[q] + ag_scale_index(a.scale_half, a.epoch, g, scales_per_shard());
+  }
   // Before chunk c of a shard on a stream, the scales that chunk's tiles read: a row-wise shard's scales of the
   // chunk's rows, or a shard's one scale ahead of the stream's first chunk (`first`). Stream order puts them ahead
   // of the chunk's flag, which the GEMM waits for before it reads them.
   void copy_scales(cudaStream_t s, float* dst_slot, const float* src_slot, int c, bool first) const {
-    if (!scaled() || (!row_scales() && !first)) return;
+    if (!scaled() || (!row_scales() && !first) || kernel_pushes_scales()) return;
     size_t const offset = row_scales() ? size_t(chunk_begin(c)) : 0;
     size_t const count = row_scales() ? size_t(chunk_rows(c)) : 1;
     FLUX_CUDA_CHECK(cudaMemcpyAsync(dst_slot + offset, src_slot + offset, count * sizeof(float), cudaMemcpyDefault, s));
@@ -186,12 +196,12 @@ void pull(const AgCall& p) {
   }
 }
 
-// Mesh push of a shard with one scale: that scale into every peer's slot, on comm[0] before the other comm streams
-// fork from it, so every chunk flag of every stream follows it (one copy per peer, not one per stream and peer: a
-// copy costs the host ~5 us).
+// Mesh push of a shard with one scale where the GEMM does not push it (CUDA-graph protocol, transfers alone): that
+// scale into every peer's slot, on comm[0] before the other comm streams fork from it, so every chunk flag of every
+// stream follows it (one copy per peer, not one per stream and peer: a copy costs the host ~5 us).
 void push_shard_scale(const AgCall& p, cudaStream_t s0) {
   const AgGemmArgs& a = p.a;
-  if (!p.scaled() || p.row_scales() || a.order != AgOrder::kMesh) return;
+  if (!p.scaled() || p.row_scales() || a.order != AgOrder::kMesh || p.kernel_pushes_scales()) return;
   for (int o = 1; o < a.tp; ++o) {
     int const dst = (a.rank + o) % a.tp;
     FLUX_CUDA_CHECK(cudaMemcpyAsync(p.scale_slot(dst, a.rank), a.x_scale, sizeof(float), cudaMemcpyDefault, s0));
@@ -312,9 +322,15 @@ GemmProblem gemm_problem(const AgCall& p) {
   }
   if (p.scaled()) {  // each source's scales from our scale region, our own from x_scale
     g.a_scale_mode = a.x_scale_mode;
-    g.a_scale = a.scales[a.rank];
+    g.a_scale = p.scale_slot(a.rank, 0);
     g.a_scale_shard_stride = p.scales_per_shard();
     g.a_scale_own = a.x_scale;
+  }
+  if (p.kernel_pushes_scales()) {
+    g.scale_push_src = a.x_scale;
+    g.scale_push_count = p.scales_per_shard();
+    for (int q = 0; q < a.tp; ++q)
+      if (q != a.rank) g.scale_push_dst[q] = p.scale_slot(q, a.rank);
   }
   g.b_scale_mode = a.w_scale_mode;
   g.b_scale = a.w_scale;

@@ -315,6 +315,7 @@ PlannedCall WorkspaceState::plan_call(const CallPlan& plan) {
     int64_t const scale_offset =
         ag_workspace_sizes(cfg_.tp, cfg_.max_m, cfg_.inner, cfg_.capacity, cfg_.dtype).scale_offset;
     if (scale_offset > 0) {
+      a.scale_half = cfg_.max_m;
       for (int q = 0; q < cfg_.tp; ++q)
         a.scales[q] =
             cfg_.data[size_t(q)] != nullptr ? reinterpret_cast<float*>(cfg_.data[size_t(q)] + scale_offset) : nullptr;

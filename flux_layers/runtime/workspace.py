@@ -314,9 +314,10 @@ class AgWorkspace(Workspace):
         self.buffer = self._storage[:max_m * k * elem].view(dtype).view(max_m, k)
         # Each mapped peer's gathered buffer as this rank sees it (what the hybrid transport's pushes write into).
         self.peer_buffers = {q: t[:max_m * k * elem].view(dtype).view(max_m, k) for q, t in self._peer_storage.items()}
-        # FP8 rows: the gathered scales, max_m floats (the op library's scale region; scale_offset 0: none)
-        self.scales = (self._storage[sizes["scale_offset"]:sizes["scale_offset"] + max_m * 4].view(torch.float32)
-                       if sizes["scale_offset"] else None)
+        # FP8 rows: the gathered scales [2, max_m], a call's in the half of its epoch's parity (the op library's
+        # scale region; scale_offset 0: none)
+        self.scales = (self._storage[sizes["scale_offset"]:sizes["scale_offset"] + 2 * max_m * 4].view(torch.float32)
+                       .view(2, max_m) if sizes["scale_offset"] else None)
         # The host-driven transfers' stream: forked from the compute stream before each call's GEMM, joined after.
         self.transfer_stream = torch.cuda.Stream(device=self.device, priority=-1) if external else None
         devices = [None] * self.tp

@@ -84,9 +84,10 @@ def test_workspace_sizes_come_from_the_library():
     assert ag["handshake_words"] == 4 and ag["handshake_begin"] + ag["handshake_words"] < ag["flag_words"]
     fp8 = torch.ops.flux_layers.ag_workspace_layout(tp=4, max_m=1024, k=512, chunk_capacity=16,
                                                     dtype="float8_e4m3fn")
-    # FP8 rows: half the bytes, then the gathered scales (max_m floats) past a 256-byte aligned offset.
+    # FP8 rows: half the bytes, then the gathered scales (two halves of max_m floats, one per epoch parity) past a
+    # 256-byte aligned offset.
     assert fp8["scale_offset"] * 2 == ag["data_bytes"] and ag["scale_offset"] == 0
-    assert fp8["data_bytes"] == fp8["scale_offset"] + 1024 * 4 and fp8["flag_words"] == ag["flag_words"]
+    assert fp8["data_bytes"] == fp8["scale_offset"] + 2 * 1024 * 4 and fp8["flag_words"] == ag["flag_words"]
     rs = torch.ops.flux_layers.rs_workspace_layout(tp=4, max_m=1024, n=768, min_tile=128, dtype="float16")
     assert rs["slot_rows"] == 256 and rs["data_bytes"] == 4 * 256 * 768 * 2 and rs["stage_bytes"] == 3 * 256 * 768 * 2
     assert rs["capacity"] >= 2 * 6, "a flag per 128 x 128 tile of a slot"

@@ -1,8 +1,9 @@
 """Fused AllGather+GEMM and GEMM+ReduceScatter with FP8 operands (2 GPUs, or 2 ranks sharing one with
 FLUX_LAYERS_TEST_SHARED_GPU=1) against an fp32 matmul of the dequantized operands, beside the reference backend's
 error on the same operands: every scale mode, both directions and orders, both reduce-scatter stores, split and fast
-accumulation; gathered FP8 rows and scales exact; reduce-scatter bitwise-repeatable; CUDA-graph replays; bad inputs
-refused with later calls right. The variant asked for is checked to be the one that ran (ops.decide)."""
+accumulation; gathered FP8 rows and scales exact; back-to-back all-gathers with their own scales; reduce-scatter
+bitwise-repeatable; CUDA-graph replays; bad inputs refused with later calls right. The variant asked for is checked
+to be the one that ran (ops.decide)."""
 from __future__ import annotations
 
 import os
@@ -90,6 +91,46 @@ def _ag_matrix(rank, tp, seed):
 
 def test_ag_gemm_fp8_modes_orders_scales():
     run_distributed(_ag_matrix, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl")
+
+
+def _back_to_back_scales(rank, tp, seed):
+    """Calls enqueued back to back, each with its own x scales (the same FP8 rows, the scales doubled from one call
+    to the next) and the shard rows changing between them, checked once all are done. Each rank's region of the
+    gathered scales has two halves, the call's epoch parity picking one (csrc/runtime/ag_gemm.cpp); the eager push
+    mesh's GEMM stores its scales into the peers' at its start: a half that a call still running reads, or the wrong
+    half, gives a call another call's scales."""
+    from flux_layers import ops
+    from flux_layers.ops.fp8 import ScaledTensor, dequantize, quantize
+    poison_outputs()
+    group = dist.group.WORLD
+    shard_rows, k, n = (512, 256, 512, 384, 512, 256), 512, 256  # the first call the largest: one workspace
+    for i, (direction, mode) in enumerate((("push", "tensor"), ("push", "row"), ("pull", "tensor"), ("pull", "row"))):
+        _settings(AG_MODE=direction, AG_ORDER="mesh")
+        x, w, bias = _global(seed + i, max(shard_rows) * tp, k, n * tp)
+        wq = quantize(w.chunk(tp)[rank].contiguous(), E4M3, rowwise=mode == "row")
+        ws_, b = _w_scale(wq, mode), bias[rank * n:(rank + 1) * n]
+        calls = []
+        for j, rows in enumerate(shard_rows):
+            shards = [quantize(s, E4M3, rowwise=mode == "row") for s in x[:rows * tp].chunk(tp)]
+            shards = [ScaledTensor(s.data, s.scale * 2.0**j) for s in shards]
+            out = ops.ag_gemm(shards[rank].data, wq.data, b, group=group, x_scale=shards[rank].scale, w_scale=ws_,
+                              backend="fused")
+            calls.append((shards, out))
+        torch.cuda.synchronize()
+        for j, (shards, out) in enumerate(calls):
+            what = f"rank {rank} ag fp8 back to back, call {j} ({shard_rows[j]} rows) {mode} {direction}"
+            mine = shards[rank]
+            decision = ops.decide("ag_gemm", mine.data, wq.data, group=group, backend="fused")
+            assert decision.path == "fused" and decision.plan.mode == direction, f"{what}: ran {decision}"
+            reference = ops.ag_gemm(mine.data, wq.data, b, group=group, x_scale=mine.scale, w_scale=ws_,
+                                    backend="reference")
+            ref = torch.cat([dequantize(s) for s in shards]) @ dequantize(wq).t() + b.float()
+            _check(out, ref, reference, what)
+    torch.cuda.synchronize()
+
+
+def test_ag_gemm_fp8_back_to_back_scales():
+    run_distributed(_back_to_back_scales, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl")
 
 
 def _rs_case(rank, tp, seed, m, k_local, n, mode, accum, transport):

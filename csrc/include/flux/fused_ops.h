@@ -53,13 +53,17 @@ struct AgGemmArgs {
   DType dtype = DType::kBF16;    // of x and the gathered buffer (the workspace's)
   GemmTypes types;               // the GEMM's operand types and accumulation (the call's)
   // FP8: x's scale (this rank's shard: one element, ScaleMode::kPerShard, or one per row, kPerRow) travels with its
-  // rows into every rank's scale region ([tp] or [tp][Mg] floats, compact for the call's Mg), from which the GEMM
-  // applies each source's scale to its rows; W's scale (one, or one per output column) is read where it is.
+  // rows into every rank's scale region ([tp] or [tp][Mg] floats, compact for the call's Mg, in the half of the
+  // epoch's parity), from which the GEMM applies each source's scale to its rows; W's scale (one, or one per output
+  // column) is read where it is. Two halves, so that a GEMM that pushes its scales at its start (eager push, mesh:
+  // GemmProblem::scale_push_dst) writes the half that no peer still reads: our call e starts after our call e - 1
+  // saw the peers' done of e - 2, the last call that read the half of e's parity.
   ScaleMode x_scale_mode = ScaleMode::kNone;
   const float* x_scale = nullptr;
   ScaleMode w_scale_mode = ScaleMode::kNone;
   const float* w_scale = nullptr;
   float* scales[kMaxTp] = {nullptr};    // every rank's scale region (null: a 16-bit workspace)
+  int64_t scale_half = 0;               // floats in each half of a scale region (the workspace's max_m)
   float* gathered_scale_out = nullptr;  // [tp] or [tp * Mg] copy of the gathered scales, or null
   WeightLayout layout = WeightLayout::kNT;
   TileConfig tile = TileConfig::k256x128;

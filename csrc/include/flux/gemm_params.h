@@ -143,7 +143,13 @@ struct GemmProblem {
   // (finished_ctas counts them and is 0 between calls) waits for sent_flag >= epoch (the comm stream's transfers,
   // which read x, are complete), then sets every done_out (the peers' done word for this rank) and completion_word
   // to epoch. Null: none of this (the host forks and joins).
+  // FP8 rows (mesh order): before started_flag, CTA 0's producer warp copies this rank's scale_push_count x scales
+  // from scale_push_src into scale_push_dst[q], its slot in peer q's scale region (null for itself), so that every
+  // chunk flag the comm stream writes after its wait for started follows them and no copy call carries them.
   uint32_t* started_flag = nullptr;
+  const float* scale_push_src = nullptr;
+  float* scale_push_dst[kMaxTp] = {nullptr};
+  int scale_push_count = 0;
   const uint32_t* sent_flag = nullptr;
   uint32_t* finished_ctas = nullptr;
   uint32_t* done_out[kMaxTp] = {nullptr};

@@ -69,10 +69,18 @@ struct WorkspaceSizes {
   int64_t capacity = 0;     // chunks per shard (all-gather) or flags per source (reduce-scatter)
   int64_t slot_rows = 0;    // reduce-scatter: rows of a receive or staging slot (max_m / tp)
   int64_t stage_bytes = 0;  // reduce-scatter: the local staging area [tp - 1][slot][N] of its copy-engine transport
-  // all-gather of FP8 rows: the byte offset in the data of the scale region, max_m floats (a call's gathered scales,
-  // [tp] or [tp][Mg]); 0: none (16-bit rows)
+  // all-gather of FP8 rows: the byte offset in the data of the scale region, two halves of max_m floats (a call's
+  // gathered scales, [tp] or [tp][Mg], in the half of its epoch's parity: AgGemmArgs::scale_half); 0: none (16-bit
+  // rows)
   int64_t scale_offset = 0;
 };
+
+// All-gather of FP8 rows: where shard g's scales start in a rank's scale region (floats from its start), for a call of
+// epoch `epoch` with `per_shard` scales per shard (1, or the shard's rows): the call's scales sit in the half of its
+// epoch's parity, compact ([tp] or [tp][Mg]). Halves of max_m floats (AgGemmArgs::scale_half says why two).
+inline int64_t ag_scale_index(int64_t max_m, uint32_t epoch, int g, int64_t per_shard) {
+  return int64_t(epoch & 1u) * max_m + int64_t(g) * per_shard;
+}
 
 inline WorkspaceSizes ag_workspace_sizes(int tp, int64_t max_m, int64_t k, int chunk_capacity, DType dtype) {
   AgFlagLayout const f{tp, chunk_capacity};
@@ -80,7 +88,7 @@ inline WorkspaceSizes ag_workspace_sizes(int tp, int64_t max_m, int64_t k, int c
   s.data_bytes = max_m * k * dtype_bytes(dtype);
   if (is_fp8(dtype)) {
     s.scale_offset = (s.data_bytes + 255) / 256 * 256;
-    s.data_bytes = s.scale_offset + max_m * int64_t(sizeof(float));
+    s.data_bytes = s.scale_offset + 2 * max_m * int64_t(sizeof(float));
   }
   s.flag_words = f.words();
   s.handshake_begin = f.done(0);
