@@ -128,7 +128,7 @@ flux_layers._library.path(), flux_layers._library.unavailable_reason())'" ;;
     shared_tests) step shared_tests 540 env FLUX_LAYERS_TEST_SHARED_GPU=1 FLUX_LAYERS_TIMEOUT_S=${SHARED_TIMEOUT_S:-60} \
       $PY -m pytest -q -p no:cacheprovider tests/gpu/test_ag_gemm_gpu.py tests/gpu/test_gemm_rs_gpu.py \
       tests/gpu/test_cuda_graph_ops_gpu.py tests/gpu/test_compile_ops_gpu.py tests/gpu/test_direct_calls_gpu.py \
-      tests/gpu/test_reliability_gpu.py \
+      tests/gpu/test_reliability_gpu.py tests/gpu/test_fused_fp8_gpu.py \
       ${SHARED_TESTS_K:+-k "$SHARED_TESTS_K"} ;;
     shared_tp)  # ranks sharing one GPU at each TP of $SHARED_TP: the fused ops' GPU tests (the NCCL ones: shared_nodes)
       for tp in ${SHARED_TP:-2 4 8}; do
@@ -140,13 +140,14 @@ flux_layers._library.path(), flux_layers._library.unavailable_reason())'" ;;
         shared_run "$tp" 1 "shared_tp$tp"
       done ;;
     shared_nodes)  # emulated nodes on one GPU (TPxNODES of $SHARED_NODES): the NCCL and hybrid transports over the
-      # stand-in
+      # stand-in, 16-bit and FP8
       for layout in ${SHARED_NODES:-4x2 8x2 8x4}; do
         tp=${layout%x*} nodes=${layout#*x}
         step "shared_nodes_$layout" "$(shared_limit nodes "$tp")" env FLUX_LAYERS_TEST_SHARED_GPU=1 \
           FLUX_LAYERS_TEST_TP="$tp" FLUX_LAYERS_TEST_NODES="$nodes" FLUX_LAYERS_TIMEOUT_S=${SHARED_TIMEOUT_S:-60} \
           $PY -m pytest -q -p no:cacheprovider tests/gpu/test_sendrecv_gpu.py tests/gpu/test_nccl_transport_gpu.py \
-          tests/gpu/test_hybrid_transport_gpu.py ${SHARED_TESTS_K:+-k "$SHARED_TESTS_K"}
+          tests/gpu/test_hybrid_transport_gpu.py tests/gpu/test_external_transfers_fp8_gpu.py \
+          ${SHARED_TESTS_K:+-k "$SHARED_TESTS_K"}
         shared_run "$tp" "$nodes" "shared_nodes_$layout"
       done ;;
     reliability_bench)  # one GPU: two ranks sharing it (--shared-gpu), results checked, times not TP times
@@ -175,7 +176,7 @@ benchmarks.bench_overhead --shared-gpu ${OVERHEAD_ARGS:-} --out $WORK/results/op
     rs_bench) step rs_bench 400 $PY -m benchmarks.bench_gemm_rs --out "$WORK/results/gemm_rs_$GPU_TAG.json" ;;
     nccl_test)  # both operators over their NCCL transports, and the hybrid all-gather (2+ GPUs; not default)
       step nccl_test 420 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_nccl_transport_gpu.py \
-        tests/gpu/test_hybrid_transport_gpu.py ;;
+        tests/gpu/test_hybrid_transport_gpu.py tests/gpu/test_external_transfers_fp8_gpu.py ;;
     nccl_bench)  # both NCCL transports, every peer on another "node" (not in the default steps)
       step nccl_ag_bench 400 env FLUX_LAYERS_TRANSPORT=nccl FLUX_LAYERS_NODE_SIZE=1 $PY -m benchmarks.bench_ag_gemm \
         --out "$WORK/results/ag_gemm_internode_$GPU_TAG.json"

@@ -382,6 +382,18 @@ struct NativeWorkspace : torch::CustomClassHolder {
     TORCH_CHECK_VALUE(false, "flag_index: ", c.what, " has no flag region '", region, "'");
   }
 
+  // All-gather of FP8 rows: where shard g's scales of a call of epoch `epoch` start in a rank's scale region (floats
+  // from its start), for calls of `per_shard` scales per shard (1, or the shard's rows). workspace_layout.h.
+  int64_t scale_index(int64_t epoch, int64_t shard, int64_t per_shard) const {
+    auto const& c = config();
+    TORCH_CHECK_VALUE(c.kind == flux::WorkspaceKind::kAllGather && flux::is_fp8(c.dtype), "scale_index: ", c.what,
+                      " holds no FP8 scales");
+    TORCH_CHECK_VALUE(shard >= 0 && shard < c.tp, "scale_index: shard ", shard, " outside [0, ", c.tp, ")");
+    TORCH_CHECK_VALUE(per_shard >= 1 && c.tp * per_shard <= c.max_m, "scale_index: ", per_shard,
+                      " scales per shard do not fit the workspace's ", c.max_m, " (max_m) per half");
+    return flux::ag_scale_index(c.max_m, uint32_t(epoch), int(shard), per_shard);
+  }
+
   // The staging slot (reduce-scatter) of this rank's partial of dst's rows.
   int64_t stage_slot(int64_t dst) const {
     auto const& c = config();
@@ -748,6 +760,8 @@ TORCH_LIBRARY(flux_layers, m) {
       .def("flag_index", &NativeWorkspace::flag_index, "",
            {torch::arg("region"), torch::arg("rank"), torch::arg("chunk")})
       .def("stage_slot", &NativeWorkspace::stage_slot, "", {torch::arg("dst")})
+      .def("scale_index", &NativeWorkspace::scale_index, "",
+           {torch::arg("epoch"), torch::arg("shard"), torch::arg("per_shard")})
       .def("set_twin", &NativeWorkspace::set_twin)
       .def("set_stage", &NativeWorkspace::set_stage)
       .def("keep_memory", &NativeWorkspace::keep_memory)

@@ -21,7 +21,8 @@
 // carries the chunk.
 // CUDA-graph protocol: done[p] is waited for >= 1 and cleared at once; chunk and avail are cleared after the
 // join, before done is written (a peer sets them again only after it saw that write).
-//   external      : the caller moves the chunks and sets chunk[g][c] = e in our flags (the NCCL transport); the
+//   external      : the caller moves the chunks (FP8 rows: and their scales, into our scale region's half for e)
+//                   and sets chunk[g][c] = e in our flags (the NCCL and hybrid transports); the
 //                   op launches the GEMM alone (local buffer, local flags; CUDA-graph protocol: the chunk flags
 //                   are cleared after it on the compute stream).
 // Call signatures (gemm_params.h): the first flag a rank writes at a peer in a call (a chunk flag when pushing, an
@@ -355,8 +356,8 @@ void check_ag_gemm_args(const AgGemmArgs& a) {
   FLUX_CHECK(a.rows_per_chunk > 0, "rows_per_chunk must be positive, got ", a.rows_per_chunk);
   FLUX_CHECK(a.chunk_capacity > 0, "the workspace holds no chunk flags");
   FLUX_CHECK(a.events != nullptr, "the workspace's events are missing");
-  if (a.mode == AgMode::kExternal) return;  // local buffer and flags only
   FLUX_CHECK(!is_fp8(a.dtype) || a.scales[a.rank] != nullptr, "an FP8 all-gather needs the workspace's scale region");
+  if (a.mode == AgMode::kExternal) return;  // local buffer, flags and scales only
   for (int q = 0; q < a.tp; ++q)
     FLUX_CHECK(a.buffers[q] != nullptr && a.flags[q] != nullptr, "copy-engine transfers need rank ", q,
                "'s buffer and flags mapped");

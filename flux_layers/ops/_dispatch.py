@@ -417,25 +417,46 @@ def _fused_fp8_gemm(decision: Decision, x, weight, group, weight_layout: str, fa
 
 
 def _fused_fp8_ag_gemm(decision: Decision, x_shard_m, weight, group, weight_layout: str, fast_accum: bool) -> Decision:
-    """An FP8 workspace's all-gather (the FP8 rows and their scales travel; backend.choose refused NCCL)."""
+    """An FP8 workspace's all-gather: the FP8 rows and their scales travel (by the copy engine, or by NCCL and the
+    hybrid transport's pushes, driven from the host)."""
     from flux_layers.ops import fused_ag_gemm
+    from flux_layers.ops.backend import ag_transport
+    transport = ag_transport(group)
     m, k, n = fused_ag_gemm.check_args(x_shard_m, weight, None, weight_layout, group)
-    check_same_call(group, call_signature("ag_gemm", m, k, n, decision.key[4], weight_layout, "copy_engine"))
-    ws = workspace.get_ag_workspace(group, x_shard_m.dtype, m, k)
+    check_same_call(group, call_signature("ag_gemm", m, k, n, decision.key[4], weight_layout, transport))
+    ws = workspace.get_ag_workspace(group, x_shard_m.dtype, m, k, transport)
+    weight_nn = weight_layout == "nn"
+    if transport != "copy_engine":
+        call = fused_ag_gemm.plan_nccl_call(ws, m=m, k=k, n=n, fast_accum=fast_accum)
+
+        def run(x_shard_m, weight, bias, x_scale, w_scale, return_gathered):
+            return fused_ag_gemm.run_nccl(ws, call, x_shard_m, weight, bias, weight_nn, return_gathered,
+                                          x_scale=x_scale, w_scale=w_scale)
+        return _bound(decision, run, transport=transport, plan=call.plan, workspace=ws)
     plan = fused_ag_gemm.plan_call(ws, m=m, k=k, n=n, fast_accum=fast_accum)
-    op = _opcalls.ag_gemm_fp8(ws, ws.plan_index(plan), weight_layout == "nn")
-    return _bound(decision, op, op.registered, transport="copy_engine", plan=plan, workspace=ws)
+    op = _opcalls.ag_gemm_fp8(ws, ws.plan_index(plan), weight_nn)
+    return _bound(decision, op, op.registered, transport=transport, plan=plan, workspace=ws)
 
 
 def _fused_fp8_gemm_rs(decision: Decision, x, weight, group, weight_layout: str, fast_accum: bool) -> Decision:
     """The reduce-scatter of FP8 operands: bfloat16 partials on a bfloat16 workspace."""
     from flux_layers.ops import fused_gemm_rs
+    from flux_layers.ops.backend import over_nccl
     from flux_layers.ops.fp8 import OUT_DTYPE
     from flux_layers.runtime import tuning
     m, k, n = fused_gemm_rs.check_args(x, weight, None, weight_layout, group)
+    weight_nn = weight_layout == "nn"
+    if over_nccl("gemm_rs", group):
+        check_same_call(group, call_signature("gemm_rs", m, k, n, decision.key[4], weight_layout, "nccl"))
+        ws = workspace.get_rs_workspace(group, OUT_DTYPE, m, n, over_nccl=True)
+        call = fused_gemm_rs.plan_nccl_call(ws, m=m, k=k, n=n, fast_accum=fast_accum)
+
+        def run(x, weight, bias, x_scale, w_scale):
+            return fused_gemm_rs.run_nccl(ws, call, x, weight, bias, weight_nn, x_scale, w_scale)
+        return _bound(decision, run, transport="nccl", plan=call.plan, workspace=ws)
     transport = tuning.rs_transport(dtype=x.dtype, tp=dist.get_world_size(group), mkn=(m, k, n))
     check_same_call(group, call_signature("gemm_rs", m, k, n, decision.key[4], weight_layout, transport))
     ws = workspace.get_rs_workspace(group, OUT_DTYPE, m, n)
     plan = fused_gemm_rs.plan_call(ws, m=m, k=k, n=n, transport=transport, fast_accum=fast_accum)
-    op = _opcalls.gemm_rs_fp8(ws, ws.plan_index(plan), weight_layout == "nn")
+    op = _opcalls.gemm_rs_fp8(ws, ws.plan_index(plan), weight_nn)
     return _bound(decision, op, op.registered, transport=transport, plan=plan, workspace=ws)

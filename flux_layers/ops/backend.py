@@ -89,8 +89,6 @@ def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int,
             nccl = reason is None and over_nccl(op, group)
         if reason is not None:
             blockers.append(reason)
-        elif nccl and dtype in FP8_DTYPES:
-            blockers.append(f"{op}'s transport is NCCL, and FP8 operands run on the peer-mapped transports only")
         elif nccl and sendrecv.stands_in(group):  # ranks sharing one GPU: NCCL's send/recv stood in
             stand_in = "; " + sendrecv.STAND_IN_NOTE
         elif nccl and dist.get_backend(group) != "nccl":

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from flux_layers import _env, _library
 from flux_layers.ops import _opcalls
 from flux_layers.ops._checks import check_fused_dims, check_fused_tensor, check_matmul_args
-from flux_layers.ops.fp8 import FP8_DTYPES
+from flux_layers.ops.fp8 import FP8_DTYPES, ScaledTensor
 from flux_layers.runtime import schedules, tuning, workspace
 from flux_layers.runtime.call_plan import AgCallPlan
 from flux_layers.runtime.multinode import nccl_transport
@@ -119,10 +119,10 @@ class NcclCall:
 
 def plan_nccl_call(ws: workspace.AgWorkspace, *, m: int, k: int, n: int, tile: int | None = None,
                    swizzle: int | None = None, stream_k: bool | int | None = None, sm_count: int = 0,
-                   order: str | None = None, chunk_rows: int | None = None) -> NcclCall:
+                   order: str | None = None, chunk_rows: int | None = None, fast_accum: bool = False) -> NcclCall:
     """:func:`plan_call` for a workspace of the NCCL or hybrid transport. ``order``: the transfer plan's (None:
     FLUX_LAYERS_AG_ORDER, 'auto' choosing from the layout); ``sm_count`` 0:
-    :func:`nccl_transport.gemm_sms_beside_nccl`."""
+    :func:`nccl_transport.gemm_sms_beside_nccl`; an FP8 workspace's calls take ``fast_accum``."""
     if ws.transport not in ("nccl", "hybrid"):
         raise ValueError(f"plan_nccl_call: the workspace's transport is {ws.transport!r}")
     hybrid = ws.transport == "hybrid"
@@ -133,11 +133,13 @@ def plan_nccl_call(ws: workspace.AgWorkspace, *, m: int, k: int, n: int, tile: i
     chunks = max(1, schedules.chunk_count(rows, rows_per_chunk))
     transfers = (nccl_transport.hybrid_plan if hybrid else nccl_transport.nccl_plan)(ws.layout, chunks, order)
     executor = nccl_transport.AgExecutor(transfers, ws.rank, ws.group, copy_engine=hybrid)
+    fp8 = ws.dtype in FP8_DTYPES
     kc = tuning.resolve_kernel("ag_gemm", dtype=ws.dtype, tp=ws.tp, mkn=(m, k, n), tile=tile, swizzle=swizzle,
-                               stream_k=stream_k, sm_count=sm_count or nccl_transport.gemm_sms_beside_nccl(ws.device))
+                               stream_k=stream_k, sm_count=sm_count or nccl_transport.gemm_sms_beside_nccl(ws.device),
+                               fast_accum=fast_accum if fp8 else None)
     plan = AgCallPlan(tile=kc.tile, swizzle=kc.swizzle, stream_k_fill=kc.stream_k_fill, sm_count=kc.sm_count,
                       mode="external", order="mesh", rows_per_chunk=rows_per_chunk,
-                      shard_order=tuple(executor.gemm_order))
+                      shard_order=tuple(executor.gemm_order), accumulation="fast" if fp8 and fast_accum else "split")
     chunk_flags = tuple(tuple(ws.flag_index("chunk", g, c) for c in range(chunks)) for g in range(ws.tp))
     call = NcclCall(plan, ws.plan_index(plan), rows_per_chunk, executor, chunk_flags)
     if not hybrid:
@@ -159,44 +161,82 @@ def flag_ops():
 
 
 def run_nccl(ws: workspace.AgWorkspace, call: NcclCall, x_shard_m: torch.Tensor, weight: torch.Tensor,
-             bias: torch.Tensor | None, weight_nn: bool, return_gathered: bool, run_gemm: bool = True):
+             bias: torch.Tensor | None, weight_nn: bool, return_gathered: bool, run_gemm: bool = True,
+             x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None):
     """One call on a workspace of the NCCL or hybrid transport (module docstring): fork the transfer stream from the
     compute stream, enqueue the GEMM (it waits per chunk on this rank's flags), then this rank's batches on the
     transfer stream (NCCL, each received chunk's flag set to the call's epoch after it; hybrid: then its pushes into
     node peers' buffers, each followed by the chunk's flag there), the gathered input copied out there if asked for,
     and join; hybrid: then done at each of the node's other ranks. Returns out, or (out, gathered) if
     ``return_gathered``. ``run_gemm`` False: the transfers alone (benchmarks). A call under CUDA-graph capture raises
-    NoGraphTwin (the transport has none)."""
+    NoGraphTwin (the transport has none).
+
+    FP8 rows (an FP8 workspace; ``x_scale``, ``w_scale`` as ``ops.ag_gemm`` takes them): a chunk travels with its
+    scales, into the scale region's slots of the call's epoch (``ws.scale_index``), in the chunk's batch and so ahead
+    of its flag: a row-wise shard's scales of the chunk's rows, a shard's one scale with every chunk (the GEMM reads it
+    for a tile after that tile's chunk flag, whichever of the shard's chunks lands first; a later copy rewrites the
+    same value). The gathered input is then a ScaledTensor (the rows, and the scales [tp] or [M, 1])."""
     if torch.cuda.is_current_stream_capturing():
         raise workspace.NoGraphTwin(f"ag_gemm: {nccl_transport.CAPTURE_REFUSAL}")
     x = x_shard_m if x_shard_m.is_contiguous() else x_shard_m.contiguous()  # NCCL sends contiguous memory
     rows, tp, rpc = x.shape[0], ws.tp, call.rows_per_chunk
     compute, stream = torch.cuda.current_stream(), ws.transfer_stream
     stream.wait_stream(compute)  # fork before the GEMM: the transfers never wait on the GEMM they feed
-    out = _opcalls.ag_gemm(ws, call.index, weight_nn, run_gemm)(x, weight, bias, False)
-    if rows == 0:
-        return (out, x.new_empty((0, x.shape[1]))) if return_gathered else out
+    scaled = ws.dtype in FP8_DTYPES
+    if scaled:
+        out = _opcalls.ag_gemm_fp8(ws, call.index, weight_nn, run_gemm)(x, weight, bias, x_scale, w_scale, False)
+    else:
+        out = _opcalls.ag_gemm(ws, call.index, weight_nn, run_gemm)(x, weight, bias, False)
+    if rows == 0:  # no epoch, nothing moved (every rank); the gathered input's shapes as the op library's
+        if not return_gathered:
+            return out
+        empty = x.new_empty((0, x.shape[1]))
+        if not scaled:
+            return out, empty
+        return out, ScaledTensor(empty, x_scale.new_empty((tp,) if x_scale.numel() == 1 else (0, 1)))
     epoch = ws.epoch  # the value this call's GEMM waits for
     buffer, flags, chunk_flags = ws.buffer[:rows * tp], ws.flags, call.chunk_flags
     write_flag, wait_flag = flag_ops()
+    # FP8: the scales per shard (1, or the shard's rows: the op checked x_scale), and where each shard's start.
+    per_shard = x_scale.numel() if scaled else 0
+    scale_at = [ws.scale_index(epoch, g, per_shard) for g in range(tp)] if scaled else []
 
-    def region(g: int, c: int, of: torch.Tensor = buffer) -> torch.Tensor:
-        return of[g * rows + c * rpc:g * rows + min((c + 1) * rpc, rows)]
+    def rows_of(c: int) -> slice:
+        return slice(c * rpc, min((c + 1) * rpc, rows))
+
+    def chunk(c: int, data: torch.Tensor, scales: torch.Tensor | None) -> nccl_transport.ChunkData:
+        """Chunk c of a shard, given the shard's rows and (FP8) its scales: what carries it (FP8 rows as bytes, which
+        every send/recv moves)."""
+        if not scaled:
+            return data[rows_of(c)]
+        return data[rows_of(c)].view(torch.uint8), scales if per_shard == 1 else scales[rows_of(c)]
+
+    def shard_scales(g: int, q: int | None = None) -> torch.Tensor | None:
+        """FP8: shard g's scales in rank q's scale region (None: this rank's)."""
+        if not scaled:
+            return None
+        return (ws.scales if q is None else ws.peer_scales[q])[scale_at[g]:scale_at[g] + per_shard]
+
+    def region(g: int, c: int, q: int | None = None) -> nccl_transport.ChunkData:
+        """Chunk c of shard g in rank q's gathered buffer and scale region (None: this rank's)."""
+        return chunk(c, (buffer if q is None else ws.peer_buffers[q])[g * rows:(g + 1) * rows], shard_scales(g, q))
 
     cleared: set[int] = set()  # push targets whose previous call's GEMM is known to have stopped reading
 
-    def push(dst: int, g: int, c: int, data: torch.Tensor) -> None:
+    def push(dst: int, g: int, c: int, data: nccl_transport.ChunkData) -> None:
         if dst not in cleared:  # the target's done of the previous call: its buffer may be written again
             wait_flag(flags, call.done_flags[dst], epoch - 1)
             cleared.add(dst)
-        region(g, c, ws.peer_buffers[dst]).copy_(data)
+        for into, part in zip(nccl_transport.parts(region(g, c, dst)), nccl_transport.parts(data)):
+            into.copy_(part)
         write_flag(ws.peer_flags(dst), chunk_flags[g][c], epoch)
 
     def wait_arrival(g: int, c: int) -> None:
         wait_flag(flags, chunk_flags[g][c], epoch)
 
+    own_scales = x_scale.reshape(-1) if scaled else None
     with torch.cuda.stream(stream):
-        call.executor.run(lambda c: x[c * rpc:(c + 1) * rpc], region,
+        call.executor.run(lambda c: chunk(c, x, own_scales), region,
                           lambda g, c: write_flag(flags, chunk_flags[g][c], epoch), push, wait_arrival)
         if return_gathered:
             for g, c in call.pushes.arriving if call.pushes else ():  # landed by the node peers' pushes
@@ -204,6 +244,9 @@ def run_nccl(ws: workspace.AgWorkspace, call: NcclCall, x_shard_m: torch.Tensor,
             gathered = torch.empty((rows * tp, x.shape[1]), dtype=x.dtype, device=x.device)
             gathered.copy_(buffer)
             gathered[ws.rank * rows:(ws.rank + 1) * rows].copy_(x)
+            if scaled:  # [tp] or [M, 1], as the op library returns them
+                gathered_scale = torch.cat([own_scales if g == ws.rank else shard_scales(g) for g in range(tp)])
+                gathered_scale = gathered_scale.view(-1, 1) if per_shard > 1 else gathered_scale
     compute.wait_stream(stream)
     # This rank's GEMM and transfers stopped reading its buffer: the node's other ranks may push their next call.
     for q in call.pushes.peers if call.pushes else ():
@@ -211,7 +254,10 @@ def run_nccl(ws: workspace.AgWorkspace, call: NcclCall, x_shard_m: torch.Tensor,
     if not return_gathered:
         return out
     gathered.record_stream(compute)
-    return out, gathered
+    if not scaled:
+        return out, gathered
+    gathered_scale.record_stream(compute)
+    return out, ScaledTensor(gathered, gathered_scale)
 
 
 def run(ws: workspace.AgWorkspace, plan: AgCallPlan, x_shard_m: torch.Tensor, weight: torch.Tensor,

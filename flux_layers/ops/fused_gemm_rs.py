@@ -31,6 +31,7 @@ import torch.distributed as dist
 from flux_layers import _env, _library
 from flux_layers.ops import _opcalls
 from flux_layers.ops._checks import check_fused_dims, check_fused_tensor, check_matmul_args
+from flux_layers.ops.fp8 import FP8_DTYPES
 from flux_layers.runtime import tuning, workspace
 from flux_layers.runtime.call_plan import RsCallPlan
 from flux_layers.runtime.multinode import nccl_rs_transport, nccl_transport
@@ -85,18 +86,21 @@ class NcclCall:
 
 
 def plan_nccl_call(ws: workspace.RsWorkspace, *, m: int, k: int, n: int, tile: int | None = None,
-                   swizzle: int | None = None, stream_k: bool | int | None = None, sm_count: int = 0) -> NcclCall:
-    """:func:`plan_call` for a workspace of the NCCL transport; ``sm_count`` 0: all SMs but FLUX_LAYERS_NCCL_SMS."""
+                   swizzle: int | None = None, stream_k: bool | int | None = None, sm_count: int = 0,
+                   fast_accum: bool | None = None) -> NcclCall:
+    """:func:`plan_call` for a workspace of the NCCL transport; ``sm_count`` 0: all SMs but FLUX_LAYERS_NCCL_SMS;
+    ``fast_accum`` not None: calls of FP8 operands (bfloat16 partials), with that accumulation."""
     if not ws.over_nccl:
         raise ValueError("plan_nccl_call: the workspace is not the NCCL transport's (RsWorkspace(..., over_nccl=True))")
-    kc = tuning.resolve_kernel("gemm_rs", dtype=ws.dtype, tp=ws.tp, mkn=(m, k, n), tile=tile, swizzle=swizzle,
-                               stream_k=stream_k,
-                               sm_count=sm_count or nccl_transport.gemm_sms_beside_nccl(ws.device))
+    kc = tuning.resolve_kernel("gemm_rs", dtype=torch.float8_e4m3fn if fast_accum is not None else ws.dtype,
+                               tp=ws.tp, mkn=(m, k, n), tile=tile, swizzle=swizzle, stream_k=stream_k,
+                               sm_count=sm_count or nccl_transport.gemm_sms_beside_nccl(ws.device),
+                               fast_accum=fast_accum)
     chunks = nccl_rs_transport.full_width_chunks(m // ws.tp, n, kc.tile, kc.swizzle)
     if len(chunks) > ws.flags_per_source:
         raise AssertionError(f"gemm_rs: {len(chunks)} chunks exceed the workspace's {ws.flags_per_source} flags")
     plan = RsCallPlan(tile=kc.tile, swizzle=kc.swizzle, stream_k_fill=kc.stream_k_fill, sm_count=kc.sm_count,
-                      transport="external", chunk_cols=n)
+                      transport="external", chunk_cols=n, accumulation="fast" if fast_accum else "split")
     count_flags = tuple(tuple(ws.count_index(q, c) for c in range(len(chunks))) for q in range(ws.tp))
     partial_flags = tuple(tuple(ws.partial_flag_index(q, c) for c in range(len(chunks))) for q in range(ws.tp))
     return NcclCall(plan, ws.plan_index(plan), chunks,
@@ -105,15 +109,20 @@ def plan_nccl_call(ws: workspace.RsWorkspace, *, m: int, k: int, n: int, tile: i
 
 
 def run_nccl(ws: workspace.RsWorkspace, call: NcclCall, x: torch.Tensor, weight: torch.Tensor,
-             bias: torch.Tensor | None, weight_nn: bool) -> torch.Tensor:
+             bias: torch.Tensor | None, weight_nn: bool, x_scale: torch.Tensor | None = None,
+             w_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One call on a workspace of the NCCL transport (flux_layers/runtime/multinode/nccl_rs_transport.py): the op
     clears the counts, forks the transfer stream and enqueues the GEMM; then this rank's batches on the transfer stream
     (per chunk: wait for its count, send it, receive the peer's partial of our rows, set that chunk's flag to the call's
-    epoch), and the compute stream joins it."""
+    epoch), and the compute stream joins it. FP8 operands (``x_scale``, ``w_scale``): each rank's partials scaled in
+    its epilogue, moved as bfloat16 like any other."""
     if torch.cuda.is_current_stream_capturing():
         raise workspace.NoGraphTwin(f"gemm_rs: {nccl_rs_transport.CAPTURE_REFUSAL}")
     compute, stream = torch.cuda.current_stream(), ws.transfer_stream
-    out = _opcalls.gemm_rs(ws, call.index, weight_nn)(x, weight, bias)  # forks the transfer stream before the GEMM
+    if x.dtype in FP8_DTYPES:  # the op forks the transfer stream before the GEMM
+        out = _opcalls.gemm_rs_fp8(ws, call.index, weight_nn)(x, weight, bias, x_scale, w_scale)
+    else:
+        out = _opcalls.gemm_rs(ws, call.index, weight_nn)(x, weight, bias)
     if out.shape[0] == 0:
         return out  # no epoch, nothing moved (every rank)
     epoch = ws.epoch  # the value this call's GEMM waits for

@@ -314,16 +314,25 @@ class AgWorkspace(Workspace):
         self.buffer = self._storage[:max_m * k * elem].view(dtype).view(max_m, k)
         # Each mapped peer's gathered buffer as this rank sees it (what the hybrid transport's pushes write into).
         self.peer_buffers = {q: t[:max_m * k * elem].view(dtype).view(max_m, k) for q, t in self._peer_storage.items()}
-        # FP8 rows: the gathered scales [2, max_m], a call's in the half of its epoch's parity (the op library's
-        # scale region; scale_offset 0: none)
-        self.scales = (self._storage[sizes["scale_offset"]:sizes["scale_offset"] + 2 * max_m * 4].view(torch.float32)
-                       .view(2, max_m) if sizes["scale_offset"] else None)
+        # FP8 rows: the scale region (the op library's, from scale_offset to the end of the data; a call's scales at
+        # scale_index), this rank's and each mapped peer's as this rank sees it; None and {} for 16-bit rows.
+        def scale_region(storage: torch.Tensor) -> torch.Tensor:
+            return storage[sizes["scale_offset"]:sizes["data_bytes"]].view(torch.float32)
+        fp8_rows = sizes["scale_offset"] > 0
+        self.scales = scale_region(self._storage) if fp8_rows else None
+        self.peer_scales = {q: scale_region(t) for q, t in self._peer_storage.items()} if fp8_rows else {}
         # The host-driven transfers' stream: forked from the compute stream before each call's GEMM, joined after.
         self.transfer_stream = torch.cuda.Stream(device=self.device, priority=-1) if external else None
         devices = [None] * self.tp
         dist.all_gather_object(devices, torch.cuda.current_device(), group=self.group)
         self.devices = tuple(devices)
         self._layouts: dict[tuple[int, str], object] = {}
+
+    def scale_index(self, epoch: int, shard: int, per_shard: int) -> int:
+        """FP8 rows: where shard ``shard``'s scales of the call of ``epoch`` start in :attr:`scales` (and in a peer's
+        :attr:`peer_scales`) for calls of ``per_shard`` scales per shard (1, or the shard's rows): the op library's
+        layout."""
+        return self.native.scale_index(epoch=epoch, shard=shard, per_shard=per_shard)
 
     @property
     def layout(self):

@@ -170,3 +170,50 @@ def gemm_rs_checked(rank: int, tp: int, seed: int, m: int, k: int, n: int, dtype
     assert_close_rel(out, full.chunk(tp)[rank], cublas.chunk(tp)[rank],
                      f"rank {rank} {what} M={m} K={k} N={n} {dtype} {layout}")
     return out
+
+
+# ---------------------------------------------------------------- FP8 operands
+
+def fp8_global_inputs(seed: int, rows: int, k: int, n: int):
+    """The unsharded x [rows, K] and weight [N, K] in fp32 (rows and columns of different magnitudes, so that
+    row-wise scales differ) and a bfloat16 bias [N]; identical on every rank. Cast them with ops.fp8.quantize."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen, device="cuda") * torch.rand(rows, 1, generator=gen, device="cuda").add(0.1)
+    w = torch.randn(n, k, generator=gen, device="cuda") * torch.rand(n, 1, generator=gen, device="cuda").add(0.1)
+    bias = torch.randn(n, generator=gen, device="cuda").to(torch.bfloat16)
+    return x, w, bias
+
+
+def fp8_w_scale(q, mode: str) -> torch.Tensor:
+    """A quantized weight's scale as the ops take it: [1, N] row-wise (one per output column), else its one scale."""
+    return q.scale.reshape(1, -1) if mode == "row" else q.scale
+
+
+def check_fp8_output(out: torch.Tensor, ref: torch.Tensor, baseline: torch.Tensor, what: str,
+                     ratio: float = 1.25) -> None:
+    """``out`` has every element written and a relative error against ``ref`` (fp32 of the dequantized operands)
+    within ``ratio`` of ``baseline``'s (the reference backend's output on the same operands)."""
+    nan = torch.isnan(out).sum().item()
+    assert nan == 0, f"{what}: {nan} elements not written"
+    err, base = oracle.rel_error(out, ref), oracle.rel_error(baseline, ref)
+    assert err <= ratio * max(base, 2.0**-10), f"{what}: rel error {err:.3e} vs the reference path's {base:.3e}"
+
+
+def check_fp8_all_gather(rank: int, out: torch.Tensor, gathered, shards, wq, bias: torch.Tensor, w_scale: torch.Tensor,
+                         what: str, fast_accum: bool = False) -> None:
+    """An FP8 ops.ag_gemm call's results: ``out`` against an fp32 matmul of the dequantized operands beside the
+    reference backend's output (:func:`check_fp8_output`), and its gathered input (a ScaledTensor) exactly the
+    shards' rows and scales. ``shards``: every rank's quantized shard; ``wq``, ``bias``, ``w_scale``: this rank's."""
+    from flux_layers import ops
+    from flux_layers.ops.fp8 import dequantize
+    mine = shards[rank]
+    reference = ops.ag_gemm(mine.data, wq.data, bias, group=dist.group.WORLD, x_scale=mine.scale, w_scale=w_scale,
+                            fast_accum=fast_accum, backend="reference")
+    ref = torch.cat([dequantize(s) for s in shards]) @ dequantize(wq).t() + bias.float()
+    check_fp8_output(out, ref, reference, what)
+    if gathered is None:
+        return
+    assert torch.equal(gathered.data.view(torch.uint8), torch.cat([s.data for s in shards]).view(torch.uint8)), \
+        f"{what}: gathered FP8 rows differ"
+    scales = torch.cat([s.scale.reshape(-1) for s in shards])
+    assert torch.equal(gathered.scale.reshape(-1), scales), f"{what}: gathered scales differ"

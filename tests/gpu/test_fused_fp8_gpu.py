@@ -12,9 +12,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flux_layers.devtools import oracle
 from flux_layers.devtools.launch import run_distributed
-from tests.gpu.gpu_support import needs_gpus, poison_outputs
+from tests.gpu.gpu_support import (
+    check_fp8_all_gather,
+    check_fp8_output,
+    fp8_global_inputs,
+    fp8_w_scale,
+    needs_gpus,
+    poison_outputs,
+)
 
 pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 
@@ -29,34 +35,15 @@ def _settings(**values):
     ops.refresh_settings()
 
 
-def _global(seed, rows, k, n):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(rows, k, generator=gen, device="cuda") * torch.rand(rows, 1, generator=gen, device="cuda").add(0.1)
-    w = torch.randn(n, k, generator=gen, device="cuda") * torch.rand(n, 1, generator=gen, device="cuda").add(0.1)
-    bias = torch.randn(n, generator=gen, device="cuda").to(torch.bfloat16)
-    return x, w, bias
-
-
-def _w_scale(q, mode):
-    return q.scale.reshape(1, -1) if mode == "row" else q.scale
-
-
-def _check(out, ref, baseline, what, ratio=1.25):
-    nan = torch.isnan(out).sum().item()
-    assert nan == 0, f"{what}: {nan} elements not written"
-    err, base = oracle.rel_error(out, ref), oracle.rel_error(baseline, ref)
-    assert err <= ratio * max(base, 2.0**-10), f"{what}: rel error {err:.3e} vs the reference path's {base:.3e}"
-
-
 def _ag_case(rank, tp, seed, rows, k, n, pair, mode, accum, direction, order):
     from flux_layers import ops
-    from flux_layers.ops.fp8 import dequantize, quantize
+    from flux_layers.ops.fp8 import quantize
     group = dist.group.WORLD
-    x, w, bias = _global(seed, rows * tp, k, n * tp)
+    x, w, bias = fp8_global_inputs(seed, rows * tp, k, n * tp)
     # Each rank casts its own shard with its own scale (no collective before the cast).
     shards = [quantize(s, pair[0], rowwise=mode == "row") for s in x.chunk(tp)]
     wq = quantize(w.chunk(tp)[rank].contiguous(), pair[1], rowwise=mode == "row")
-    mine, ws_ = shards[rank], _w_scale(wq, mode)
+    mine, ws_ = shards[rank], fp8_w_scale(wq, mode)
     fast = accum == "fast"
     out, gathered = ops.ag_gemm(mine.data, wq.data, bias[rank * n:(rank + 1) * n], group=group, return_gathered=True,
                                 x_scale=mine.scale, w_scale=ws_, fast_accum=fast, backend="fused")
@@ -65,14 +52,7 @@ def _ag_case(rank, tp, seed, rows, k, n, pair, mode, accum, direction, order):
     assert decision.path == "fused" and decision.plan.mode == direction and decision.plan.order == order, \
         f"{what}: ran {decision}"
     assert decision.plan.accumulation == accum, f"{what}: ran {decision.plan}"
-    reference = ops.ag_gemm(mine.data, wq.data, bias[rank * n:(rank + 1) * n], group=group, x_scale=mine.scale,
-                            w_scale=ws_, fast_accum=fast, backend="reference")
-    ref = torch.cat([dequantize(s) for s in shards]) @ dequantize(wq).t() + bias[rank * n:(rank + 1) * n].float()
-    _check(out, ref, reference, what)
-    assert torch.equal(gathered.data.view(torch.uint8), torch.cat([s.data for s in shards]).view(torch.uint8)), \
-        f"{what}: gathered FP8 rows differ"
-    scales = torch.cat([s.scale.reshape(-1) for s in shards])
-    assert torch.equal(gathered.scale.reshape(-1), scales), f"{what}: gathered scales differ"
+    check_fp8_all_gather(rank, out, gathered, shards, wq, bias[rank * n:(rank + 1) * n], ws_, what, fast)
 
 
 def _ag_matrix(rank, tp, seed):
@@ -100,15 +80,15 @@ def _back_to_back_scales(rank, tp, seed):
     mesh's GEMM stores its scales into the peers' at its start: a half that a call still running reads, or the wrong
     half, gives a call another call's scales."""
     from flux_layers import ops
-    from flux_layers.ops.fp8 import ScaledTensor, dequantize, quantize
+    from flux_layers.ops.fp8 import ScaledTensor, quantize
     poison_outputs()
     group = dist.group.WORLD
     shard_rows, k, n = (512, 256, 512, 384, 512, 256), 512, 256  # the first call the largest: one workspace
     for i, (direction, mode) in enumerate((("push", "tensor"), ("push", "row"), ("pull", "tensor"), ("pull", "row"))):
         _settings(AG_MODE=direction, AG_ORDER="mesh")
-        x, w, bias = _global(seed + i, max(shard_rows) * tp, k, n * tp)
+        x, w, bias = fp8_global_inputs(seed + i, max(shard_rows) * tp, k, n * tp)
         wq = quantize(w.chunk(tp)[rank].contiguous(), E4M3, rowwise=mode == "row")
-        ws_, b = _w_scale(wq, mode), bias[rank * n:(rank + 1) * n]
+        ws_, b = fp8_w_scale(wq, mode), bias[rank * n:(rank + 1) * n]
         calls = []
         for j, rows in enumerate(shard_rows):
             shards = [quantize(s, E4M3, rowwise=mode == "row") for s in x[:rows * tp].chunk(tp)]
@@ -119,13 +99,9 @@ def _back_to_back_scales(rank, tp, seed):
         torch.cuda.synchronize()
         for j, (shards, out) in enumerate(calls):
             what = f"rank {rank} ag fp8 back to back, call {j} ({shard_rows[j]} rows) {mode} {direction}"
-            mine = shards[rank]
-            decision = ops.decide("ag_gemm", mine.data, wq.data, group=group, backend="fused")
+            decision = ops.decide("ag_gemm", shards[rank].data, wq.data, group=group, backend="fused")
             assert decision.path == "fused" and decision.plan.mode == direction, f"{what}: ran {decision}"
-            reference = ops.ag_gemm(mine.data, wq.data, b, group=group, x_scale=mine.scale, w_scale=ws_,
-                                    backend="reference")
-            ref = torch.cat([dequantize(s) for s in shards]) @ dequantize(wq).t() + b.float()
-            _check(out, ref, reference, what)
+            check_fp8_all_gather(rank, out, None, shards, wq, b, ws_, what)
     torch.cuda.synchronize()
 
 
@@ -137,11 +113,11 @@ def _rs_case(rank, tp, seed, m, k_local, n, mode, accum, transport):
     from flux_layers import ops
     from flux_layers.ops.fp8 import dequantize, quantize
     group = dist.group.WORLD
-    x, w, bias = _global(seed, m, k_local * tp, n)
+    x, w, bias = fp8_global_inputs(seed, m, k_local * tp, n)
     xq = quantize(x.chunk(tp, dim=1)[rank].contiguous(), E4M3, rowwise=mode == "row")
     wq = quantize(w.chunk(tp, dim=1)[rank].contiguous(), E4M3, rowwise=mode == "row")
     fast = accum == "fast"
-    args = dict(group=group, x_scale=xq.scale, w_scale=_w_scale(wq, mode), fast_accum=fast)
+    args = dict(group=group, x_scale=xq.scale, w_scale=fp8_w_scale(wq, mode), fast_accum=fast)
     out = ops.gemm_rs(xq.data, wq.data, bias, backend="fused", **args)
     again = ops.gemm_rs(xq.data, wq.data, bias, backend="fused", **args)
     what = f"rank {rank} rs fp8 {m}x{k_local}x{n} {mode} {accum} {transport}"
@@ -152,7 +128,7 @@ def _rs_case(rank, tp, seed, m, k_local, n, mode, accum, transport):
     partial = dequantize(xq) @ dequantize(wq).t()
     dist.all_reduce(partial, group=group)
     ref = partial.chunk(tp)[rank] + bias.float()
-    _check(out, ref, reference, what)
+    check_fp8_output(out, ref, reference, what)
 
 
 def _rs_matrix(rank, tp, seed):
@@ -179,7 +155,7 @@ def _graphs_and_bad_inputs(rank, tp, seed):
     poison_outputs()
     workspace.enable_cuda_graphs()  # before the warm-up that makes the workspaces (and their twins)
     group = dist.group.WORLD
-    x, w, bias = _global(seed, 512 * tp, 512, 512 * tp)
+    x, w, bias = fp8_global_inputs(seed, 512 * tp, 512, 512 * tp)
     xq = quantize(x.chunk(tp)[rank].contiguous())
     wq = quantize(w.chunk(tp)[rank].contiguous())
     xk = quantize(x[:, :512].contiguous())  # the reduce-scatter's x [M, K/tp]

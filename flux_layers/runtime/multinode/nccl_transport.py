@@ -63,6 +63,9 @@ from flux_layers import _env
 from flux_layers.runtime.multinode.sendrecv import for_group
 from flux_layers.runtime.multinode.transfer_plan import AgPlan, Chunk, GroupLayout, Transfer, build_ag_plan
 
+# What carries a chunk: its rows, or a tuple of its rows and the scales that travel with them (AgExecutor.run).
+ChunkData = torch.Tensor | tuple[torch.Tensor, ...]
+
 CAPTURE_REFUSAL = ("the NCCL transport of the fused all-gather cannot run under CUDA-graph capture (its transfers "
                    "are driven from the host per call); capture with the copy-engine transport (peer-mapped GPUs) "
                    "or keep these calls out of the graph")
@@ -167,9 +170,9 @@ class AgExecutor:
         """The shards in the order this rank's GEMM walks them (own first, then arrival order)."""
         return self.plan.gemm_order[self.rank]
 
-    def run(self, own: Callable[[int], torch.Tensor], region: Callable[[int, int], torch.Tensor],
+    def run(self, own: Callable[[int], ChunkData], region: Callable[[int, int], ChunkData],
             announce: Callable[[int, int], None],
-            push: Callable[[int, int, int, torch.Tensor], None] | None = None,
+            push: Callable[[int, int, int, ChunkData], None] | None = None,
             wait_arrival: Callable[[int, int], None] | None = None) -> None:
         """Issue every batch on the current stream. ``own(c)``: chunk c of this rank's shard (what it sends of its
         own); ``region(g, c)``: where chunk c of shard g sits in this rank's gathered buffer (received into, and
@@ -177,23 +180,35 @@ class AgExecutor:
         stream for NCCL: ``wait`` orders the current stream after the transfer; gloo's ``wait`` blocks);
         ``push(dst, g, c, data)``: the copy-engine transfers (copy ``data`` into chunk c of shard g in rank dst's
         buffer, then set its flag there), issued after the batch's NCCL part; ``wait_arrival(g, c)``: wait until a
-        local peer's push of that chunk here has landed (its flag), before the batch that forwards it."""
+        local peer's push of that chunk here has landed (its flag), before the batch that forwards it.
+
+        A chunk is a tensor, or a tuple of the tensors that carry it (FP8 rows and their scales): ``own(c)`` and
+        ``region(g, c)`` give the same parts in the same order for a chunk on every rank, and each part moves as
+        its own send and receive in the chunk's batch (NCCL matches a pair's calls in issue order)."""
         if push is None and any(batch.copies for batch in self.batches):
             raise ValueError(f"rank {self.rank}: the plan has copy-engine transfers and no push was given")
         if wait_arrival is None and any(batch.waits for batch in self.batches):
             raise ValueError(f"rank {self.rank}: the plan forwards chunks pushed here and no wait_arrival was given")
+
+        def source(chunk: Chunk) -> ChunkData:
+            return own(chunk[1]) if chunk[0] == self.rank else region(*chunk)
+
         for batch in self.batches:
             for chunk in batch.waits:
                 wait_arrival(*chunk)
             if batch.sends or batch.recvs:
-                self.sendrecv.exchange(
-                    [(own(t.chunk[1]) if t.chunk[0] == self.rank else region(*t.chunk), t.dst) for t in batch.sends],
-                    [(region(*t.chunk), t.src) for t in batch.recvs])
+                self.sendrecv.exchange([(part, t.dst) for t in batch.sends for part in parts(source(t.chunk))],
+                                       [(part, t.src) for t in batch.recvs for part in parts(region(*t.chunk))])
             for t in batch.recvs:
                 announce(*t.chunk)
             for t in batch.copies:
-                push(t.dst, *t.chunk, own(t.chunk[1]) if t.chunk[0] == self.rank else region(*t.chunk))
+                push(t.dst, *t.chunk, source(t.chunk))
 
 
-__all__ = ["CAPTURE_REFUSAL", "Batch", "rank_batches", "nccl_plan", "hybrid_plan", "NodePushes", "node_pushes",
-           "gemm_sms_beside_nccl", "AgExecutor"]
+def parts(chunk: ChunkData) -> tuple[torch.Tensor, ...]:
+    """The tensors that carry a chunk, in order."""
+    return chunk if isinstance(chunk, tuple) else (chunk,)
+
+
+__all__ = ["ChunkData", "parts", "CAPTURE_REFUSAL", "Batch", "rank_batches", "nccl_plan", "hybrid_plan", "NodePushes",
+           "node_pushes", "gemm_sms_beside_nccl", "AgExecutor"]

@@ -135,19 +135,26 @@ class _Stream:
 
 class _HostWorkspace:
     """What run_nccl and plan_nccl_call read of a hybrid AgWorkspace, over shared-memory tensors: every rank's
-    gathered buffer (buffers[q]) and flag words (flags[q]); the flag words' indices are this stand-in's own (distinct
-    per region and rank), the op library's layout is not needed to check the protocol."""
+    gathered buffer (buffers[q]), flag words (flags[q]) and, for FP8 rows, scale region (scales[q]); the flag words'
+    indices and the scales' slots are this stand-in's own (distinct per region, rank and epoch parity), the op
+    library's layout is not needed to check the protocol."""
 
-    def __init__(self, rank, tp, node_size, buffers, flags, k):
+    def __init__(self, rank, tp, node_size, buffers, flags, k, scales=None):
         self.rank, self.tp, self.group, self.k = rank, tp, dist.group.WORLD, k
-        self.dtype, self.chunk_capacity, self.device = torch.float64, 16, torch.device("cpu")
+        self.dtype = torch.float64 if scales is None else torch.float8_e4m3fn
+        self.chunk_capacity, self.device = 16, torch.device("cpu")
         self.transport, self.transfer_stream, self.epoch_count = "hybrid", _Stream(), 0
         self.node_size = node_size
         self.mapped = node_group.node_members(tuple(r // node_size for r in range(tp)), rank)
-        self.buffer, self.flags = buffers[rank], flags[rank]
-        self.peer_buffers = {q: buffers[q] for q in self.mapped if q != rank}
+        self.buffer, self.flags = buffers[rank].view(self.dtype), flags[rank]
+        self.peer_buffers = {q: buffers[q].view(self.dtype) for q in self.mapped if q != rank}
+        self.scales = None if scales is None else scales[rank]
+        self.peer_scales = {} if scales is None else {q: scales[q] for q in self.mapped if q != rank}
         self._flags_of = flags
         self._plans: dict = {}
+
+    def scale_index(self, epoch, shard, per_shard):
+        return (epoch % 2) * self.scales.shape[0] // 2 + shard * per_shard
 
     @property
     def layout(self):  # the node size fixed, the NUMA map as set now (as AgWorkspace.layout follows it)
@@ -182,11 +189,14 @@ def _write(flags, index, value):
     flags[index] = value
 
 
-def _hybrid_calls(rank, tp, node_size, layouts, buffers, flags, k):
+def _hybrid_calls(rank, tp, node_size, layouts, buffers, flags, k, scales=None):
     """Back-to-back hybrid calls through fused_ag_gemm.run_nccl on host tensors (streams and the GEMM stood in,
     the flag operations done on the host at once): each call's gathered input exact, with the order changing between
-    calls and a rank late now and then, so a push that did not wait for its target's previous call would show."""
+    calls and a rank late now and then, so a push that did not wait for its target's previous call would show.
+    ``scales`` (FP8 rows): every rank's scale region; the calls alternate row-wise and tensor-wise scales, each call's
+    its own values, and the gathered scales must be every shard's."""
     from flux_layers.ops import fused_ag_gemm
+    from flux_layers.ops.fp8 import ScaledTensor
 
     class _Op:  # the GEMM in external mode: advances the epoch, computes nothing
         def __call__(self, *args):
@@ -198,30 +208,49 @@ def _hybrid_calls(rank, tp, node_size, layouts, buffers, flags, k):
     torch.cuda.stream = lambda s: contextlib.nullcontext()
     torch.Tensor.record_stream = lambda self, s: None
     fused_ag_gemm.flag_ops = lambda: (_write, _wait)
-    fused_ag_gemm._opcalls = types.SimpleNamespace(ag_gemm=lambda *args: _Op())
-    ws = _HostWorkspace(rank, tp, node_size, buffers, flags, k)
+    fused_ag_gemm._opcalls = types.SimpleNamespace(ag_gemm=lambda *args: _Op(), ag_gemm_fp8=lambda *args: _Op())
+    ws = _HostWorkspace(rank, tp, node_size, buffers, flags, k, scales)
     for i in range(12):
         order, numa = layouts[i % len(layouts)]
         os.environ["FLUX_LAYERS_AG_ORDER"], os.environ["FLUX_LAYERS_NUMA_MAP"] = order, numa
         rows = (5, 8, 3)[i % 3]
         x_global = torch.arange(rows * tp * k, dtype=torch.float64).reshape(rows * tp, k) + 1000 * i
+        x_scale = x_scales = None
+        if scales is not None:  # FP8 rows: bytes that differ from call to call, and this call's scales
+            x_global = (x_global % 251).to(torch.uint8).view(torch.float8_e4m3fn)
+            shape = (rows, 1) if i % 2 == 0 else (1,)  # row-wise or tensor-wise
+            x_scales = [(1000.0 * i + g + torch.arange(shape[0], dtype=torch.float32) / 8).view(shape)
+                        for g in range(tp)]
+            x_scale = x_scales[rank]
         call = fused_ag_gemm.plan_nccl_call(ws, m=rows * tp, k=k, n=8, chunk_rows=(2, 0)[i % 2], sm_count=132)
         if rank == i % tp and i % 4 == 1:
             time.sleep(0.05)
         _, gathered = fused_ag_gemm.run_nccl(ws, call, x_global[rank * rows:(rank + 1) * rows], None, None, False,
-                                             True)
-        assert torch.equal(gathered, x_global), f"rank {rank} call {i} ({order}): gathered input differs"
+                                             True, x_scale=x_scale, w_scale=x_scale)
+        what = f"rank {rank} call {i} ({order})"
+        if scales is None:
+            assert torch.equal(gathered, x_global), f"{what}: gathered input differs"
+        else:
+            assert isinstance(gathered, ScaledTensor), what
+            assert torch.equal(gathered.data.view(torch.uint8), x_global.view(torch.uint8)), f"{what}: rows differ"
+            want = torch.cat([s.reshape(-1) for s in x_scales])
+            assert torch.equal(gathered.scale.reshape(-1), want), f"{what}: scales {gathered.scale} != {want}"
+            assert gathered.scale.shape == ((rows * tp, 1) if x_scale.numel() > 1 else (tp,)), what
         assert call.pushes is not None and set(call.pushes.peers) == set(ws.mapped) - {rank}
     dist.barrier()
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["16-bit", "fp8"])
 @pytest.mark.parametrize("tp,node_size", [(4, 2), (8, 4), (8, 2), (2, 2)])
-def test_hybrid_calls_back_to_back_on_host_tensors(tp, node_size):
+def test_hybrid_calls_back_to_back_on_host_tensors(tp, node_size, fp8):
     k = 3
     buffers = torch.full((tp, 8 * tp, k), float("nan"), dtype=torch.float64).share_memory_()
+    scales = torch.full((tp, 2 * 8 * tp), float("nan")).share_memory_() if fp8 else None
+    if fp8:  # FP8 rows: a byte per element
+        buffers = torch.zeros((tp, 8 * tp, k), dtype=torch.uint8).share_memory_()
     flags = torch.zeros((tp, 16 * tp + tp), dtype=torch.int32).share_memory_()
     nnodes = tp // node_size
     layouts = [("internode" if nnodes > 1 else "mesh", "")]
     if nnodes > 1 and node_size % 2 == 0:
         layouts.append(("numa2d", ",".join(["0"] * (node_size // 2) + ["1"] * (node_size // 2))))
-    run_distributed(_hybrid_calls, tp, node_size, layouts, buffers, flags, k)
+    run_distributed(_hybrid_calls, tp, node_size, layouts, buffers, flags, k, scales)

@@ -96,7 +96,13 @@ def _received_by_plan(executor, rows, rows_per_chunk, k, itemsize):
     return want
 
 
-def _run_cases(rank, tp, rows, rows_per_chunk, k, late_rank, primitive):
+def _scales(g: int, rows: int) -> torch.Tensor:
+    """Shard g's per-row values that travel beside its rows (as an FP8 shard's row-wise scales do)."""
+    return g + torch.arange(rows, dtype=torch.float32) / 64
+
+
+def _run_cases(rank, tp, rows, rows_per_chunk, k, late_rank, primitive, scaled=False):
+    """``scaled``: each chunk moves as two tensors, its rows and its rows' scales (AgExecutor.run's tuples)."""
     group = dist.group.WORLD
     chunks = -(-rows // rows_per_chunk)
     stand_in = _primitive(primitive, group)
@@ -104,28 +110,40 @@ def _run_cases(rank, tp, rows, rows_per_chunk, k, late_rank, primitive):
         plan = _plan(nnodes, size, numa, order, chunks)
         executor = nccl_transport.AgExecutor(plan, rank, group, sendrecv=stand_in)
         received = dict(stand_in.received_bytes) if stand_in else {}
-        x = _shard(rank, rows, k)
+        x, x_scales = _shard(rank, rows, k), _scales(rank, rows)
         buffer = torch.full((tp * rows, k), float("nan"), dtype=torch.float64)
+        scale_buffer = torch.full((tp * rows,), float("nan"))
         flags: dict[tuple[int, int], int] = {}
 
+        def span(g, c):
+            return slice(g * rows + c * rows_per_chunk, g * rows + min((c + 1) * rows_per_chunk, rows))
+
         def region(g, c):
-            return buffer[g * rows + c * rows_per_chunk:g * rows + min((c + 1) * rows_per_chunk, rows)]
+            return (buffer[span(g, c)], scale_buffer[span(g, c)]) if scaled else buffer[span(g, c)]
+
+        def own(c):
+            at = slice(c * rows_per_chunk, (c + 1) * rows_per_chunk)
+            return (x[at], x_scales[at]) if scaled else x[at]
 
         def announce(g, c):
-            # The flag stand-in: the chunk's rows are in place when its flag is set, and it is set once.
+            # The flag stand-in: the chunk's rows (and scales) are in place when its flag is set, and it is set once.
             assert (g, c) not in flags, f"rank {rank}: flag of {(g, c)} set twice"
-            lo = c * rows_per_chunk
-            want = _shard(g, rows, k)[lo:lo + region(g, c).shape[0]]
-            assert torch.equal(region(g, c), want), f"rank {rank}: flag of {(g, c)} set before its data"
+            lo, n = c * rows_per_chunk, buffer[span(g, c)].shape[0]
+            assert torch.equal(buffer[span(g, c)], _shard(g, rows, k)[lo:lo + n]), \
+                f"rank {rank}: flag of {(g, c)} set before its data"
+            if scaled:
+                assert torch.equal(scale_buffer[span(g, c)], _scales(g, rows)[lo:lo + n]), \
+                    f"rank {rank}: flag of {(g, c)} set before its scales"
             flags[(g, c)] = len(flags)
 
         if rank == late_rank:
             time.sleep(0.2)
-        executor.run(lambda c: x[c * rows_per_chunk:(c + 1) * rows_per_chunk], region, announce)
-        what = f"rank {rank}, {nnodes}x{size} {plan.order} ({primitive})"
+        executor.run(own, region, announce)
+        what = f"rank {rank}, {nnodes}x{size} {plan.order} ({primitive}{', scaled' if scaled else ''})"
         if stand_in is not None:
             got = {p: n - received.get(p, 0) for p, n in stand_in.received_bytes.items() if n > received.get(p, 0)}
-            assert got == _received_by_plan(executor, rows, rows_per_chunk, k, x.element_size()), what
+            row_bytes = k * x.element_size() + (x_scales.element_size() if scaled else 0)
+            assert got == _received_by_plan(executor, rows, rows_per_chunk, 1, row_bytes), what
         else:
             assert isinstance(executor.sendrecv, sendrecv.GroupSendRecv), what
         assert sorted(flags) == [(g, c) for g in range(tp) if g != rank for c in range(chunks)], what
@@ -133,6 +151,9 @@ def _run_cases(rank, tp, rows, rows_per_chunk, k, late_rank, primitive):
             if g != rank:
                 assert torch.equal(buffer[g * rows:(g + 1) * rows], _shard(g, rows, k)), f"{what}: shard {g}"
         assert buffer[rank * rows:(rank + 1) * rows].isnan().all(), f"{what}: own rows written"
+        if scaled:
+            want = torch.cat([torch.full((rows,), float("nan")) if g == rank else _scales(g, rows) for g in range(tp)])
+            assert torch.equal(scale_buffer.nan_to_num(-1), want.nan_to_num(-1)), f"{what}: scales"
         # The GEMM's order: own shard, then every other; a shard's chunks are all flagged by then in arrival order.
         order_seen = executor.gemm_order
         assert order_seen[0] == rank and sorted(order_seen) == list(range(tp)), what
@@ -144,6 +165,12 @@ def test_executor_moves_every_chunk_once_with_gloo(tp, primitive):
     # 5 rows per shard in chunks of 2 (a short last chunk); rank 1 starts late. TP 4 and 8 hold the 2x2, 2x4 and 4x2
     # layouts.
     run_distributed(_run_cases, tp, 5, 2, 3, 1, primitive)
+
+
+@pytest.mark.parametrize("tp,primitive", [(4, "torch"), (8, "stand_in")])
+def test_executor_moves_chunks_of_several_tensors(tp, primitive):
+    """Chunks carried by two tensors (FP8 rows and their scales): both parts land before the chunk's flag."""
+    run_distributed(_run_cases, tp, 5, 2, 3, 1, primitive, True)
 
 
 # Hybrid plans (NCCL between nodes, the copy engine inside): (nnodes, ranks per node, NUMA map of a node, order).
