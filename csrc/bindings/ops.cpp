@@ -521,12 +521,7 @@ struct FusedCall {
                       kind == flux::WorkspaceKind::kAllGather ? "gathered rows" : "partials", " are ",
                       flux::bindings::dtype_name(held), ", the workspace holds ",
                       flux::bindings::dtype_name(config.dtype));
-    if (flux::is_fp8(ops.types.a)) {
-      ops.types.accumulation = planned.plan.accumulation;
-      TORCH_CHECK_VALUE(
-          planned.plan.mode != flux::AgMode::kExternal && planned.plan.transport != flux::RsTransport::kExternal, op,
-          ": FP8 operands run on the peer-mapped transports only (not NCCL)");
-    }
+    if (flux::is_fp8(ops.types.a)) ops.types.accumulation = planned.plan.accumulation;
     flux::WeightLayout const layout = weight_nn ? flux::WeightLayout::kNN : flux::WeightLayout::kNT;
     TORCH_CHECK_VALUE(flux::gemm_instance_exists(ops.types, layout, planned.plan.tile), op, ": the plan's tile ",
                       int(planned.plan.tile), " has no GEMM instance for ", flux::bindings::dtype_name(ops.types.a),
