@@ -90,8 +90,8 @@ def what_ran(block, tp: int, dtype: torch.dtype = torch.bfloat16) -> dict:
                 row.update(op=op, mkn=list(mkn), config=tuning.kernel_name(
                     tuning.resolve_kernel(op, dtype=dtype, tp=tp, mkn=mkn)))
                 if op == "gemm_rs":
-                    row["transport"] = ("nccl" if backend.over_nccl(op, module.tp_group)
-                                        else tuning.rs_transport(dtype=dtype, tp=tp, mkn=mkn))
+                    row["transport"] = (backend.rs_host_transport(module.tp_group)
+                                        or tuning.rs_transport(dtype=dtype, tp=tp, mkn=mkn))
                 else:
                     row["transport"] = backend.ag_transport(module.tp_group)
                     if row["transport"] == "copy_engine":

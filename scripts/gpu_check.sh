@@ -146,8 +146,8 @@ flux_layers._library.path(), flux_layers._library.unavailable_reason())'" ;;
         step "shared_nodes_$layout" "$(shared_limit nodes "$tp")" env FLUX_LAYERS_TEST_SHARED_GPU=1 \
           FLUX_LAYERS_TEST_TP="$tp" FLUX_LAYERS_TEST_NODES="$nodes" FLUX_LAYERS_TIMEOUT_S=${SHARED_TIMEOUT_S:-60} \
           $PY -m pytest -q -p no:cacheprovider tests/gpu/test_sendrecv_gpu.py tests/gpu/test_nccl_transport_gpu.py \
-          tests/gpu/test_hybrid_transport_gpu.py tests/gpu/test_external_transfers_fp8_gpu.py \
-          ${SHARED_TESTS_K:+-k "$SHARED_TESTS_K"}
+          tests/gpu/test_hybrid_transport_gpu.py tests/gpu/test_hybrid_rs_gpu.py \
+          tests/gpu/test_external_transfers_fp8_gpu.py ${SHARED_TESTS_K:+-k "$SHARED_TESTS_K"}
         shared_run "$tp" "$nodes" "shared_nodes_$layout"
       done ;;
     reliability_bench)  # one GPU: two ranks sharing it (--shared-gpu), results checked, times not TP times
@@ -176,7 +176,7 @@ benchmarks.bench_overhead --shared-gpu ${OVERHEAD_ARGS:-} --out $WORK/results/op
     rs_bench) step rs_bench 400 $PY -m benchmarks.bench_gemm_rs --out "$WORK/results/gemm_rs_$GPU_TAG.json" ;;
     nccl_test)  # both operators over their NCCL transports, and the hybrid all-gather (2+ GPUs; not default)
       step nccl_test 420 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_nccl_transport_gpu.py \
-        tests/gpu/test_hybrid_transport_gpu.py tests/gpu/test_external_transfers_fp8_gpu.py ;;
+        tests/gpu/test_hybrid_transport_gpu.py tests/gpu/test_hybrid_rs_gpu.py tests/gpu/test_external_transfers_fp8_gpu.py ;;
     nccl_bench)  # both NCCL transports, every peer on another "node" (not in the default steps)
       step nccl_ag_bench 400 env FLUX_LAYERS_TRANSPORT=nccl FLUX_LAYERS_NODE_SIZE=1 $PY -m benchmarks.bench_ag_gemm \
         --out "$WORK/results/ag_gemm_internode_$GPU_TAG.json"

@@ -157,6 +157,7 @@ constexpr NamedCode kNamedCodes[] = {
     {"rs_transport", "epilogue", int(flux::RsTransport::kEpilogue)},
     {"rs_transport", "copy_engine", int(flux::RsTransport::kCopyEngine)},
     {"rs_transport", "external", int(flux::RsTransport::kExternal)},
+    {"rs_transport", "hybrid", int(flux::RsTransport::kHybrid)},
     {"accumulation", "split", int(flux::Accumulation::kSplit)},
     {"accumulation", "fast", int(flux::Accumulation::kFast)},
 };
@@ -349,12 +350,13 @@ struct NativeWorkspace : torch::CustomClassHolder {
   }
 
   int64_t add_rs_plan(int64_t tile, int64_t swizzle, int64_t stream_k_fill, int64_t sm_count, std::string transport,
-                      int64_t chunk_cols, std::string accumulation) {
+                      int64_t chunk_cols, int64_t node_size, std::string accumulation) {
     TORCH_CHECK_VALUE(config().kind == flux::WorkspaceKind::kReduceScatter, config().what,
                       ": a reduce-scatter plan needs a reduce-scatter workspace");
     flux::CallPlan p = kernel_plan(tile, swizzle, stream_k_fill, sm_count, accumulation);
     p.transport = named<flux::RsTransport>("rs_transport", transport);
     p.chunk_cols = int(chunk_cols);
+    p.node_size = int(node_size);
     return add_plan(p);
   }
 
@@ -751,7 +753,7 @@ TORCH_LIBRARY(flux_layers, m) {
             torch::arg("accumulation")})
       .def("add_rs_plan", &NativeWorkspace::add_rs_plan, "",
            {torch::arg("tile"), torch::arg("swizzle"), torch::arg("stream_k_fill"), torch::arg("sm_count"),
-            torch::arg("transport"), torch::arg("chunk_cols"), torch::arg("accumulation")})
+            torch::arg("transport"), torch::arg("chunk_cols"), torch::arg("node_size"), torch::arg("accumulation")})
       .def("flag_index", &NativeWorkspace::flag_index, "",
            {torch::arg("region"), torch::arg("rank"), torch::arg("chunk")})
       .def("stage_slot", &NativeWorkspace::stage_slot, "", {torch::arg("dst")})

@@ -444,8 +444,8 @@ struct GemmKernel {
   // ---------------------------------------------------------------- consumer epilogue
   // ReduceScatter signals are deferred by one tile: the flag of a tile sent to a peer is raised at the end of the
   // next tile's epilogue, when its stores have long drained. Raising it at once would stall the consumer warps
-  // for an NVLink round trip per tile. Own-row tiles (which wait on the peers' flags) flush first, so no rank
-  // waits on a flag another rank still holds back.
+  // for an NVLink round trip per tile. Tiles of reduced shards (which wait on the peers' flags) flush first, so no
+  // rank waits on a flag another rank still holds back.
   struct PendingSignal {
     int shard = -1;
     int index = 0;
@@ -465,7 +465,7 @@ struct GemmKernel {
       // slower on the large shapes.
       asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kNewerGroups) : "memory");
       asm volatile("fence.proxy.async.global;" ::: "memory");
-      if (p.rs_stage_counters != nullptr) {
+      if (p.rs_staged_mask >> pending.shard & 1u) {
         red_add_release_sys(p.rs_stage_counters + int64_t(pending.shard) * p.rs_flags_per_source + pending.index, 1u);
       } else {
         st_release<Scope::kSys>(p.rs_signal[pending.shard] + pending.index, p.epoch);
@@ -474,17 +474,24 @@ struct GemmKernel {
     pending.shard = -1;
   }
 
-  // Own rows of a ReduceScatter: wait until every peer's partial of tile t has landed here (one consumer thread).
-  // The first time this CTA's partial of a source passed its wait, the source's call signature is compared (bit
-  // kSignatureSeen + s of `seen`, the consumer's per-destination bits: no register of its own).
+  // A reduced shard of a ReduceScatter (own rows; two-level: a collected block): wait until every partial of
+  // tile t that it adds has landed here (one consumer thread). The first time this CTA's partial of a source passed
+  // its wait, the source's call signature is compared (bit kSignatureSeen + s of `seen`, the consumer's
+  // per-destination bits: no register of its own).
   static constexpr int kSignatureSeen = kMaxTp;
+  CUTLASS_DEVICE static bool reduced(GemmProblem const& p, int shard) { return p.rs_reduce_mask >> shard & 1u; }
+  CUTLASS_DEVICE static bool staged(GemmProblem const& p, int shard) { return p.rs_staged_mask >> shard & 1u; }
   CUTLASS_DEVICE static void wait_partial_flags(GemmProblem const& p, TileCoord t, uint32_t& seen) {
-    int const flag_index = rs_chunk_index(t.m, t.n, p.rs_chunk_tiles_m, p.rs_chunk_tiles_n, p.rs_chunks_n);
-    for (int i = 0; i < p.rs_num_partials; ++i) {
-      // Partials are in source order, this rank skipped; each source's signature was written before its flags.
-      int const src = i < p.rank ? i : i + 1;
+    int const signal_chunk = rs_chunk_index(t.m, t.n, p.rs_chunk_tiles_m, p.rs_chunk_tiles_n, p.rs_chunks_n);
+    int const staged_chunk =
+        rs_chunk_index(t.m, t.n, p.rs_staged_chunk_tiles_m, p.rs_staged_chunk_tiles_n, p.rs_staged_chunks_n);
+    int const first = p.rs_first_partial[t.shard];
+    for (int s = first; s < first + p.rs_partial_count[t.shard]; ++s) {
+      // A source that signs its calls wrote its signature before its flags (check_signature: signature_sources).
+      int const src = p.rs_partial_source[s];
+      int const index = p.rs_partial_staged_grid >> s & 1u ? staged_chunk : signal_chunk;
       uint32_t const bit = 1u << (kSignatureSeen + src);
-      if (wait_flag(p.rs_partial_flags[i] + flag_index, p.epoch, p, kTileTimeout, i * (1 << 24) + flag_index) &&
+      if (wait_flag(p.rs_partial_flags[s] + index, p.epoch, p, kTileTimeout, src * (1 << 24) + index) &&
           !(seen & bit)) {
         check_signature(p, src);
         seen |= bit;
@@ -583,20 +590,25 @@ struct GemmKernel {
     if (row0 >= p.rows_per_shard) return;  // padding tile (uniform across the consumer threads)
 
     bool const is_rs = p.rs_own_shard >= 0;
-    bool const reduce = is_rs && t.shard == p.rs_own_shard;  // own rows: sum peers' partials
-    bool const to_peer = is_rs && !reduce;                   // partial for a peer: signal afterwards
-    bool const add_bias = p.bias != nullptr && (!is_rs || reduce);
-    int const flag_index = is_rs ? rs_chunk_index(t.m, t.n, p.rs_chunk_tiles_m, p.rs_chunk_tiles_n, p.rs_chunks_n) : 0;
-    bool const epilogue_transport = p.rs_stage_counters == nullptr;  // else the copy engine waits for the release
+    bool const own = is_rs && t.shard == p.rs_own_shard;  // own rows: the output
+    bool const reduce = reduced(p, t.shard);              // own rows, or a collected block: add the partials
+    bool const to_peer = is_rs && !own;                   // leaves this rank: signalled or counted afterwards
+    bool const counted = staged(p, t.shard);              // staged locally: the copy engine or the caller moves it
+    bool const add_bias = p.bias != nullptr && (!is_rs || own);
+    int const flag_index =
+        !is_rs    ? 0
+        : counted ? rs_chunk_index(t.m, t.n, p.rs_staged_chunk_tiles_m, p.rs_staged_chunk_tiles_n, p.rs_staged_chunks_n)
+                  : rs_chunk_index(t.m, t.n, p.rs_chunk_tiles_m, p.rs_chunk_tiles_n, p.rs_chunks_n);
     constexpr int kSubTiles = kTileN / kEpiCols;
 
     if (mma_thread_idx == 0) {
-      if (to_peer && epilogue_transport && !(consumed_seen & (1u << t.shard))) {
-        // The peer must have finished reading its receive slots (and our signature) of the previous call before
-        // we overwrite them (null: the host-side stream already waited).
-        if (p.rs_consumed != nullptr) wait_flag(p.rs_consumed + t.shard, p.epoch - 1, p, kConsumedTimeout, t.shard);
+      int const dest = p.rs_dest[t.shard];
+      if (to_peer && !counted && !(consumed_seen & (1u << dest))) {
+        // The destination must have finished reading its receive slots (and our signature) of the previous call
+        // before we overwrite them (null: the host-side stream already waited).
+        if (p.rs_consumed != nullptr) wait_flag(p.rs_consumed + dest, p.epoch - 1, p, kConsumedTimeout, dest);
         if (p.rs_signature_out[t.shard] != nullptr) write_signature(p.rs_signature_out[t.shard], p);
-        consumed_seen |= 1u << t.shard;
+        consumed_seen |= 1u << dest;
       }
       if (reduce && !partials_loading) wait_partial_flags(p, t, consumed_seen);
     }
@@ -641,15 +653,17 @@ struct GemmKernel {
         if (mma_thread_idx == 0) {
           cute::tma_store_wait<0>();
           if (reduce && !partials_loading)
-            load_partial_subtiles(params, t, 0, kSub, kEpiBuffers == 1 ? kSub + 1 : kSubTiles, ss);
+            load_partial_subtiles(params, t, p.rs_first_partial[t.shard], kSub, kEpiBuffers == 1 ? kSub + 1 : kSubTiles,
+                                  ss);
         }
         epi_barrier();
       }
       if (reduce) {
-        // Own rows: add the peers' partials of this sub-tile to the accumulators in rank order (the same bits on
-        // every run); each lane reads back exactly the elements it stages below.
-        for (int s = 0; s < p.rs_num_partials; ++s) {
-          if (s > 0) {  // the next partial replaces this one in the buffer once every thread has read it
+        // Add the partials of this sub-tile to the accumulators in the shard's order (the same bits on every run);
+        // each lane reads back exactly the elements it stages below.
+        int const first = p.rs_first_partial[t.shard];
+        for (int s = first; s < first + p.rs_partial_count[t.shard]; ++s) {
+          if (s > first) {  // the next partial replaces this one in the buffer once every thread has read it
             epi_barrier();
             if (mma_thread_idx == 0) load_partial_subtiles(params, t, s, kSub, kSub + 1, ss);
           }
@@ -802,20 +816,20 @@ struct GemmKernel {
       Segment seg;
       for (SegmentCursor cur = params.split.begin(cluster_id, num_clusters); params.split.next(cur, seg);) {
         TileCoord t = sched.get(seg.work, cluster_rank_m);
-        if (pending.shard >= 0 && t.shard == p.rs_own_shard) {
+        if (pending.shard >= 0 && reduced(p, t.shard)) {
           epi_barrier();
           flush_signal(p, pending, mma_thread_idx);
         }
-        // Own rows of a ReduceScatter with a buffer per sub-tile: thread 0 loads the first peer's partial into the
+        // A reduced shard of a ReduceScatter with a buffer per sub-tile: thread 0 loads the first partial into the
         // epilogue buffers now, so the loads run under the mainloop. Its warp group waits meanwhile (for the
         // previous tile's stores to leave the buffers, and for the flags), while the other one goes ahead.
         bool partials_loading = false;
         if constexpr (kEpiBuffers == kTileN / kEpiCols) {
-          if (t.shard == p.rs_own_shard && seg.k_begin == 0 && t.m * kTileM < p.rows_per_shard) {
+          if (reduced(p, t.shard) && seg.k_begin == 0 && t.m * kTileM < p.rows_per_shard) {
             if (mma_thread_idx == 0) {
               cute::tma_store_wait<0>();
               wait_partial_flags(p, t, consumed_seen);
-              load_partial_subtiles(params, t, 0, 0, kTileN / kEpiCols, ss);
+              load_partial_subtiles(params, t, p.rs_first_partial[t.shard], 0, kTileN / kEpiCols, ss);
             }
             partials_loading = true;
           }

@@ -82,17 +82,29 @@ struct Launcher {
     params.prob = prob;
     params.sched = TileSchedule::make(prob, Cfg::kTileM, Cfg::kTileN, Cfg::kClusterM);
     if (prob.rs_own_shard >= 0) {
-      GemmProblem const& q = params.prob;
-      FLUX_CHECK(q.rs_chunk_tiles_m > 0 && q.rs_chunk_tiles_n > 0 && q.rs_chunks_n > 0,
-                 "reduce-scatter chunk grid not set (", q.rs_chunk_tiles_m, " x ", q.rs_chunk_tiles_n, " tiles, ",
-                 q.rs_chunks_n, " along N)");
-      int64_t const chunks =
-          int64_t((params.sched.tiles_m + q.rs_chunk_tiles_m - 1) / q.rs_chunk_tiles_m) * q.rs_chunks_n;
-      FLUX_CHECK(q.rs_chunks_n * q.rs_chunk_tiles_n >= params.sched.tiles_n, "reduce-scatter chunk grid (",
-                 q.rs_chunks_n, " x ", q.rs_chunk_tiles_n, " tiles) does not cover ", params.sched.tiles_n,
-                 " tiles along N");
-      FLUX_CHECK(chunks <= prob.rs_flags_per_source, "reduce-scatter workspace holds ", prob.rs_flags_per_source,
-                 " flags per rank, this call needs ", chunks);
+      auto check_grid = [&](char const* which, int tiles_m, int tiles_n, int chunks_n) {
+        FLUX_CHECK(tiles_m > 0 && tiles_n > 0 && chunks_n > 0, "reduce-scatter ", which, " chunk grid not set (",
+                   tiles_m, " x ", tiles_n, " tiles, ", chunks_n, " along N)");
+        int64_t const chunks = int64_t((params.sched.tiles_m + tiles_m - 1) / tiles_m) * chunks_n;
+        FLUX_CHECK(chunks_n * tiles_n >= params.sched.tiles_n, "reduce-scatter ", which, " chunk grid (", chunks_n,
+                   " x ", tiles_n, " tiles) does not cover ", params.sched.tiles_n, " tiles along N");
+        FLUX_CHECK(chunks <= prob.rs_flags_per_source, "reduce-scatter workspace holds ", prob.rs_flags_per_source,
+                   " flags per rank, this call needs ", chunks);
+      };
+      check_grid("signal", prob.rs_chunk_tiles_m, prob.rs_chunk_tiles_n, prob.rs_chunks_n);
+      check_grid("staged", prob.rs_staged_chunk_tiles_m, prob.rs_staged_chunk_tiles_n, prob.rs_staged_chunks_n);
+      FLUX_CHECK(prob.rs_reduce_mask >> prob.rs_own_shard & 1u, "reduce-scatter: the own shard is not reduced");
+      FLUX_CHECK(prob.rs_staged_mask == 0 || prob.rs_stage_counters != nullptr,
+                 "reduce-scatter: staged shards without counters");
+      for (int g = 0; g < prob.num_shards; ++g) {
+        int const first = prob.rs_first_partial[g], count = prob.rs_partial_count[g];
+        bool const reduced = prob.rs_reduce_mask >> g & 1u;
+        FLUX_CHECK(!reduced || (count >= 1 && first >= 0 && first + count <= prob.rs_num_partials),
+                   "reduce-scatter: shard ", g, " adds partials [", first, ", ", first + count, ") of ",
+                   prob.rs_num_partials);
+        FLUX_CHECK(g == prob.rs_own_shard || (prob.rs_staged_mask >> g & 1u) || prob.rs_signal[g] != nullptr,
+                   "reduce-scatter: shard ", g, " is neither staged nor signalled");
+      }
     }
 
     auto const* b = static_cast<ElementB const*>(prob.b);

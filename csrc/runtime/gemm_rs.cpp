@@ -17,7 +17,16 @@
 //                     NCCL sends in place. No handshake and no write to a peer: the receives are posted on a stream
 //                     that follows our previous call's GEMM, so nothing lands in a slot still being read.
 //
-// After the kernel, consumed[r] = e is written at every peer (not external): our receive slots are free again.
+//   two-level       : (the hybrid transport; RsTwoLevel, workspace_layout.h) the epilogue stores a tile of a
+//                     block of this node into its owner's slot, and one of another node's block into the slot of
+//                     this node's collector of it; the collector adds the node's partials of the blocks it
+//                     collects and stages the sum (counted per full-width chunk), which the caller sends on comm[0]
+//                     (forked as for external transfers) to the owner, where it lands in the collector's slot and
+//                     the caller raises its flag per chunk. The owner adds its node's partials, then the other
+//                     nodes' node partials in node order.
+//
+// After the kernel, consumed[r] = e is written at every peer (not external; two-level: at the node's peers): our
+// receive slots are free again.
 // CUDA-graph protocol (FlagProtocol, e = 1): consumed[d] is waited for on a stream and cleared at once (for
 // the epilogue transport on the compute stream before the kernel, which then skips its own wait); our tile flags are
 // cleared after the kernel, before consumed is written (a peer sets them again only after it saw that write).
@@ -47,29 +56,38 @@ void check_gemm_rs_args(const GemmRsArgs& a) {
   FLUX_CHECK(a.slot_rows > 0 && a.flags_per_source > 0, "the workspace holds no receive slot or flags");
   FLUX_CHECK(a.events != nullptr, "the workspace's events are missing");
   bool const graph = a.protocol == FlagProtocol::kCudaGraph;
-  bool const external = a.external;
+  bool const two_level = a.node_size > 0;
+  bool const external = a.external || two_level;  // the caller moves (some) staged partials on comm[0]
   bool const copy_engine = a.stage != nullptr && !external;
   FLUX_CHECK(!(copy_engine || external) || a.num_comm >= 1, "the copy-engine and external transports need a ",
              "communication stream");
   FLUX_CHECK(!external || a.stage != nullptr, "external transfers need the local staging area");
   FLUX_CHECK(!external || !graph, "external transfers run under the epoch protocol only");
-  for (int q = 0; q < a.tp; ++q)
-    FLUX_CHECK((external && q != a.rank) || (a.recv[q] != nullptr && a.flags[q] != nullptr), "rank ", q,
+  FLUX_CHECK(!two_level || (a.node_size < a.tp && a.tp % a.node_size == 0), "a two-level plan needs nodes of ",
+             a.node_size, " ranks to divide the group of ", a.tp, " into two or more");
+  for (int q = 0; q < a.tp; ++q) {
+    bool const mapped = q == a.rank || (two_level ? q / a.node_size == a.rank / a.node_size : !external);
+    FLUX_CHECK(!mapped || (a.recv[q] != nullptr && a.flags[q] != nullptr), "rank ", q,
                "'s receive buffer or flags are not mapped (a workspace in local memory serves external transfers "
-               "only)");
+               "only; a two-level plan's, mapped inside the node, two-level ones)");
+  }
 }
 
 void gemm_rs(const GemmRsArgs& a) {
   if (a.rows_per_shard == 0) return;
   bool const graph = a.protocol == FlagProtocol::kCudaGraph;
-  bool const external = a.external;
-  bool const copy_engine = a.stage != nullptr && !external;
+  bool const two_level = a.node_size > 0;
+  bool const external = a.external && !two_level;
+  bool const copy_engine = a.stage != nullptr && !external && !two_level;
   const int r = a.rank;
   const size_t elem = size_t(dtype_bytes(a.dtype));  // partials travel in the output dtype
   const size_t slot_bytes = size_t(a.slot_rows) * a.n * elem;
   RsFlagLayout const layout{a.tp, a.flags_per_source};
+  int const transport = int(two_level     ? RsTransport::kHybrid
+                            : copy_engine ? RsTransport::kCopyEngine
+                                          : RsTransport::kEpilogue);
   uint32_t const signature[kSignatureWords] = {a.epoch, uint32_t(a.rows_per_shard),
-                                               signature_shape_word(1, int(a.layout), copy_engine ? 1 : 0, a.k)};
+                                               signature_shape_word(1, int(a.layout), transport, a.k)};
   auto signature_slot = [&](int d) { return a.flags[d] + layout.signature(r); };
   auto consumed = [&](int q) { return a.flags[q] + layout.consumed(0); };
   uint32_t* const counts = a.flags[r] + layout.count(0, 0);
@@ -88,7 +106,12 @@ void gemm_rs(const GemmRsArgs& a) {
   g.n = a.n;
   g.k = a.k;
   g.num_shards = a.tp;
-  rs_shard_order(r, a.tp, g.shard_order);
+  RsTwoLevel const roles = two_level ? RsTwoLevel::make(r, a.tp, a.node_size) : RsTwoLevel{};
+  if (two_level) {
+    std::copy(roles.shard_order, roles.shard_order + a.tp, g.shard_order);
+  } else {
+    rs_shard_order(r, a.tp, g.shard_order);
+  }
   g.own_shard = -1;
   g.a = a.x;  // shard d = rows [d * Mg, (d + 1) * Mg) of x
   g.lda = a.ldx;
@@ -98,23 +121,57 @@ void gemm_rs(const GemmRsArgs& a) {
   g.bias = a.bias;
   // Staging slot of destination d (copy engine): its step in the shard order, so tp - 1 slots serve every rank.
   auto stage_slot = [&](int d) { return a.stage + size_t(RsFlagLayout::stage_slot(r, a.tp, d)) * slot_bytes; };
-  bool const staged = copy_engine || external;
-  for (int d = 0; d < a.tp; ++d) {
-    char* peer_slot = staged ? stage_slot(d) : a.recv[d] + size_t(r) * slot_bytes;
-    g.d[d] = d == r ? a.out : static_cast<void*>(peer_slot);
-  }
+  bool const staged = copy_engine || external;  // every peer's tiles staged (two-level: the collected blocks')
   g.ldd = a.n;
   g.rs_own_shard = r;
-  int i = 0;
-  for (int src = 0; src < a.tp; ++src) {
-    if (src == r) continue;
-    g.rs_partials[i] = a.recv[r] + size_t(src) * slot_bytes;
-    g.rs_partial_flags[i] = a.flags[r] + layout.flag(src, 0);
-    ++i;
+  if (two_level) {
+    // RsTwoLevel's routes: a block of this node to its owner's slot r, another node's to this node's collector
+    // of it (its slot of the block's node and our local index), a collected one staged; the reduced blocks add
+    // their slots in its order, the node partials' flags per chunk of the staged grid.
+    g.rs_staged_mask = roles.collected;
+    for (int d = 0; d < a.tp; ++d) {
+      int const dest = roles.dest[d];
+      g.d[d] = d == r     ? a.out
+               : dest < 0 ? static_cast<void*>(stage_slot(d))
+                          : static_cast<void*>(a.recv[dest] + size_t(roles.dest_slot[d]) * slot_bytes);
+      g.rs_dest[d] = int8_t(dest < 0 ? d : dest);
+      if (dest >= 0) {
+        g.rs_signal[d] = a.flags[dest] + layout.flag(roles.dest_slot[d], 0);
+        g.rs_signature_out[d] = a.flags[dest] + layout.signature(r);
+      }
+      g.rs_first_partial[d] = int8_t(roles.first_partial[d]);
+      g.rs_partial_count[d] = int8_t(roles.partial_count[d]);
+      if (roles.partial_count[d] > 0) g.rs_reduce_mask |= 1u << d;
+    }
+    g.rs_num_partials = roles.num_partials;
+    for (int s = 0; s < roles.num_partials; ++s) {
+      g.rs_partials[s] = a.recv[r] + size_t(roles.partial_slot[s]) * slot_bytes;
+      g.rs_partial_flags[s] = a.flags[r] + layout.flag(roles.partial_slot[s], 0);
+      g.rs_partial_source[s] = int8_t(roles.partial_source[s]);
+    }
+    g.rs_partial_staged_grid = roles.from_caller;
+  } else {
+    for (int d = 0; d < a.tp; ++d) {
+      char* peer_slot = staged ? stage_slot(d) : a.recv[d] + size_t(r) * slot_bytes;
+      g.d[d] = d == r ? a.out : static_cast<void*>(peer_slot);
+      g.rs_dest[d] = int8_t(d);
+      if (staged && d != r) g.rs_staged_mask |= 1u << d;
+    }
+    int i = 0;
+    for (int src = 0; src < a.tp; ++src) {
+      if (src == r) continue;
+      g.rs_partials[i] = a.recv[r] + size_t(src) * slot_bytes;
+      g.rs_partial_flags[i] = a.flags[r] + layout.flag(src, 0);
+      g.rs_partial_source[i] = int8_t(src);
+      ++i;
+    }
+    g.rs_num_partials = i;
+    g.rs_reduce_mask = 1u << r;
+    g.rs_first_partial[r] = 0;
+    g.rs_partial_count[r] = int8_t(i);
+    if (!external)  // staged tiles are counted, not signalled; a peer's flags may not be mapped
+      for (int d = 0; d < a.tp; ++d) g.rs_signal[d] = a.flags[d] + layout.flag(r, 0);
   }
-  g.rs_num_partials = i;
-  if (!external)  // staged tiles are counted, not signalled; a peer's flags may not be mapped
-    for (int d = 0; d < a.tp; ++d) g.rs_signal[d] = a.flags[d] + layout.flag(r, 0);
   g.rs_consumed = graph || external ? nullptr : consumed(r);
   g.rs_flags_per_source = a.flags_per_source;
   g.epoch = a.epoch;
@@ -131,33 +188,41 @@ void gemm_rs(const GemmRsArgs& a) {
   g.b_scale = a.w_scale;
   g.release_words = a.flags[r];  // flag, consumed and count: every word a wait of this rank reads
   g.release_count = layout.release_words();
-  if (!external) {
+  if (!external) {  // two-level: the node's peers sign their calls (the caller's transfers carry no signature)
     g.peer_signatures = a.flags[r] + layout.signature(0);
     for (int q = 0; q < a.tp; ++q)
-      if (q != r) g.signature_sources |= 1u << q;
+      if (q != r && (!two_level || q / a.node_size == r / a.node_size)) g.signature_sources |= 1u << q;
     std::copy(signature, signature + kSignatureWords, g.signature);
-    if (!copy_engine)
+    if (!copy_engine && !two_level)
       for (int d = 0; d < a.tp; ++d)
         if (d != r) g.rs_signature_out[d] = signature_slot(d);
   }
 
   cudaEvent_t* const ev = a.events;
   TileSchedule const sched = TileSchedule::make(g, tile_m(a.tile), tile_n(a.tile), kClusterM);
-  RsChunkGrid const grid =
-      staged ? RsChunkGrid::make(sched, a.rows_per_shard, tile_m(a.tile), tile_n(a.tile), external ? a.n : a.chunk_cols)
-             : RsChunkGrid::per_tile(sched, a.rows_per_shard, tile_m(a.tile), tile_n(a.tile));
-  g.rs_chunk_tiles_m = grid.chunk_tiles_m;
-  g.rs_chunk_tiles_n = grid.chunk_tiles_n;
-  g.rs_chunks_n = grid.chunks_n;
-  if (staged) {
+  // The signal grid (per tile: the epilogue's stores) and the staged grid (the copy engine's chunks, or the
+  // caller's: full-width); a one-level transport uses one of them for everything.
+  RsChunkGrid const per_tile = RsChunkGrid::per_tile(sched, a.rows_per_shard, tile_m(a.tile), tile_n(a.tile));
+  RsChunkGrid const chunked = RsChunkGrid::make(sched, a.rows_per_shard, tile_m(a.tile), tile_n(a.tile),
+                                                external || two_level ? a.n : a.chunk_cols);
+  RsChunkGrid const grid = staged ? chunked : per_tile;
+  RsChunkGrid const signal_grid = two_level ? per_tile : grid;
+  RsChunkGrid const staged_grid = two_level ? chunked : grid;
+  g.rs_chunk_tiles_m = signal_grid.chunk_tiles_m;
+  g.rs_chunk_tiles_n = signal_grid.chunk_tiles_n;
+  g.rs_chunks_n = signal_grid.chunks_n;
+  g.rs_staged_chunk_tiles_m = staged_grid.chunk_tiles_m;
+  g.rs_staged_chunk_tiles_n = staged_grid.chunk_tiles_n;
+  g.rs_staged_chunks_n = staged_grid.chunks_n;
+  if (staged || two_level) {
     g.rs_stage_counters = counts;
     // The previous call's copies (or sends) of the staging area finished before its end (joined below, or by the
     // caller for external transfers).
     FLUX_CUDA_CHECK(cudaMemsetAsync(counts, 0, size_t(a.tp) * a.flags_per_source * 4, a.compute));
     FLUX_CUDA_CHECK(cudaEventRecord(ev[0], a.compute));
-    // External: the caller's transfer stream starts after the counts are cleared (its waits must not see the
-    // previous call's counts) and before the kernel (the kernel waits for what that stream receives).
-    if (external) FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.comm[0], ev[0], 0));
+    // External and two-level: the caller's transfer stream starts after the counts are cleared (its waits must not
+    // see the previous call's counts) and before the kernel (the kernel waits for what that stream receives).
+    if (external || two_level) FLUX_CUDA_CHECK(cudaStreamWaitEvent(a.comm[0], ev[0], 0));
   } else if (graph) {
     FlagOp waits[kMaxFlagOps];
     int n = 0;
@@ -175,6 +240,17 @@ void gemm_rs(const GemmRsArgs& a) {
     // The watchdog sees the GEMM's end; partials that never arrive make the GEMM's own waits time out. The caller
     // joins its transfer stream into the compute stream.
     if (a.completion != nullptr) stream_write_u32(a.compute, CompletionRing::word(a.completion, a.epoch), a.epoch);
+    return;
+  }
+  if (two_level) {
+    // Our slots are free again for the node's peers (the caller's receives follow this call's kernel by the
+    // fork), and the call is complete for the watchdog: one batch. The caller joins its transfer stream.
+    FlagOp done[kMaxFlagOps];
+    int n = 0;
+    for (int q = r / a.node_size * a.node_size; q < (r / a.node_size + 1) * a.node_size; ++q)
+      if (q != r) done[n++] = {consumed(q) + r, a.epoch};
+    if (a.completion != nullptr) done[n++] = {CompletionRing::word(a.completion, a.epoch), a.epoch};
+    stream_write_u32_all(a.compute, done, n);
     return;
   }
 

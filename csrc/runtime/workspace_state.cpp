@@ -82,7 +82,9 @@ std::string describe_call(uint32_t rows_word, uint32_t shape_word, int tp) {
     os << (transport / 2 == int(AgMode::kPush) ? "push" : "pull") << " "
        << (transport % 2 == int(AgOrder::kRing) ? "ring" : "mesh");
   } else {
-    os << (transport == int(RsTransport::kCopyEngine) ? "copy engine" : "epilogue stores");
+    os << (transport == int(RsTransport::kCopyEngine) ? "copy engine"
+           : transport == int(RsTransport::kHybrid)   ? "two-level, hybrid"
+                                                      : "epilogue stores");
   }
   os << ")";
   return os.str();
@@ -329,14 +331,18 @@ PlannedCall WorkspaceState::plan_call(const CallPlan& plan) {
     check_ag_gemm_args(a);
   } else {
     FLUX_CHECK(plan.chunk_cols >= 0, "chunk_cols ", plan.chunk_cols, " must be >= 0 (0: default)");
-    FLUX_CHECK(int(plan.transport) >= 0 && int(plan.transport) <= int(RsTransport::kExternal),
+    FLUX_CHECK(int(plan.transport) >= 0 && int(plan.transport) <= int(RsTransport::kHybrid),
                "unknown reduce-scatter transport ", int(plan.transport));
     bool const external = plan.transport == RsTransport::kExternal;
+    bool const hybrid = plan.transport == RsTransport::kHybrid;
     bool const staged = plan.transport != RsTransport::kEpilogue;
-    FLUX_CHECK(!staged || stage_ != nullptr, "the copy-engine and external transports need the staging area");
-    FLUX_CHECK(cfg_.peer_mapped || external, cfg_.what,
-               ": a workspace in local memory only serves calls whose caller moves the partials (external mode)");
-    FLUX_CHECK(!external || !cfg_.graph_protocol, cfg_.what, ": external transfers run eagerly only");
+    FLUX_CHECK(!staged || stage_ != nullptr, "the copy-engine, external and hybrid transports need the staging area");
+    FLUX_CHECK(cfg_.peer_mapped || external || hybrid, cfg_.what,
+               ": a workspace not mapped by every peer only serves calls whose caller moves the partials (external "
+               "and hybrid transports)");
+    FLUX_CHECK(!(external || hybrid) || !cfg_.graph_protocol, cfg_.what, ": external transfers run eagerly only");
+    FLUX_CHECK(hybrid == (plan.node_size > 0), "node_size ", plan.node_size,
+               ": a two-level plan (transport 'hybrid') needs the node size, the other transports none");
     GemmRsArgs& a = c.rs;
     prefill(a, cfg_, plan, events_.data(), completion);
     for (int q = 0; q < cfg_.tp; ++q) a.recv[q] = cfg_.data[size_t(q)];
@@ -345,6 +351,7 @@ PlannedCall WorkspaceState::plan_call(const CallPlan& plan) {
     a.stage = staged ? stage_ : nullptr;
     a.chunk_cols = plan.chunk_cols;
     a.external = external;
+    a.node_size = plan.node_size;
     check_gemm_rs_args(a);
   }
   return c;
@@ -355,8 +362,8 @@ std::string WorkspaceState::describe_record() const {
   int const code = rec[0];
   if (code == 0) return {};
   // The rank whose data or release was awaited, from the wait's index (gemm_sm90.cuh): chunk flags are
-  // [source][chunk], partial-tile waits are numbered (peer position, skipping this rank) << 24 | tile, and a
-  // consumed wait's index is the destination.
+  // [source][chunk], partial-tile waits are numbered source << 24 | chunk, and a consumed wait's index is the
+  // destination.
   int const index = rec[2];
   if (code == kSignatureMismatch) {
     std::ostringstream os;
@@ -370,7 +377,7 @@ std::string WorkspaceState::describe_record() const {
   }
   int peer = -1;
   if (code == kChunkTimeout && cfg_.capacity > 0) peer = index / cfg_.capacity;
-  if (code == kTileTimeout) peer = (index >> 24) < cfg_.rank ? (index >> 24) : (index >> 24) + 1;
+  if (code == kTileTimeout) peer = index >> 24;
   if (code == kConsumedTimeout) peer = index;
   std::ostringstream os;
   os << cfg_.what << ": rank " << rec[1] << " timed out after " << double(timeout_ns()) * 1e-9 << " s waiting for "

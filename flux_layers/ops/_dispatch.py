@@ -46,11 +46,11 @@ _UNDER_CAPTURE = "under capture"  # the key suffix of the decisions for calls un
 @dataclass(frozen=True, slots=True)
 class Decision:
     """What a call of ``op`` with these arguments runs: ``choice`` (path 'fused' or 'reference', and why); on the fused
-    path ``transport`` ('copy_engine' or 'nccl' for ag_gemm; 'epilogue', 'copy_engine' or 'nccl' for gemm_rs) and
-    ``plan``, what the op library runs: the call plan registered with the workspace (ag_gemm: mode push / pull /
-    external, order, rows per chunk; gemm_rs: transport, chunk columns; both the tile, swizzle, stream-K fill and SM
-    count), or the kernel configuration of a plain GEMM. A fused decision made before its first call
-    (``ops.decide``) has no plan yet (``bound`` False).
+    path ``transport`` ('copy_engine', 'nccl' or 'hybrid' for ag_gemm; 'epilogue', 'copy_engine', 'nccl' or 'hybrid' for
+    gemm_rs) and ``plan``, what the op library runs: the call plan registered with the workspace (ag_gemm: mode push /
+    pull / external, order, rows per chunk; gemm_rs: transport, chunk columns; both the tile, swizzle, stream-K fill and
+    SM count), or the kernel configuration of a plain GEMM. A fused decision made before its first call (``ops.decide``)
+    has no plan yet (``bound`` False).
 
     ``run(x, weight, bias[, return_gathered])`` makes the call (it may answer NotImplemented: then ``fallback``, the
     registered op's call, makes it); ``workspace`` is the workspace it runs on."""
@@ -373,18 +373,19 @@ def _fused_ag_gemm(decision: Decision, x_shard_m, weight, group, weight_layout: 
 
 def _fused_gemm_rs(decision: Decision, x, weight, group, weight_layout: str) -> Decision:
     from flux_layers.ops import fused_gemm_rs
-    from flux_layers.ops.backend import over_nccl
+    from flux_layers.ops.backend import rs_host_transport
     from flux_layers.runtime import tuning
     m, k, n = fused_gemm_rs.check_args(x, weight, None, weight_layout, group)
     weight_nn = weight_layout == "nn"
-    if over_nccl("gemm_rs", group):
-        check_same_call(group, call_signature("gemm_rs", m, k, n, x.dtype, weight_layout, "nccl"))
-        ws = workspace.get_rs_workspace(group, x.dtype, m, n, over_nccl=True)
+    host = rs_host_transport(group)
+    if host is not None:  # NCCL or hybrid: the transfers driven from the host
+        check_same_call(group, call_signature("gemm_rs", m, k, n, x.dtype, weight_layout, host))
+        ws = workspace.get_rs_workspace(group, x.dtype, m, n, over_nccl=host == "nccl", hybrid=host == "hybrid")
         call = fused_gemm_rs.plan_nccl_call(ws, m=m, k=k, n=n)
 
         def run(x, weight, bias):
             return fused_gemm_rs.run_nccl(ws, call, x, weight, bias, weight_nn)
-        return _bound(decision, run, transport="nccl", plan=call.plan, workspace=ws)
+        return _bound(decision, run, transport=host, plan=call.plan, workspace=ws)
     transport = tuning.rs_transport(dtype=x.dtype, tp=dist.get_world_size(group), mkn=(m, k, n))
     check_same_call(group, call_signature("gemm_rs", m, k, n, x.dtype, weight_layout, transport))
     ws = workspace.get_rs_workspace(group, x.dtype, m, n)
@@ -441,19 +442,20 @@ def _fused_fp8_ag_gemm(decision: Decision, x_shard_m, weight, group, weight_layo
 def _fused_fp8_gemm_rs(decision: Decision, x, weight, group, weight_layout: str, fast_accum: bool) -> Decision:
     """The reduce-scatter of FP8 operands: bfloat16 partials on a bfloat16 workspace."""
     from flux_layers.ops import fused_gemm_rs
-    from flux_layers.ops.backend import over_nccl
+    from flux_layers.ops.backend import rs_host_transport
     from flux_layers.ops.fp8 import OUT_DTYPE
     from flux_layers.runtime import tuning
     m, k, n = fused_gemm_rs.check_args(x, weight, None, weight_layout, group)
     weight_nn = weight_layout == "nn"
-    if over_nccl("gemm_rs", group):
-        check_same_call(group, call_signature("gemm_rs", m, k, n, decision.key[4], weight_layout, "nccl"))
-        ws = workspace.get_rs_workspace(group, OUT_DTYPE, m, n, over_nccl=True)
+    host = rs_host_transport(group)
+    if host is not None:
+        check_same_call(group, call_signature("gemm_rs", m, k, n, decision.key[4], weight_layout, host))
+        ws = workspace.get_rs_workspace(group, OUT_DTYPE, m, n, over_nccl=host == "nccl", hybrid=host == "hybrid")
         call = fused_gemm_rs.plan_nccl_call(ws, m=m, k=k, n=n, fast_accum=fast_accum)
 
         def run(x, weight, bias, x_scale, w_scale):
             return fused_gemm_rs.run_nccl(ws, call, x, weight, bias, weight_nn, x_scale, w_scale)
-        return _bound(decision, run, transport="nccl", plan=call.plan, workspace=ws)
+        return _bound(decision, run, transport=host, plan=call.plan, workspace=ws)
     transport = tuning.rs_transport(dtype=x.dtype, tp=dist.get_world_size(group), mkn=(m, k, n))
     check_same_call(group, call_signature("gemm_rs", m, k, n, decision.key[4], weight_layout, transport))
     ws = workspace.get_rs_workspace(group, OUT_DTYPE, m, n)

@@ -50,12 +50,24 @@ def ag_transport(group) -> str:
 def over_nccl(op: str, group) -> bool:
     """Whether a fused ``op`` of ``group`` moves data between ranks by NCCL, through workspaces that not every peer
     maps (the all-gather's :func:`ag_transport` 'nccl', local memory, or 'hybrid', mapped inside the node; the
-    reduce-scatter's only where FLUX_LAYERS_TRANSPORT=nccl, topology.rs_over_nccl), rather than through peer-mapped
-    memory alone. Every rank resolves the same."""
+    reduce-scatter's only where forced, :func:`rs_host_transport`), rather than through peer-mapped memory alone.
+    Every rank resolves the same."""
     if op == "ag_gemm":
         return ag_transport(group) in ("nccl", "hybrid")
+    return rs_host_transport(group) is not None
+
+
+def rs_host_transport(group) -> str | None:
+    """The fused reduce-scatter's transport of ``group`` where the host drives transfers: 'nccl'
+    (FLUX_LAYERS_TRANSPORT=nccl, topology.rs_over_nccl), 'hybrid' (FLUX_LAYERS_TRANSPORT=hybrid and the group spans
+    nodes: the two-level plan, topology.rs_two_level), else None (the peer-mapped transports). Every rank resolves
+    the same."""
     from flux_layers.runtime import topology
-    return topology.rs_over_nccl()
+    if topology.rs_over_nccl():
+        return "nccl"
+    if _env.get("TRANSPORT") != "hybrid":  # the nodes asked for only where they matter
+        return None
+    return "hybrid" if topology.rs_two_level(topology.group_node_ids(group)) else None
 
 
 def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int, int, int], group,
@@ -110,7 +122,7 @@ def choose(op: str, *, device: torch.device, dtype: torch.dtype, mkn: tuple[int,
     # NOTE: the reduce-scatter's NCCL transport and the hybrid all-gather are taken only when forced and have not
     # run on GPUs: say so.
     untried = " (over NCCL, FLUX_LAYERS_TRANSPORT=nccl: not yet run on GPUs)" if nccl and op == "gemm_rs" else ""
-    if nccl and op == "ag_gemm" and ag_transport(group) == "hybrid":
+    if nccl and (ag_transport(group) if op == "ag_gemm" else rs_host_transport(group)) == "hybrid":
         untried = " (hybrid transport, FLUX_LAYERS_TRANSPORT=hybrid: not yet run on GPUs)"
     untried += stand_in
     if requested == "fused":

@@ -20,6 +20,17 @@ engine, and the partials move by NCCL send/recv driven from the host on the work
 received chunk followed by its flag; the GEMM runs on all SMs but FLUX_LAYERS_NCCL_SMS
 (flux_layers/runtime/multinode/nccl_rs_transport.py; :func:`plan_nccl_call`, :func:`run_nccl`). Not under CUDA-graph
 capture. It has not run on GPUs yet (tests/gpu/test_nccl_transport_gpu.py is its check).
+
+Transport ``hybrid`` (``transport='hybrid'``, FLUX_LAYERS_TRANSPORT=hybrid for a group over several nodes, nodes of
+consecutive ranks): the two-level plan (csrc/include/flux/workspace_layout.h ``RsTwoLevel``, with
+transfer_plan.build_rs_plan's inter-node part) on a workspace mapped inside the node. Inside the node the epilogue
+stores each tile into its owner's slot (a block of this node) or into the slot of this node's collector of it (a
+block of another node: the rank with the block's local index); the collector adds its node's partials of the blocks
+it collects (tiles after the peers' in every walk) and stages the sum, the node partial, counted per full-width
+chunk; the host sends it on the transfer stream by NCCL to the owner (one send per node partial and chunk, in the
+order the collector completes them: nccl_rs_transport.node_partial_batches), where it lands in the collector's slot
+and its flag is set. The owner adds its node's partials, then the other nodes' node partials in node order: the
+same bits on every run. It has not run on GPUs yet (tests/gpu/test_hybrid_transport_gpu.py is its check).
 """
 from __future__ import annotations
 
@@ -35,6 +46,7 @@ from flux_layers.ops.fp8 import FP8_DTYPES
 from flux_layers.runtime import tuning, workspace
 from flux_layers.runtime.call_plan import RsCallPlan
 from flux_layers.runtime.multinode import nccl_rs_transport, nccl_transport
+from flux_layers.runtime.multinode.transfer_plan import GroupLayout, build_rs_plan
 
 
 def check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_layout: str,
@@ -88,10 +100,12 @@ class NcclCall:
 def plan_nccl_call(ws: workspace.RsWorkspace, *, m: int, k: int, n: int, tile: int | None = None,
                    swizzle: int | None = None, stream_k: bool | int | None = None, sm_count: int = 0,
                    fast_accum: bool | None = None) -> NcclCall:
-    """:func:`plan_call` for a workspace of the NCCL transport; ``sm_count`` 0: all SMs but FLUX_LAYERS_NCCL_SMS;
-    ``fast_accum`` not None: calls of FP8 operands (bfloat16 partials), with that accumulation."""
+    """:func:`plan_call` for a workspace of the NCCL or hybrid transport (its two-level plan); ``sm_count`` 0: all
+    SMs but FLUX_LAYERS_NCCL_SMS; ``fast_accum`` not None: calls of FP8 operands (bfloat16 partials), with that
+    accumulation."""
     if not ws.over_nccl:
-        raise ValueError("plan_nccl_call: the workspace is not the NCCL transport's (RsWorkspace(..., over_nccl=True))")
+        raise ValueError("plan_nccl_call: the workspace is not the NCCL or hybrid transport's (RsWorkspace(..., "
+                         "over_nccl=True) or (..., hybrid=True))")
     kc = tuning.resolve_kernel("gemm_rs", dtype=torch.float8_e4m3fn if fast_accum is not None else ws.dtype,
                                tp=ws.tp, mkn=(m, k, n), tile=tile, swizzle=swizzle, stream_k=stream_k,
                                sm_count=sm_count or nccl_transport.gemm_sms_beside_nccl(ws.device),
@@ -99,12 +113,22 @@ def plan_nccl_call(ws: workspace.RsWorkspace, *, m: int, k: int, n: int, tile: i
     chunks = nccl_rs_transport.full_width_chunks(m // ws.tp, n, kc.tile, kc.swizzle)
     if len(chunks) > ws.flags_per_source:
         raise AssertionError(f"gemm_rs: {len(chunks)} chunks exceed the workspace's {ws.flags_per_source} flags")
+    node_size, batches = 0, None  # the flat transport's: every partial to its owner
+    if ws.hybrid:  # the two-level plan: only the node partials cross between nodes, by these batches
+        node_size = len(ws.mapped)
+        first = ws.rank // node_size * node_size
+        if ws.mapped != tuple(range(first, first + node_size)) or ws.tp % node_size:
+            raise ValueError(f"gemm_rs: the hybrid transport's two-level plan needs nodes of consecutive ranks alike "
+                             f"in size; rank {ws.rank}'s node holds ranks {ws.mapped} of {ws.tp}")
+        rs_plan = build_rs_plan(GroupLayout.uniform(ws.tp // node_size, node_size), chunks=max(1, len(chunks)))
+        batches = nccl_rs_transport.node_partial_batches(rs_plan, ws.rank)
     plan = RsCallPlan(tile=kc.tile, swizzle=kc.swizzle, stream_k_fill=kc.stream_k_fill, sm_count=kc.sm_count,
-                      transport="external", chunk_cols=n, accumulation="fast" if fast_accum else "split")
+                      transport="hybrid" if ws.hybrid else "external", chunk_cols=n, node_size=node_size,
+                      accumulation="fast" if fast_accum else "split")
     count_flags = tuple(tuple(ws.count_index(q, c) for c in range(len(chunks))) for q in range(ws.tp))
     partial_flags = tuple(tuple(ws.partial_flag_index(q, c) for c in range(len(chunks))) for q in range(ws.tp))
     return NcclCall(plan, ws.plan_index(plan), chunks,
-                    nccl_rs_transport.RsExecutor(ws.rank, ws.tp, max(1, len(chunks)), ws.group), count_flags,
+                    nccl_rs_transport.RsExecutor(ws.rank, ws.tp, max(1, len(chunks)), ws.group, batches), count_flags,
                     partial_flags)
 
 
@@ -152,27 +176,30 @@ def gemm_rs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     same call decided once per shape. ``tile``/``swizzle``: kernel configuration (None: tuning table or the
     measured default); ``stream_k``: split a last, partial wave of tiles along K (None: FLUX_LAYERS_STREAM_K; an
     int: the fill limit, see tuning.stream_k_fill); ``sm_count``: SMs the persistent GEMM may hold (0: all);
-    ``transport``: ``'epilogue'``, ``'copy_engine'``, ``'nccl'`` or ``'auto'`` (the tuning table's choice between the
-    first two; None: ``ws``'s if it is the NCCL transport's, else FLUX_LAYERS_RS_TRANSPORT); ``chunk_cols``:
-    columns per copy-engine chunk (None: FLUX_LAYERS_RS_CHUNK_COLS; 0: 1024; the NCCL transport's chunks are
-    full-width). Every rank must pass the same transport."""
-    if transport is not None and transport != "nccl":
+    ``transport``: ``'epilogue'``, ``'copy_engine'``, ``'nccl'``, ``'hybrid'`` or ``'auto'`` (the tuning table's
+    choice between the first two; None: ``ws``'s if it is the NCCL or hybrid transport's, else
+    FLUX_LAYERS_RS_TRANSPORT); ``chunk_cols``: columns per copy-engine chunk (None: FLUX_LAYERS_RS_CHUNK_COLS; 0:
+    1024; the NCCL and hybrid transports' chunks are full-width). Every rank must pass the same transport."""
+    host = ("nccl", "hybrid")  # the transports whose transfers the host drives (plan_nccl_call, run_nccl)
+    if transport is not None and transport not in host:
         tuning.check_rs_transport(transport)  # before anything else, so that bad arguments fail anywhere
     if chunk_cols is not None and chunk_cols < 0:
         raise ValueError(f"gemm_rs: chunk_cols must be >= 0 (0: default), got {chunk_cols}")
     m, k, n = check_args(x, weight, bias, weight_layout, group)
     if ws is not None and not isinstance(ws, workspace.RsWorkspace):
         raise TypeError(f"gemm_rs: ws must be an RsWorkspace or None, got {type(ws).__name__}")
+
+    def kind(w: workspace.RsWorkspace) -> str:
+        return "hybrid" if w.hybrid else "nccl" if w.over_nccl else "peer-mapped"
     if transport is None and ws is not None and ws.over_nccl:
-        transport = "nccl"
-    nccl = transport == "nccl"
+        transport = kind(ws)
+    need = transport if transport in host else "peer-mapped"
     if ws is None:
-        ws = workspace.get_rs_workspace(group, x.dtype, m, n, over_nccl=nccl)
-    elif m > ws.max_m or ws.n != n or ws.dtype != x.dtype or ws.over_nccl != nccl:
-        need, held = ("NCCL" if nccl else "peer-mapped"), ("NCCL" if ws.over_nccl else "peer-mapped")
+        ws = workspace.get_rs_workspace(group, x.dtype, m, n, over_nccl=need == "nccl", hybrid=need == "hybrid")
+    elif m > ws.max_m or ws.n != n or ws.dtype != x.dtype or kind(ws) != need:
         raise ValueError(f"gemm_rs: call needs M={m}, N={n}, {x.dtype}, a {need} workspace; the workspace holds "
-                         f"max_m={ws.max_m}, N={ws.n}, {ws.dtype}, {held}")
-    if nccl:
+                         f"max_m={ws.max_m}, N={ws.n}, {ws.dtype}, {kind(ws)}")
+    if need in host:
         call = plan_nccl_call(ws, m=m, k=k, n=n, tile=tile, swizzle=swizzle, stream_k=stream_k, sm_count=sm_count)
         return run_nccl(ws, call, x, weight, bias, weight_layout == "nn")
     plan = plan_call(ws, m=m, k=k, n=n, tile=tile, swizzle=swizzle, stream_k=stream_k, sm_count=sm_count,

@@ -41,11 +41,14 @@ class AgCallPlan(_KernelFields):
 
 @dataclass(frozen=True)
 class RsCallPlan(_KernelFields):
-    """A reduce-scatter call: ``transport`` 'epilogue' (its stores into the peers' slots), 'copy_engine' or
-    'external' (the caller moves the staged partials: the NCCL transport), ``chunk_cols`` columns per copy-engine
-    chunk (0: the default; external: N, whole rows)."""
+    """A reduce-scatter call: ``transport`` 'epilogue' (its stores into the peers' slots), 'copy_engine',
+    'external' (the caller moves the staged partials: the NCCL transport) or 'hybrid' (two-level: the epilogue's
+    stores inside the node, the caller's transfers of the node partials between nodes, ``node_size`` ranks per node;
+    csrc/include/flux/workspace_layout.h RsTwoLevel), ``chunk_cols`` columns per copy-engine chunk (0: the default;
+    external and hybrid: N, whole rows)."""
     transport: str
     chunk_cols: int
+    node_size: int = 0
     accumulation: str = "split"  # FP8 operands: 'split' or 'fast'
 
     native_method = "add_rs_plan"

@@ -284,16 +284,33 @@ RS_NCCL_UNTRIED = ("its NCCL transport has not run on GPUs yet, so it is taken o
 
 def rs_over_nccl() -> bool:
     """Whether the fused GEMM+ReduceScatter moves its partials by NCCL: only where FLUX_LAYERS_TRANSPORT=nccl forces
-    it; else through peer-mapped memory, by the epilogue or the copy engine (tuning.rs_transport's choice per shape).
+    it; else through peer-mapped memory, by the epilogue or the copy engine (tuning.rs_transport's choice per shape),
+    or, where FLUX_LAYERS_TRANSPORT=hybrid forces it for a group over several nodes (:func:`rs_two_level`), by both.
     Not chosen from the topology: where peer-mapped memory cannot serve the group, :func:`fused_path_blocker` sends
     the call to the reference path (:data:`RS_NCCL_UNTRIED`)."""
     return _env.get("TRANSPORT") == "nccl"
 
 
-def _hybrid_blocker(devices: tuple[int, ...], node_ids: tuple[int, ...] | None) -> str | None:
-    """Why the hybrid all-gather cannot serve a group, or None: its workspace maps the memory of every node's ranks
-    (runtime/workspace.py), so every pair inside a node needs peer access."""
+def rs_two_level(node_ids: Sequence[int] | None) -> bool:
+    """Whether the fused GEMM+ReduceScatter of a group on nodes ``node_ids`` (None: one node) runs its two-level plan
+    on the hybrid transport: the epilogue's stores inside each node, the node partials by NCCL between them
+    (flux_layers/ops/fused_gemm_rs.py). Only where FLUX_LAYERS_TRANSPORT=hybrid forces it (not yet run on GPUs) and
+    the group spans nodes; inside one node the peer-mapped transports serve it."""
+    return _env.get("TRANSPORT") == "hybrid" and node_ids is not None and len(set(node_ids)) > 1
+
+
+def _hybrid_blocker(devices: tuple[int, ...], node_ids: tuple[int, ...] | None, op: str) -> str | None:
+    """Why ``op``'s hybrid transport cannot serve a group, or None: its workspace maps the memory of every node's
+    ranks (runtime/workspace.py), so every pair inside a node needs peer access; the reduce-scatter's two-level plan
+    also needs nodes of consecutive group ranks, alike in size."""
     node_of = node_ids if node_ids is not None else (0,) * len(devices)
+    what = "all-gather" if op == "ag_gemm" else "reduce-scatter"
+    if op == "gemm_rs":  # RsTwoLevel: rank = node * node_size + local
+        size = len(node_of) // len(set(node_of))
+        runs = [tuple(node_of[r:r + size]) for r in range(0, len(node_of), size)]
+        if any(len(set(run)) != 1 or len(run) != size for run in runs) or len({run[0] for run in runs}) != len(runs):
+            return (f"the group's nodes {tuple(node_of)} are not runs of consecutive ranks alike in size; the hybrid "
+                    "reduce-scatter's two-level plan needs them (FLUX_LAYERS_TRANSPORT=nccl serves such groups)")
     for node in sorted(set(node_of)):
         ranks = [r for r in range(len(devices)) if node_of[r] == node]
         m = peer_access_matrix(tuple(devices[r] for r in ranks))
@@ -301,7 +318,7 @@ def _hybrid_blocker(devices: tuple[int, ...], node_ids: tuple[int, ...] | None) 
             for j, b in enumerate(ranks):
                 if i != j and not (m[i][j] and m[j][i]):
                     return (f"GPUs {devices[a]} and {devices[b]} (ranks {a} and {b}, node {node}) cannot map each "
-                            "other's memory; the hybrid all-gather (FLUX_LAYERS_TRANSPORT=hybrid) maps every pair "
+                            f"other's memory; the hybrid {what} (FLUX_LAYERS_TRANSPORT=hybrid) maps every pair "
                             "inside a node (FLUX_LAYERS_TRANSPORT=nccl serves such groups)")
     return None
 
@@ -314,11 +331,12 @@ def fused_path_blocker(devices: tuple[int, ...], node_ids: tuple[int, ...] | Non
     The all-gather runs on the copy engine (one node, every pair peer-mapped, order 'mesh' or 'ring'), on NCCL
     (:func:`ag_transport`: any group, every order of transfer_plan.py, all transfers by NCCL) or, forced, on the
     hybrid transport (every pair inside a node peer-mapped). The reduce-scatter
-    runs on NCCL for any group where FLUX_LAYERS_TRANSPORT=nccl (:func:`rs_over_nccl`), else it needs the copy
-    engine's conditions (:data:`RS_NCCL_UNTRIED`). Pass ``node_ids`` from :func:`node_ids`
-    with the members' global ranks or :func:`gather_hostnames`; without them the declared node size
-    (:func:`declared_node_size`) is applied to the group ranks 0..tp-1 (right for Megatron's aligned TP groups).
-    Cheap after the first call for a group (the peer-access matrix is cached)."""
+    runs on NCCL for any group where FLUX_LAYERS_TRANSPORT=nccl (:func:`rs_over_nccl`), on the hybrid transport for
+    a group over several nodes where FLUX_LAYERS_TRANSPORT=hybrid (:func:`rs_two_level`: every pair inside a node
+    peer-mapped, nodes of consecutive ranks), else it needs the copy engine's conditions (:data:`RS_NCCL_UNTRIED`).
+    Pass ``node_ids`` from :func:`node_ids` with the members' global ranks or :func:`gather_hostnames`; without them the
+    declared node size (:func:`declared_node_size`) is applied to the group ranks 0..tp-1 (right for Megatron's aligned
+    TP groups). Cheap after the first call for a group (the peer-access matrix is cached)."""
     devices = tuple(devices)
     if node_ids is None and len(devices) > 1:
         node_ids = _node_ids(len(devices))
@@ -329,13 +347,15 @@ def fused_path_blocker(devices: tuple[int, ...], node_ids: tuple[int, ...] | Non
         if transport == "nccl":
             return None
         if transport == "hybrid":
-            return _hybrid_blocker(devices, node_ids)
+            return _hybrid_blocker(devices, node_ids, op)
         order = _env.get("AG_ORDER")
         if order not in ("auto",) + BUILT_ORDERS:
             return (f"FLUX_LAYERS_AG_ORDER={order}: the copy-engine all-gather runs the orders {BUILT_ORDERS}; "
                     f"'{order}' runs on the NCCL transport (FLUX_LAYERS_TRANSPORT=nccl)")
     elif rs_over_nccl():
         return None
+    elif rs_two_level(node_ids):
+        return _hybrid_blocker(devices, node_ids, op)
     forced = " (FLUX_LAYERS_TRANSPORT=copy_engine)" if op == "ag_gemm" else f"; {RS_NCCL_UNTRIED}"
     nnodes = len(set(node_ids)) if node_ids is not None else 1
     if nnodes > 1:

@@ -371,16 +371,25 @@ class RsWorkspace(Workspace):
 
     ``over_nccl``: the NCCL transport's workspace (flux_layers/runtime/multinode/nccl_rs_transport.py): local memory,
     the staging area at once, and one stream, :attr:`transfer_stream`, on which the partials move (the op forks it).
+    ``hybrid``: the hybrid transport's (two-level, the node partials: flux_layers/ops/fused_gemm_rs.py): as the NCCL
+    one, but mapped inside this rank's node (the node members fixed here, from the declared node size).
     (Both workspaces answer :attr:`Workspace.over_nccl`; an AgWorkspace's follows its ``transport``, since it serves
     one, where the reduce-scatter's peer-mapped one serves both the epilogue and the copy-engine transports.)"""
 
     def __init__(self, group, dtype: torch.dtype, max_m: int, n: int, *, min_tile: int = 128,
-                 graph_protocol: bool = False, over_nccl: bool = False):
+                 graph_protocol: bool = False, over_nccl: bool = False, hybrid: bool = False):
         tp = dist.get_world_size(group)
         if max_m <= 0 or max_m % tp != 0:
             raise ValueError(f"RsWorkspace: max_m={max_m} must be a positive multiple of the group size {tp}")
-        if over_nccl and graph_protocol:
-            raise ValueError("RsWorkspace: the NCCL transport has no CUDA-graph twin (captured calls are refused)")
+        if over_nccl and hybrid:
+            raise ValueError("RsWorkspace: over_nccl and hybrid are two transports; ask for one")
+        if (over_nccl or hybrid) and graph_protocol:
+            raise ValueError("RsWorkspace: the NCCL and hybrid transports have no CUDA-graph twin (captured calls are "
+                             "refused)")
+        members = None
+        if hybrid:
+            from flux_layers.runtime.multinode.node_group import node_members
+            members = node_members(topology.group_node_ids(group), dist.get_rank(group))
         self.dtype, self.max_m, self.n, self.min_tile = dtype, max_m, n, min_tile
         _library.require()
         # Enough tile flags for the smallest tile in either dimension (the op library's layout).
@@ -388,16 +397,18 @@ class RsWorkspace(Workspace):
                                                           dtype=dtype_name(dtype))
         self.slot_rows, self.flags_per_source = sizes["slot_rows"], sizes["capacity"]
         self._stage_bytes = sizes["stage_bytes"]
-        super().__init__(group, kind="gemm_rs", sizes=sizes, num_comm_streams=1 if over_nccl else tp - 1,
+        external = over_nccl or hybrid  # the op forks the caller's transfer stream
+        super().__init__(group, kind="gemm_rs", sizes=sizes, num_comm_streams=1 if external else tp - 1,
                          what="gemm_rs", graph_protocol=graph_protocol, dtype=dtype, max_m=max_m, inner=n,
-                         peer_mapped=not over_nccl)
+                         peer_mapped=not external, node_members=members)
+        self.hybrid = hybrid
         # This rank's receive slots: slot s holds source s's partial of our rows.
         self.recv = self._storage[:sizes["data_bytes"]].view(dtype).view(tp, self.slot_rows, n)
         self._stage: torch.Tensor | None = None
         self._stage_slots: dict[int, torch.Tensor] = {}
         # The NCCL transfers' stream (comm stream 0): the op forks it from the compute stream, the caller joins it.
-        self.transfer_stream = self.comm_streams[0] if over_nccl else None
-        if over_nccl:
+        self.transfer_stream = self.comm_streams[0] if external else None
+        if external:
             self.stage_buffer()
 
     def count_index(self, dst: int, chunk: int) -> int:
@@ -557,12 +568,14 @@ def get_ag_workspace(group, dtype: torch.dtype, m: int, k: int, transport: str =
                    lambda max_m: AgWorkspace(group, dtype, max_m, k, transport=transport), tp)
 
 
-def get_rs_workspace(group, dtype: torch.dtype, m: int, n: int, over_nccl: bool = False) -> RsWorkspace:
+def get_rs_workspace(group, dtype: torch.dtype, m: int, n: int, over_nccl: bool = False,
+                     hybrid: bool = False) -> RsWorkspace:
     """The cached reduce-scatter workspace for (group, dtype, n), grown if m exceeds it (M = 0 gets the smallest);
-    ``over_nccl``: the NCCL transport's (local memory), cached apart."""
+    ``over_nccl``: the NCCL transport's (local memory), ``hybrid``: the hybrid transport's (mapped inside the node),
+    each cached apart."""
     tp = dist.get_world_size(group)
-    return _cached("rs_nccl" if over_nccl else "rs", group, dtype, n, max(m, tp),
-                   lambda max_m: RsWorkspace(group, dtype, max_m, n, over_nccl=over_nccl), tp)
+    return _cached("rs_hybrid" if hybrid else "rs_nccl" if over_nccl else "rs", group, dtype, n, max(m, tp),
+                   lambda max_m: RsWorkspace(group, dtype, max_m, n, over_nccl=over_nccl, hybrid=hybrid), tp)
 
 
 def check_graph_replays() -> None:

@@ -62,6 +62,33 @@ int dump_rs_flags(int argc, char** argv) {
   return 0;
 }
 
+// rstwolevel rank tp node_size: the two-level reduce-scatter's routes of one rank (workspace_layout.h RsTwoLevel),
+// one "name values..." line each: order, dest, dest_slot, collected (one 0/1 per block), partial_slot,
+// partial_source, from_caller (one per partial), first_partial, partial_count (one per block).
+int dump_rs_two_level(int argc, char** argv) {
+  if (argc < 5) return 2;
+  int const tp = std::atoi(argv[3]);
+  flux::RsTwoLevel const t = flux::RsTwoLevel::make(std::atoi(argv[2]), tp, std::atoi(argv[4]));
+  auto line = [](const char* name, const int* v, int n) {
+    std::printf("%s", name);
+    for (int i = 0; i < n; ++i) std::printf(" %d", v[i]);
+    std::printf("\n");
+  };
+  int collected[flux::kMaxTp], from_caller[flux::kMaxTp];
+  for (int b = 0; b < tp; ++b) collected[b] = int(t.collected >> b & 1u);
+  for (int s = 0; s < t.num_partials; ++s) from_caller[s] = int(t.from_caller >> s & 1u);
+  line("order", t.shard_order, tp);
+  line("dest", t.dest, tp);
+  line("dest_slot", t.dest_slot, tp);
+  line("collected", collected, tp);
+  line("partial_slot", t.partial_slot, t.num_partials);
+  line("partial_source", t.partial_source, t.num_partials);
+  line("from_caller", from_caller, t.num_partials);
+  line("first_partial", t.first_partial, tp);
+  line("partial_count", t.partial_count, tp);
+  return 0;
+}
+
 // agflags tp chunk_capacity: every word of the all-gather's flag layout, one "name index" line each, then
 // "release_words n" and "words n" (workspace_layout.h AgFlagLayout).
 int dump_ag_flags(int argc, char** argv) {
@@ -101,6 +128,7 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "signature") return dump_signature(argc, argv);
   if (argc > 1 && std::string(argv[1]) == "rsflags") return dump_rs_flags(argc, argv);
   if (argc > 1 && std::string(argv[1]) == "agflags") return dump_ag_flags(argc, argv);
+  if (argc > 1 && std::string(argv[1]) == "rstwolevel") return dump_rs_two_level(argc, argv);
   // rows_per_shard n num_shards tile_m tile_n cluster_m swizzle_m order...
   if (argc < 8) return 2;
   flux::GemmProblem p;

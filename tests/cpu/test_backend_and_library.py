@@ -254,4 +254,4 @@ def test_every_native_workspace_method_python_calls_is_registered():
     calls = set(re.findall(r"\.native\.(\w+)\(", source))
     calls |= {plan.native_method for plan in (call_plan.AgCallPlan, call_plan.RsCallPlan)}
     assert calls and calls <= set(schemas), f"not registered: {sorted(calls - set(schemas))}"
-    assert schemas["keep_memory"] == 1 and schemas["add_ag_plan"] == 9 and schemas["add_rs_plan"] == 7, schemas
+    assert schemas["keep_memory"] == 1 and schemas["add_ag_plan"] == 9 and schemas["add_rs_plan"] == 8, schemas

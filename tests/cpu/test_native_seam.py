@@ -70,7 +70,7 @@ def test_every_name_python_passes_is_exported():
     codes = _library.codes()
     assert set(fused_ag_gemm.DIRECTIONS) | {"external"} == set(codes["ag_mode"])
     assert set(fused_ag_gemm.ORDERS) == set(codes["ag_order"])
-    assert set(tuning.RS_TRANSPORTS) | {"external"} == set(codes["rs_transport"])
+    assert set(tuning.RS_TRANSPORTS) | {"external", "hybrid"} == set(codes["rs_transport"])
     assert set(codes["workspace_kind"]) == {"ag_gemm", "gemm_rs"}
     assert {dtype_name(d) for d in FUSED_DTYPES} | {"float8_e4m3fn", "float8_e5m2"} == set(codes["dtype"])
     assert all(getattr(torch, name).is_floating_point for name in codes["dtype"]), "torch's names"

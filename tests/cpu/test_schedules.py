@@ -12,16 +12,6 @@ from flux_layers.runtime import schedules
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.fixture(scope="module")
-def schedule_dump(tmp_path_factory) -> str:
-    """tests/cpu/schedule_dump.cpp built once: the C++ schedules printed for comparison."""
-    exe = tmp_path_factory.mktemp("schedule_dump") / "schedule_dump"
-    include = os.path.join(HERE, "..", "..", "csrc", "include")
-    subprocess.run(["g++", "-std=c++17", "-O1", "-I", include, "-o", str(exe), os.path.join(HERE, "schedule_dump.cpp")],
-                   check=True)
-    return str(exe)
-
-
 def _sched(rows, n, tp, order, tile=(256, 128), swizzle=8):
     return schedules.TileSchedule(rows_per_shard=rows, n=n, num_shards=tp, shard_order=tuple(order),
                                   tile_m=tile[0], tile_n=tile[1], swizzle_m=swizzle)

@@ -23,6 +23,15 @@ def set_layout(transport: str, node_size: str, order: str, numa: str) -> None:
     os.environ["FLUX_LAYERS_NUMA_MAP"] = numa
 
 
+def node_size_under_test(tp: int, default_nodes: int) -> int:
+    """Ranks per emulated node: TP / FLUX_LAYERS_TEST_NODES, or TP / ``default_nodes`` where that is 0."""
+    from flux_layers import _env
+    nodes = _env.get_int("TEST_NODES") or default_nodes
+    if nodes < 2 or tp % nodes:
+        raise ValueError(f"FLUX_LAYERS_TEST_NODES={nodes} must split FLUX_LAYERS_TEST_TP={tp} into 2 or more nodes")
+    return tp // nodes
+
+
 def layout_name() -> str:
     return f"node_size={os.environ['FLUX_LAYERS_NODE_SIZE']} order={os.environ['FLUX_LAYERS_AG_ORDER']}"
 

@@ -88,6 +88,14 @@ def assert_close_rel(out: torch.Tensor, ref: torch.Tensor, cublas: torch.Tensor,
     assert ok, f"{what}: relative error {err:.3e} > {limit:.3e} ({oracle.RATIO}x cuBLAS's error or the floor)"
 
 
+def apply_settings(**values: str) -> None:
+    """Set FLUX_LAYERS_<name> = value for each keyword and make the next calls read them (ops.refresh_settings)."""
+    from flux_layers import ops
+    for name, value in values.items():
+        os.environ["FLUX_LAYERS_" + name] = value
+    ops.refresh_settings()
+
+
 def poison_outputs() -> None:
     """Fused ops fill their outputs with NaN before launching, so an unwritten element fails the check."""
     os.environ["FLUX_LAYERS_POISON_OUTPUTS"] = "1"

@@ -14,15 +14,14 @@ transfers); gathered FP8 rows and scales exact; back-to-back calls with their ow
 fast accumulation, bitwise equal across runs."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 
-from flux_layers import _env
 from flux_layers.devtools.launch import run_distributed, tp_under_test
+from tests.gpu.external_transfers import node_size_under_test
 from tests.gpu.gpu_support import (
+    apply_settings,
     check_fp8_all_gather,
     check_fp8_output,
     fp8_global_inputs,
@@ -37,19 +36,7 @@ E4M3 = torch.float8_e4m3fn
 
 
 def _node_size(tp: int) -> int:
-    nodes = _env.get_int("TEST_NODES")
-    if nodes == 0:
-        return 1
-    if nodes < 2 or tp % nodes:
-        raise ValueError(f"FLUX_LAYERS_TEST_NODES={nodes} must split FLUX_LAYERS_TEST_TP={tp} into 2 or more nodes")
-    return tp // nodes
-
-
-def _settings(**values) -> None:
-    from flux_layers import ops
-    for name, value in values.items():
-        os.environ["FLUX_LAYERS_" + name] = value
-    ops.refresh_settings()
+    return node_size_under_test(tp, tp)
 
 
 def _ag_call(rank, tp, seed, rows, k, n, mode, transport, shards_scale=1.0):
@@ -76,7 +63,7 @@ def _ag_matrix(rank, tp, seed):
     i = 0
     for transport in ("nccl", "hybrid"):
         for chunk_rows in ("0", "128"):
-            _settings(TRANSPORT=transport, NODE_SIZE=str(_node_size(tp)), AG_ORDER="auto", CHUNK_ROWS=chunk_rows)
+            apply_settings(TRANSPORT=transport, NODE_SIZE=str(_node_size(tp)), AG_ORDER="auto", CHUNK_ROWS=chunk_rows)
             for mode in ("tensor", "row"):
                 for rows, k, n in ((512, 1024, 256), (500, 528, 272)):
                     out, gathered, shards, wq, b, what = _ag_call(rank, tp, seed + i, rows, k, n, mode, transport)
@@ -95,7 +82,7 @@ def _ag_back_to_back(rank, tp, seed):
     done: a call given another call's scales (the wrong half of the scale region, or one still being read) shows."""
     poison_outputs()
     for i, (transport, mode) in enumerate((("nccl", "tensor"), ("hybrid", "row"))):
-        _settings(TRANSPORT=transport, NODE_SIZE=str(_node_size(tp)), AG_ORDER="auto", CHUNK_ROWS="0")
+        apply_settings(TRANSPORT=transport, NODE_SIZE=str(_node_size(tp)), AG_ORDER="auto", CHUNK_ROWS="0")
         calls = [_ag_call(rank, tp, seed + 10 * i + j, rows, 512, 256, mode, transport, 2.0**j)
                  for j, rows in enumerate((512, 256, 384, 512))]
         torch.cuda.synchronize()
@@ -114,7 +101,7 @@ def _rs_matrix(rank, tp, seed):
     from flux_layers import ops
     from flux_layers.ops.fp8 import dequantize, quantize
     poison_outputs()
-    _settings(TRANSPORT="nccl", NODE_SIZE=str(_node_size(tp)), AG_ORDER="auto", CHUNK_ROWS="0")
+    apply_settings(TRANSPORT="nccl", NODE_SIZE=str(_node_size(tp)), AG_ORDER="auto", CHUNK_ROWS="0")
     group, i = dist.group.WORLD, 0
     for mode in ("tensor", "row"):
         for accum in ("split", "fast"):

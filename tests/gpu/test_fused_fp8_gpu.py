@@ -6,14 +6,13 @@ bitwise-repeatable; CUDA-graph replays; bad inputs refused with later calls righ
 to be the one that ran (ops.decide)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from flux_layers.devtools.launch import run_distributed
 from tests.gpu.gpu_support import (
+    apply_settings,
     check_fp8_all_gather,
     check_fp8_output,
     fp8_global_inputs,
@@ -26,13 +25,6 @@ pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 
 TP = 2
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-
-
-def _settings(**values):
-    from flux_layers import ops
-    for k, v in values.items():
-        os.environ["FLUX_LAYERS_" + k] = v
-    ops.refresh_settings()
 
 
 def _ag_case(rank, tp, seed, rows, k, n, pair, mode, accum, direction, order):
@@ -59,7 +51,7 @@ def _ag_matrix(rank, tp, seed):
     poison_outputs()
     i = 0
     for direction, order in (("push", "mesh"), ("pull", "mesh"), ("push", "ring"), ("pull", "ring")):
-        _settings(AG_MODE=direction, AG_ORDER=order)
+        apply_settings(AG_MODE=direction, AG_ORDER=order)
         for pair in ((E4M3, E4M3), (E5M2, E4M3)):
             for mode in ("tensor", "row"):
                 for accum in ("split", "fast"):
@@ -85,7 +77,7 @@ def _back_to_back_scales(rank, tp, seed):
     group = dist.group.WORLD
     shard_rows, k, n = (512, 256, 512, 384, 512, 256), 512, 256  # the first call the largest: one workspace
     for i, (direction, mode) in enumerate((("push", "tensor"), ("push", "row"), ("pull", "tensor"), ("pull", "row"))):
-        _settings(AG_MODE=direction, AG_ORDER="mesh")
+        apply_settings(AG_MODE=direction, AG_ORDER="mesh")
         x, w, bias = fp8_global_inputs(seed + i, max(shard_rows) * tp, k, n * tp)
         wq = quantize(w.chunk(tp)[rank].contiguous(), E4M3, rowwise=mode == "row")
         ws_, b = fp8_w_scale(wq, mode), bias[rank * n:(rank + 1) * n]
@@ -135,7 +127,7 @@ def _rs_matrix(rank, tp, seed):
     poison_outputs()
     i = 0
     for transport in ("epilogue", "copy_engine"):
-        _settings(RS_TRANSPORT=transport)
+        apply_settings(RS_TRANSPORT=transport)
         for mode in ("tensor", "row"):
             for accum in ("split", "fast"):
                 for m, k_local, n in ((1024, 512, 512), (1000, 272, 528)):

@@ -37,9 +37,10 @@ enum class AgOrder : int { kMesh = 0, kRing = 1 };
 enum class FlagProtocol : int { kEpoch = 0, kCudaGraph = 1 };
 
 // How a reduce-scatter plan moves the partials of the peers' rows (csrc/runtime/gemm_rs.cpp): the epilogue's stores
-// into the peers' receive slots, the copy engine from a local staging area, or the caller (the NCCL transport) from
-// that staging area.
-enum class RsTransport : int { kEpilogue = 0, kCopyEngine = 1, kExternal = 2 };
+// into the peers' receive slots, the copy engine from a local staging area, the caller (the NCCL transport) from
+// that staging area, or two-level (the hybrid transport, RsTwoLevel in workspace_layout.h): the epilogue's stores
+// inside the node, and the caller's transfers of the collected node partials between nodes.
+enum class RsTransport : int { kEpilogue = 0, kCopyEngine = 1, kExternal = 2, kHybrid = 3 };
 
 struct AgGemmArgs {
   // operands (this rank)
@@ -149,6 +150,12 @@ struct GemmRsArgs {
   // rank's receive slots and raises this rank's flag for each. No handshake, no write to a peer: only this rank's
   // recv and flags pointers are used (a workspace in local memory). Epoch protocol only.
   bool external = false;
+  // Two-level (RsTransport::kHybrid; RsTwoLevel): ranks per node (0: one level). As with external transfers, comm[0]
+  // is the caller's transfer stream, forked after the counts are cleared: it sends the staged node partials (the
+  // collected blocks) and receives the other nodes' into this rank's slots of their collectors, raising the flag of
+  // each chunk; inside the node the epilogue stores into the peers' slots (node peers mapped, the others need not
+  // be), with the consumed handshake, which this rank answers at its node peers after the kernel.
+  int node_size = 0;
   cudaStream_t comm[kMaxTp] = {nullptr};
   int num_comm = 0;
   FlagProtocol protocol = FlagProtocol::kEpoch;

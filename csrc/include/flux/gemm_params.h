@@ -77,7 +77,8 @@ constexpr int kErrorRecordWords = 9;
 //   word 1: rows per rank (Mg)
 //   word 2: the other dimension the ranks share (N per rank for AllGather+GEMM, K per rank for GEMM+ReduceScatter)
 //           << 6 | transport << 2 | weight layout << 1 | op (0: ag_gemm, 1: gemm_rs)
-// transport: ag_gemm: AgMode * 2 + AgOrder (pull/push x mesh/ring); gemm_rs: RsTransport (0 epilogue, 1 copy engine).
+// transport: ag_gemm: AgMode * 2 + AgOrder (pull/push x mesh/ring); gemm_rs: RsTransport (0 epilogue, 1 copy engine,
+// 3 two-level).
 // A dimension of 2^26 or more is written as 2^26 - 1 (never rejected: a call is checked before its epoch advances).
 constexpr int kSignatureWords = 3;
 constexpr int64_t kMaxSignatureDim = int64_t(1) << 26;  // the dimension's bits in word 2
@@ -156,28 +157,47 @@ struct GemmProblem {
   uint32_t* completion_word = nullptr;
 
   // ---- ReduceScatter
-  int rs_own_shard = -1;                        // shard reduced here (this rank's rows); -1: not a reduce-scatter
-  const void* rs_partials[kMaxTp] = {nullptr};  // local receive slots: peers' partials of own rows
-  int rs_num_partials = 0;                      // summed in index order: deterministic
-  const uint32_t* rs_partial_flags[kMaxTp] = {nullptr};  // local: [tiles] flags of each partial's source
-  uint32_t* rs_signal[kMaxTp] = {nullptr};               // per destination shard: dest's flag array for our partial
-  // local: rs_consumed[g] >= epoch-1 before writing into g's slot (epilogue transport, epoch flags; null when the
-  // host-side stream already waited for it)
+  int rs_own_shard = -1;  // shard of this rank's rows (the output; bias added there); -1: not a reduce-scatter
+  // Shards whose tiles add partials from this rank's receive slots before their store: the own shard and, in a
+  // two-level plan (RsTwoLevel, workspace_layout.h), the blocks this rank collects for its node. Bit g: shard g.
+  uint32_t rs_reduce_mask = 0;
+  // The partials, in one array of this rank's receive slots: reduced shard g adds rs_partials[rs_first_partial[g]
+  // .. + rs_partial_count[g]) in that order (deterministic), each after its flags rs_partial_flags[s][chunk].
+  const void* rs_partials[kMaxTp] = {nullptr};
+  int rs_num_partials = 0;
+  const uint32_t* rs_partial_flags[kMaxTp] = {nullptr};
+  int8_t rs_first_partial[kMaxTp] = {0};
+  int8_t rs_partial_count[kMaxTp] = {0};
+  // The rank slot s comes from (its writer, or the collector that sent it): its call signature is compared after
+  // the first flag of the slot where signature_sources says it signs, and a timeout names it.
+  int8_t rs_partial_source[kMaxTp] = {0};
+  uint32_t rs_partial_staged_grid = 0;  // bit s: slot s's flags are per chunk of the staged grid (below)
+  // Shards whose tiles are staged locally and counted (bit g: copy-engine and external transports, every peer's;
+  // two-level: the collected blocks): d[g] is this rank's staging slot for g, and every finished tile adds 1 to
+  // rs_stage_counters[g * rs_flags_per_source + chunk of the staged grid]; the copy engine or the caller waits
+  // for a chunk's count and moves it. The other shards' tiles go straight into their destination's slot (d[g])
+  // and raise its flag there, rs_signal[g][chunk of the signal grid].
+  uint32_t rs_staged_mask = 0;
+  uint32_t* rs_stage_counters = nullptr;
+  uint32_t* rs_signal[kMaxTp] = {nullptr};
+  // Shard g's destination rank (the owner, or in a two-level plan the node's collector): before the first tile
+  // into its slots, rs_consumed[rs_dest[g]] >= epoch-1 (its previous call read them: epilogue stores, epoch flags;
+  // null when a host-side stream already waited), and rs_signature_out[g] (its signature slot for this rank; null:
+  // the host writes it, or there is none) is written.
+  int8_t rs_dest[kMaxTp] = {0};
   const uint32_t* rs_consumed = nullptr;
+  uint32_t* rs_signature_out[kMaxTp] = {nullptr};
   int rs_flags_per_source = 0;  // capacity of each source's flag array (one flag per chunk must fit)
-  // Chunks: the unit a flag covers. Tile (m, n) of a shard lies in chunk rs_chunk_index(m, n, ...)
-  // (tile_schedule.cuh), set by the host from its RsChunkGrid; epilogue transport: one tile per chunk.
+  // Chunks: the unit a flag or a count covers. Tile (m, n) of a shard lies in chunk rs_chunk_index(m, n, ...)
+  // (tile_schedule.cuh) of a grid the host sets from its RsChunkGrid: the signal grid (a tile per chunk: the
+  // epilogue transport's stores) and the staged grid (the copy engine's or the caller's chunks); where only one
+  // applies both are the same.
   int rs_chunk_tiles_m = 0;
   int rs_chunk_tiles_n = 0;
   int rs_chunks_n = 0;
-  // Copy-engine transport (non-null): d[g] of a peer g is this rank's local staging area for g, and every
-  // finished tile of it adds 1 to rs_stage_counters[g * rs_flags_per_source + chunk]; the host-side copy
-  // engine waits for a chunk's count, moves the chunk into g's receive slot and raises g's flag for it.
-  uint32_t* rs_stage_counters = nullptr;
-
-  // ReduceScatter's epilogue transport: destination g's signature slot for this rank (null: the host writes it, or
-  // there is none); a CTA writes it before its first flag at g.
-  uint32_t* rs_signature_out[kMaxTp] = {nullptr};
+  int rs_staged_chunk_tiles_m = 0;
+  int rs_staged_chunk_tiles_n = 0;
+  int rs_staged_chunks_n = 0;
 
   // ---- synchronisation common to both
   uint32_t epoch = 0;

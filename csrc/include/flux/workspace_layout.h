@@ -59,6 +59,65 @@ struct RsFlagLayout {
   static int stage_slot(int rank, int tp, int dst) { return (dst - rank - 1 + tp) % tp; }
 };
 
+// Two-level reduce-scatter (the hybrid transport: the epilogue's stores inside a node, the caller's transfers between
+// nodes; csrc/runtime/gemm_rs.cpp) of tp ranks in nodes of node_size, rank = node * node_size + local. Block b, the
+// rows rank b owns, is (m, j). Rank r = (n, i) does with its tile of block b:
+//   b == r          : own rows: adds its node peers' partials (local order), then the other nodes' node partials
+//                     (node order), and stores the sum (the output);
+//   m == n, j != i  : stores it into b's receive slot r (inside the node);
+//   m != n, j != i  : stores it into the collector (n, j)'s receive slot (m, i);
+//   m != n, j == i  : collects it: adds its node peers' partials of b (local order) and stages the sum, the node's
+//                     partial of b, for the caller to send to b (it lands in b's slot r).
+// So every slot q != r of rank r has one writer per call: q = (n, i'): that peer's partial of our rows; q = (m, i),
+// m != n: node m's node partial of our rows (from the collector q, by the caller's transfers); q = (m, i'), m != n,
+// i' != i: (n, i')'s partial of block (m, i), which we collect. The GEMM walks the other nodes' blocks first, node
+// n + 1, n + 2, ..., each node's from local index i + 1 on, the collected one last, then its own node's, its own
+// block last (transfer_plan.rs_gemm_order): a tile that waits for partials comes after the peers' tiles it waits
+// for at the same place of their walks.
+struct RsTwoLevel {
+  int shard_order[kMaxTp] = {0};  // the GEMM's block order
+  int dest[kMaxTp] = {0};         // block b: the rank whose slot dest_slot its tile goes to; -1: own or collected
+  int dest_slot[kMaxTp] = {0};
+  uint32_t collected = 0;           // bit b: block b is collected here (staged for the caller)
+  int partial_slot[kMaxTp] = {0};   // this rank's slots that the reduced blocks add, each block's in summation order
+  int first_partial[kMaxTp] = {0};  // block b adds partial_slot[first_partial[b] .. + partial_count[b])
+  int partial_count[kMaxTp] = {0};
+  int num_partials = 0;
+  int partial_source[kMaxTp] = {0};  // the rank partial_slot[s] comes from: its writer in the node, or the collector
+  uint32_t from_caller = 0;          // bit s: partial_slot[s] arrives by the caller's transfers (a node partial)
+
+  static RsTwoLevel make(int rank, int tp, int node_size) {
+    RsTwoLevel t;
+    int const nodes = tp / node_size, n = rank / node_size, i = rank % node_size;
+    auto at = [&](int node, int local) { return (node % nodes) * node_size + local % node_size; };
+    int step = 0;
+    for (int k = 1; k <= nodes; ++k)
+      for (int s = 1; s <= node_size; ++s) t.shard_order[step++] = at(n + k, i + s);
+    for (int b = 0; b < tp; ++b) {
+      int const m = b / node_size, j = b % node_size;
+      t.dest[b] = b == rank || (m != n && j == i) ? -1 : m == n ? b : at(n, j);
+      t.dest_slot[b] = m == n ? rank : at(m, i);
+      if (m != n && j == i) t.collected |= 1u << b;
+      if (b != rank && !(t.collected >> b & 1u)) continue;
+      t.first_partial[b] = t.num_partials;
+      for (int l = 0; l < node_size; ++l)  // the node peers' partials: (n, l)'s in slot (n, l) or (m, l)
+        if (l != i) {
+          t.partial_source[t.num_partials] = at(n, l);
+          t.partial_slot[t.num_partials++] = at(m, l);
+        }
+      if (b == rank)
+        for (int o = 0; o < nodes; ++o)  // the other nodes' node partials, from their collectors (o, i)
+          if (o != n) {
+            t.from_caller |= 1u << t.num_partials;
+            t.partial_source[t.num_partials] = at(o, i);
+            t.partial_slot[t.num_partials++] = at(o, i);
+          }
+      t.partial_count[b] = t.num_partials - t.first_partial[b];
+    }
+    return t;
+  }
+};
+
 // What one rank of a workspace holds. The flags follow the data in one allocation; the handshake words (all-gather
 // done, reduce-scatter consumed) start set under the CUDA-graph protocol (FlagProtocol, fused_ops.h).
 struct WorkspaceSizes {

@@ -41,6 +41,7 @@ struct CallPlan {
   // reduce-scatter
   RsTransport transport = RsTransport::kEpilogue;
   int chunk_cols = 0;  // columns per copy-engine chunk (0: default)
+  int node_size = 0;   // kHybrid: ranks per node of the two-level plan (RsTwoLevel); 0 otherwise
 };
 
 // A registered plan and the argument struct of its calls (the one of the workspace's kind), filled in when the plan

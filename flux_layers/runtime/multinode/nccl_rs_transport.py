@@ -41,12 +41,11 @@ NCCL's kernels: the call plan's ``sm_count`` holds back ``FLUX_LAYERS_NCCL_SMS``
 This is a flat transport: every partial goes straight to its owner, intra-node pairs included. Across nodes the
 two-level plan of transfer_plan.build_rs_plan moves fewer bytes over the network: inside a node each block's
 partials are summed at its collector (the rank of the block's local index), then one NCCL send per node partial
-and chunk reaches the owner, which adds the nodes' partials in the plan's ``sum_order``. The executor runs that
-inter-node part too (:func:`node_partial_batches`: the same batches and keys, with the collectors as partners;
-CPU-tested with gloo), but the node partials themselves are not built on GPUs: that is a kernel change (a
-collector's tiles of another node's block waiting for and adding its node's partials before they count into the
-chunk, as own-row tiles do for the owner) and a workspace peer-mapped inside the node and local across. The fused
-op therefore runs the flat transport for groups that span nodes.
+and chunk reaches the owner, which adds the nodes' partials in the plan's ``sum_order``. The same executor runs that
+inter-node part (:func:`node_partial_batches`: the same batches and keys, with the collectors as partners) for the
+``hybrid`` transport (flux_layers/ops/fused_gemm_rs.py), whose kernel makes the node partials (its collector tiles)
+on a workspace mapped inside the node. Neither has run on GPUs yet: each is taken only where FLUX_LAYERS_TRANSPORT
+forces it ('nccl', 'hybrid'), and a group that spans nodes otherwise keeps the reference path.
 
 The executor is generic over how a chunk's count is awaited, its flag set and which tensors hold the partials
 (:meth:`RsExecutor.run` takes callables), so the CPU tests run this very code with gloo and CPU tensors

@@ -36,12 +36,14 @@ link: each shard crosses between the NUMA domains once (L crossings per chunk pe
 1-D ring), still in L-1 steps.
 
 GEMM+ReduceScatter across nodes (:class:`RsPlan`): rank (n, i) walks destination blocks of the other nodes
-first (node n+1, n+2, ..., each swept with the rank offset so that at every position the node's ranks write to
-different collectors), its own node's blocks last, its own block very last. Inside node n, the intra-node fused
-reduce-scatter sums the L partials of block (m, j) at the collector (n, j) (the rank with the block owner's
-local index), in local-index order: the node partial. As soon as a node partial chunk is complete it goes by
-NCCL from (n, j) to the owner (m, j); the owner sums the node partials in node order 0..nnodes-1 (own node
-included in its place), so the result does not depend on arrival order: bitwise-repeatable.
+first (node n+1, n+2, ..., each from local index i+1 on, so that at every position the node's ranks write to
+different collectors and the block it collects, (m, i), comes last), its own node's blocks last, its own block very
+last. Inside node n, the intra-node fused reduce-scatter sums the L partials of block (m, j) at the collector
+(n, j) (the rank with the block owner's local index), its own first, then its node peers' in local-index order:
+the node partial. As soon as a node partial chunk is complete it goes by NCCL from (n, j) to the owner (m, j);
+the owner sums its own node's partials the same way, then the other nodes' node partials in node order, so the
+result does not depend on arrival order: bitwise-repeatable (``RsPlan.sum_order``; the kernel's order,
+csrc/include/flux/workspace_layout.h ``RsTwoLevel``).
 """
 from __future__ import annotations
 
@@ -510,7 +512,8 @@ class RsPlan:
     chunks: int
     gemm_order: tuple[tuple[int, ...], ...]      # per rank: destination blocks in the order its GEMM writes them
     steps: tuple[tuple[RsSend, ...], ...]        # inter-node sends of node partials
-    # per block d: per node (in summation order) its ranks (in order)
+    # per block d: per node in summation order (d's own node first, then the others in node order) its ranks in
+    # summation order (the node's rank with d's local index first, then the others in local order)
     sum_order: tuple[tuple[tuple[int, ...], ...], ...]
 
     def sends(self) -> Iterable[tuple[int, RsSend]]:
@@ -524,13 +527,11 @@ class RsPlan:
 
 
 def rs_gemm_order(layout: GroupLayout, rank: int) -> tuple[int, ...]:
-    """Destination blocks in the order rank (n, i) writes them: node n+1's blocks from local index i on, then
-    node n+2's, ..., its own node's from i+1 on, its own block last. Inside one node this is
-    schedules.rs_shard_order."""
+    """Destination blocks in the order rank (n, i) writes them: node n+1's blocks from local index i+1 on (the one
+    it collects, (n+1, i), last), then node n+2's, ..., its own node's, its own block last. Inside one node this is
+    schedules.rs_shard_order; the kernel's is csrc/include/flux/workspace_layout.h ``RsTwoLevel``."""
     n, i, size = layout.node_of[rank], layout.local_index(rank), layout.node_size
-    remote = [layout.rank_at(n + k, i + s) for k in range(1, layout.nnodes) for s in range(size)]
-    own = [layout.rank_at(n, i + 1 + s) for s in range(size)]
-    return tuple(remote + own)
+    return tuple(layout.rank_at(n + k, i + s) for k in range(1, layout.nnodes + 1) for s in range(1, size + 1))
 
 
 def _rs_ready(layout: GroupLayout, gemm_order, node: int, block: int) -> int:
@@ -554,9 +555,15 @@ def build_rs_plan(layout: GroupLayout, *, chunks: int = 1, validate: bool = True
             ready = _rs_ready(layout, gemm_order, n, d)
             step.extend(RsSend((d, c), src, d, "nccl", (ready, c)) for c in range(chunks))
         steps.append(tuple(step))
-    node_ranks = tuple(layout.members(n) for n in range(nn))
-    plan = RsPlan(layout=layout, chunks=chunks, gemm_order=gemm_order, steps=tuple(steps),
-                  sum_order=(node_ranks,) * layout.tp)
+    def node_sum(node: int, d: int) -> tuple[int, ...]:  # the collector's own partial first
+        first = layout.rank_at(node, layout.local_index(d))
+        return (first,) + tuple(r for r in layout.members(node) if r != first)
+
+    def nodes(d: int) -> list[int]:  # d's own node first
+        return [layout.node_of[d]] + [o for o in range(nn) if o != layout.node_of[d]]
+
+    sum_order = tuple(tuple(node_sum(node, d) for node in nodes(d)) for d in range(layout.tp))
+    plan = RsPlan(layout=layout, chunks=chunks, gemm_order=gemm_order, steps=tuple(steps), sum_order=sum_order)
     if validate:
         validate_rs_plan(plan)
     return plan

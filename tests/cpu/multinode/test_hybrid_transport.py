@@ -115,14 +115,19 @@ def test_hybrid_transport_selection(monkeypatch):
     assert topology.fused_path_blocker(devices, nodes) is None
     layout = GroupLayout.uniform(2, 2)
     assert topology.transport_matrix(layout) == topology.choose_transport(layout, "auto")
-    # the reduce-scatter has no hybrid transport: across nodes it keeps the reference path
-    reason = topology.fused_path_blocker(devices, nodes, op="gemm_rs")
-    assert "spans 2 nodes" in reason and not topology.rs_over_nccl()
+    # the reduce-scatter's two-level plan, across nodes of consecutive ranks only; inside one node as under auto
+    assert topology.rs_two_level(nodes) and not topology.rs_over_nccl()
+    assert topology.fused_path_blocker(devices, nodes, op="gemm_rs") is None
+    assert not topology.rs_two_level((0, 0, 0, 0)) and not topology.rs_two_level(None)
+    reason = topology.fused_path_blocker(devices, (0, 1, 0, 1), op="gemm_rs")
+    assert "consecutive ranks" in reason and "FLUX_LAYERS_TRANSPORT=nccl" in reason
+    assert "consecutive ranks" in topology.fused_path_blocker(devices[:3], (0, 0, 1), op="gemm_rs")
     # a node whose GPUs cannot map each other's memory: the hybrid workspace cannot map it
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: {a, b} != {2, 3})
     topology.peer_access_matrix.cache_clear()
-    reason = topology.fused_path_blocker(devices, nodes)
-    assert "ranks 2 and 3, node 1" in reason and "FLUX_LAYERS_TRANSPORT=nccl" in reason
+    for op, what in (("ag_gemm", "all-gather"), ("gemm_rs", "reduce-scatter")):
+        reason = topology.fused_path_blocker(devices, nodes, op=op)
+        assert "ranks 2 and 3, node 1" in reason and f"hybrid {what}" in reason, reason
     assert topology.fused_path_blocker(devices, (0, 1, 0, 1)) is None  # 2 and 3 on different nodes
 
 

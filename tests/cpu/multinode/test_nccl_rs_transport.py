@@ -203,8 +203,9 @@ def test_node_partial_batches_refuse_a_plan_whose_send_has_no_receive():
 
 def _node_partial(layout, node: int, d: int, rows: int, n: int) -> torch.Tensor:
     """What the intra-node level leaves at node ``node``'s collector of block d (the kernel's part on GPUs): its
-    ranks' partials of d summed in their order."""
-    return _reduce([_partial(q, d, rows, n) for q in layout.members(node)])
+    ranks' partials of d summed in the plan's order, the collector's (d's local index) first, then the others'."""
+    first = layout.rank_at(node, layout.local_index(d))
+    return _reduce([_partial(q, d, rows, n) for q in (first, *(q for q in layout.members(node) if q != first))])
 
 
 def _run_two_level(rank, tp, nnodes, size, late_rank, primitive):
@@ -286,6 +287,14 @@ def _selection(rank, tp):
     c = choose()
     assert c.path == "reference" and c.reason == nccl_rs_transport.CAPTURE_REFUSAL, c
     capturing[0] = False
+    os.environ["FLUX_LAYERS_TRANSPORT"] = "hybrid"  # the two-level plan: forced, across nodes
+    assert backend.rs_host_transport(group) == "hybrid" and backend.over_nccl("gemm_rs", group)
+    c = choose()
+    assert c.path == "fused" and "hybrid transport" in c.reason and "not yet run on GPUs" in c.reason, c
+    os.environ["FLUX_LAYERS_NODE_SIZE"] = "2"  # one node: the peer-mapped transports
+    assert backend.rs_host_transport(group) is None and choose().path == "fused"
+    os.environ["FLUX_LAYERS_NODE_SIZE"] = "1"
+    os.environ["FLUX_LAYERS_TRANSPORT"] = "nccl"
 
     # The dispatcher asks for the NCCL transport's workspace where it is forced, the peer-mapped one otherwise (and
     # checks the call across ranks with that transport first).
@@ -296,8 +305,8 @@ def _selection(rank, tp):
     class Made(Exception):
         pass
 
-    def get_rs_workspace(group, dtype, m, n, over_nccl=False):
-        made.append("Nccl" if over_nccl else "Peer")
+    def get_rs_workspace(group, dtype, m, n, over_nccl=False, hybrid=False):
+        made.append("Hybrid" if hybrid else "Nccl" if over_nccl else "Peer")
         raise Made
     _dispatch.choose = lambda *a, **k: backend.Choice("fused", "stand-in")
     _dispatch.check_same_call = lambda group, signature: signatures.append(signature[-1])
@@ -306,11 +315,15 @@ def _selection(rank, tp):
     x, w = torch.empty(256, 64, dtype=torch.bfloat16), torch.empty(64, 64, dtype=torch.bfloat16)
     with pytest.raises(Made):
         _dispatch.decided("gemm_rs", x, w, group, "nt", None)
+    os.environ["FLUX_LAYERS_TRANSPORT"] = "hybrid"
+    _dispatch.refresh()
+    with pytest.raises(Made):
+        _dispatch.decided("gemm_rs", x, w, group, "nt", None)
     os.environ["FLUX_LAYERS_TRANSPORT"] = "auto"
     _dispatch.refresh()
     with pytest.raises(Made):
         _dispatch.decided("gemm_rs", x, w, group, "nt", None)
-    assert made == ["Nccl", "Peer"] and signatures == ["nccl", "epilogue"], (made, signatures)
+    assert made == ["Nccl", "Hybrid", "Peer"] and signatures == ["nccl", "hybrid", "epilogue"], (made, signatures)
     assert not _dispatch._decisions, "a call that did not get its workspace left a decision behind"
 
 
