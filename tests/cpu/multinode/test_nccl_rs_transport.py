@@ -329,3 +329,47 @@ def _selection(rank, tp):
 
 def test_selection_takes_nccl_only_when_forced():
     run_distributed(_selection, 2)
+
+
+class _PlanWorkspace:
+    """What plan_nccl_call reads of an RsWorkspace of the NCCL or hybrid transport (no GPU here): flag indices are
+    this stand-in's own."""
+
+    def __init__(self, rank, tp, mapped, hybrid):
+        self.rank, self.tp, self.mapped, self.hybrid, self.over_nccl = rank, tp, mapped, hybrid, True
+        self.dtype, self.flags_per_source, self.group = torch.bfloat16, 64, None
+        self.plans: list = []
+
+    def count_index(self, dst, chunk):
+        return dst * self.flags_per_source + chunk
+
+    def partial_flag_index(self, src, chunk):
+        return (self.tp + src) * self.flags_per_source + chunk
+
+    def plan_index(self, plan):
+        self.plans.append(plan)
+        return len(self.plans) - 1
+
+
+@pytest.mark.parametrize("nnodes,size", [(2, 2), (2, 4), (4, 2), (2, 1)])
+def test_hybrid_call_runs_the_two_level_plans_batches(monkeypatch, nnodes, size):
+    """plan_nccl_call on a hybrid workspace: the op library's two-level plan (its node size) and, for the transfer
+    stream, the inter-node batches of build_rs_plan (node partials only); the flat transport's otherwise."""
+    from flux_layers.ops import fused_gemm_rs
+    monkeypatch.setattr(rs, "for_group", lambda group: None)
+    tp = nnodes * size
+    rows, n = 300, 24
+    for rank in range(tp):
+        node = tuple(range(rank // size * size, (rank // size + 1) * size))
+        ws = _PlanWorkspace(rank, tp, node, hybrid=True)
+        call = fused_gemm_rs.plan_nccl_call(ws, m=rows * tp, k=64, n=n, tile=1, swizzle=2, sm_count=64)
+        assert call.plan.transport == "hybrid" and call.plan.node_size == size and call.plan.chunk_cols == n
+        want = rs.node_partial_batches(build_rs_plan(GroupLayout.uniform(nnodes, size), chunks=len(call.chunks)),
+                                       rank)
+        assert call.executor.batches == want and ws.plans == [call.plan]
+        flat = fused_gemm_rs.plan_nccl_call(_PlanWorkspace(rank, tp, (rank,), hybrid=False), m=rows * tp, k=64, n=n,
+                                            tile=1, swizzle=2, sm_count=64)
+        assert flat.plan.transport == "external" and flat.plan.node_size == 0
+        assert flat.executor.batches == rs.rs_batches(rank, tp, len(flat.chunks))
+    with pytest.raises(ValueError, match="consecutive ranks"):
+        fused_gemm_rs.plan_nccl_call(_PlanWorkspace(0, 4, (0, 2), hybrid=True), m=1200, k=64, n=n, sm_count=64)
