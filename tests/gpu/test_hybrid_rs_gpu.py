@@ -12,17 +12,19 @@ Checked: both dtypes, both weight layouts, M/tp a multiple of 128 and not, both 
 on a second run; what the call ran (the two-level plan, its node size); on the stand-in, that only node partials
 crossed it (one per block of another node and chunk, from this node's collector); back-to-back calls with varying M
 on one workspace (the consumed handshake inside the node); FP8 operands through ops.gemm_rs; the dispatcher taking it
-on FLUX_LAYERS_TRANSPORT=hybrid and saying it has not run on GPUs; captured calls refused."""
+on FLUX_LAYERS_TRANSPORT=hybrid and saying it has not run on GPUs; captured calls refused; a rank of the last node
+dying makes the survivors raise within the timeout (on the stand-in)."""
 from __future__ import annotations
 
 import collections
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from flux_layers.devtools.launch import run_distributed, shared_gpu, tp_under_test
-from tests.gpu.external_transfers import node_size_under_test, received_bytes
+from tests.gpu.external_transfers import node_size_under_test, received_bytes, survive_peer_death
 from tests.gpu.gpu_support import (
     apply_settings,
     check_fp8_output,
@@ -152,3 +154,38 @@ def _dispatched(rank, tp, seed):
 
 def test_hybrid_gemm_rs_taken_by_the_dispatcher_when_forced():
     run_distributed(_dispatched, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl")
+
+
+# ---------------------------------------------------------------- a peer dies
+
+TIMEOUT_S = 5.0  # the dead peer is found within it; the calls before the death must fit in it too
+
+
+def _after_death(tp):
+    """A call with the shape decided before the death (random inputs: nothing is checked but that it raises)."""
+    from flux_layers import ops
+    ops.gemm_rs(torch.randn(256 * tp, 128, device="cuda", dtype=torch.bfloat16),
+                torch.randn(256, 128, device="cuda", dtype=torch.bfloat16), group=dist.group.WORLD, backend="fused")
+
+
+def _peer_death(rank, tp, seed):
+    from flux_layers import ops
+    os.environ["FLUX_LAYERS_TIMEOUT_S"] = str(TIMEOUT_S)  # read when the workspaces and the stand-in are made
+    _hybrid(tp)
+    for i in range(2):
+        gemm_rs_checked(rank, tp, seed + i, 256 * tp, 128 * tp, 256, torch.bfloat16, "nt",
+                        what="hybrid gemm_rs before a death", transport="hybrid")
+        ops.gemm_rs(torch.randn(256 * tp, 128, device="cuda", dtype=torch.bfloat16),
+                    torch.randn(256, 128, device="cuda", dtype=torch.bfloat16), group=dist.group.WORLD,
+                    backend="fused")  # the shape _after_death calls, decided while every rank is alive
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == tp - 1:
+        os._exit(0)  # the last node loses a rank between calls: no error, no goodbye
+    survive_peer_death(rank, [lambda: _after_death(tp)], TIMEOUT_S)
+
+
+@pytest.mark.skipif(not shared_gpu(), reason="NCCL's own receive from a dead peer stays pending until its watchdog "
+                    "aborts the communicator (docs/design.md §7); the host-staged stand-in gives up within the timeout")
+def test_dead_peer_raises_on_the_survivors_instead_of_hanging():
+    run_distributed(_peer_death, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl", timeout_s=120)
