@@ -15,7 +15,13 @@ the NCCL transport, which the reduce-scatter takes only when forced (across node
 ) the variants are: cuBLAS GEMM alone, our GEMM alone on all SMs and on the SMs the fused op leaves it beside
 NCCL, NCCL reduce-scatter alone, cuBLAS then NCCL reduce-scatter, torch's fused op, and the fused operator over
 NCCL (flux_layers/runtime/multinode/nccl_rs_transport.py) with the default and the other kernel configurations; bound =
-max(GEMM alone, NCCL reduce-scatter alone).
+max(GEMM alone, NCCL reduce-scatter alone). With the hybrid transport (the two-level plan: node partials summed
+inside each node, one NCCL send per node partial; 4+ GPUs, nodes emulated by the declared node size:
+
+    FLUX_LAYERS_TRANSPORT=hybrid FLUX_LAYERS_NODE_SIZE=2 python -m benchmarks.bench_gemm_rs \
+        --out benchmarks/results/gemm_rs_hybrid_h200x4.json
+
+) the same variants, and the flat NCCL transport's fused operator beside it (``fused_nccl_flat``).
 """
 from __future__ import annotations
 
@@ -150,8 +156,8 @@ def bench_shape(rank, tp, m, k, n, dtype, reps, sets=2):
                               "epilogue. fused_epilogue / fused_copy_engine: each transport, default kernel"}
 
 
-def bench_shape_nccl(rank, tp, m, k, n, dtype, reps, sets=2):
-    """bench_shape for the NCCL transport (the module docstring's variants)."""
+def bench_shape_nccl(rank, tp, m, k, n, dtype, reps, sets=2, transport="nccl"):
+    """bench_shape for the NCCL or hybrid transport (the module docstring's variants)."""
     from flux_layers import ops
     from flux_layers.ops import fused_gemm_rs
     from flux_layers.runtime import tuning, workspace
@@ -160,49 +166,64 @@ def bench_shape_nccl(rank, tp, m, k, n, dtype, reps, sets=2):
     group = dist.group.WORLD
     k_local = k // tp
     xs, ws_, partial, rs_out = _inputs(rank, tp, m, k, n, dtype, sets)
-    rs_ws = workspace.get_rs_workspace(group, dtype, m, n, over_nccl=True)
 
-    def fused(i, **cfg):
-        return fused_gemm_rs.gemm_rs(xs[i % sets], ws_[i % sets], group=group, ws=rs_ws, transport="nccl", **cfg)
+    def fused_on(via):
+        w = workspace.get_rs_workspace(group, dtype, m, n, over_nccl=via == "nccl", hybrid=via == "hybrid")
 
-    ref, err = _checked(rank, fused(0), xs[0], ws_[0], f"fused gemm_rs (nccl) on {m}x{k}x{n}")
-    check_kernel_variants(lambda **cfg: fused(0, **cfg), ref, f"rank {rank}: fused gemm_rs (nccl) on {m}x{k}x{n}")
+        def fused(i, **cfg):
+            return fused_gemm_rs.gemm_rs(xs[i % sets], ws_[i % sets], group=group, ws=w, transport=via, **cfg)
+        return w, fused
+
+    rs_ws, fused = fused_on(transport)
+    what = f"fused gemm_rs ({transport}) on {m}x{k}x{n}"
+    ref, err = _checked(rank, fused(0), xs[0], ws_[0], what)
+    check_kernel_variants(lambda **cfg: fused(0, **cfg), ref, f"rank {rank}: {what}")
 
     sms = nccl_transport.gemm_sms_beside_nccl(rs_ws.device)
     t = _unfused_times(rank, xs, ws_, partial, rs_out, reps, f"{m}x{k}x{n}", sms=sms)
     t["fused"] = time_ms(fused, reps=reps, group=group)
     t.update(time_kernel_variants(fused, reps=reps, group=group))
+    if transport == "hybrid":  # the flat transport beside it: what the node partials save
+        flat_ws, flat = fused_on("nccl")
+        _checked(rank, flat(0), xs[0], ws_[0], f"fused gemm_rs (nccl, flat) on {m}x{k}x{n}")
+        t["fused_nccl_flat"] = time_ms(flat, reps=reps, group=group)
+        flat_ws.check()
     rs_ws.check()
 
     call = fused_gemm_rs.plan_nccl_call(rs_ws, m=m, k=k_local, n=n)
     return {"m": m, "k": k, "n": n, "k_local": k_local, "tp": tp, "dtype": str(dtype).replace("torch.", ""),
             "times_ms": t, **overlap_figures(t, "nccl_rs", "gemm_then_nccl"),
-            "rel_err_vs_nccl": err, "transport": "nccl", "gemm_sm_count": sms,
+            "rel_err_vs_nccl": err, "transport": transport, "node_size": call.plan.node_size, "gemm_sm_count": sms,
             "chunks_per_peer": len(call.chunks), "rows_per_chunk": [c.rows for c in call.chunks],
             "dispatch_auto": ops.plan("gemm_rs", xs[0], ws_[0], group=group).path,
             "fused_default_config": tuning.kernel_name(tuning.resolve_kernel("gemm_rs", dtype=dtype, tp=tp,
                                                                              mkn=_key(xs[0], ws_[0], tp))),
-            "implementation": "fused = flux_layers._C gemm_rs in external-transfer mode (partials staged locally, "
-                              "counted per full-width chunk) + NCCL send/recv batches (torch.distributed) each "
-                              "after its chunk's count and followed by the received chunk's flag "
-                              "(flux_layers/runtime/multinode/nccl_rs_transport.py); the owner reduces in its epilogue"}
+            "implementation": ("fused = flux_layers._C gemm_rs in external-transfer mode (partials staged locally, "
+                               "counted per full-width chunk) + NCCL send/recv batches (torch.distributed) each "
+                               "after its chunk's count and followed by the received chunk's flag "
+                               "(flux_layers/runtime/multinode/nccl_rs_transport.py); the owner reduces in its "
+                               "epilogue" if transport == "nccl" else
+                               "fused = flux_layers._C gemm_rs on the two-level plan (the epilogue's stores inside "
+                               "the node, the collectors' node partials staged and counted per full-width chunk) + "
+                               "one NCCL send/recv batch per node partial and chunk (nccl_rs_transport."
+                               "node_partial_batches); fused_nccl_flat = the flat NCCL transport, same run")}
 
 
 def run(rank, tp, args):
+    from flux_layers.ops.backend import rs_host_transport
     from flux_layers.runtime import topology
-    # The transport comes from the settings like the library's: NCCL where FLUX_LAYERS_TRANSPORT=nccl forces it;
-    # otherwise the peer-mapped transports, and a group they cannot serve stops here saying why.
-    nccl = topology.rs_over_nccl()
-    if not nccl:
-        blocker = topology.fused_path_blocker(tuple(range(tp)), topology.group_node_ids(dist.group.WORLD),
-                                              op="gemm_rs")
-        if blocker is not None:
-            raise RuntimeError(f"bench_gemm_rs: {blocker}")
+    # The transport comes from the settings like the library's: NCCL or hybrid where FLUX_LAYERS_TRANSPORT forces
+    # it; otherwise the peer-mapped transports. A group they cannot serve stops here saying why.
+    host = rs_host_transport(dist.group.WORLD)
+    nccl = host is not None
+    blocker = topology.fused_path_blocker(tuple(range(tp)), topology.group_node_ids(dist.group.WORLD), op="gemm_rs")
+    if blocker is not None:
+        raise RuntimeError(f"bench_gemm_rs: {blocker}")
     dtype = getattr(torch, args.dtype)
     rows = []
     for (m, k, n) in parse_shapes(args.shapes):
-        bench = bench_shape_nccl if nccl else bench_shape
-        r = bench(rank, tp, m, k, n, dtype, args.reps)
+        r = (bench_shape_nccl(rank, tp, m, k, n, dtype, args.reps, transport=host) if nccl
+             else bench_shape(rank, tp, m, k, n, dtype, args.reps))
         rows.append(r)
         if rank == 0:
             tt = r["times_ms"]
@@ -210,11 +231,12 @@ def run(rank, tp, args):
                   f"{tt['gemm_then_nccl']:.3f} torch {tt['torch_symm_mem_fused']} fused {tt['fused']:.3f} ms",
                   flush=True)
     if nccl:
+        flat = [("fused_nccl_flat", "flat", ".3f")] if host == "hybrid" else []
         report_operator_rows(rank, tp, rows, operator_columns([
             ("gemm_flux_beside_nccl", "gemm_sms", ".3f"), ("nccl_rs", "nccl_rs", ".3f"),
             ("gemm_then_nccl", "seq", ".3f"), ("torch_symm_mem_fused", "torch", ".3f"), ("fused", "fused", ".3f"),
-            ("chunks_per_peer", "chunks", "")]), args.out,
-            extra={"transport": f"nccl (FLUX_LAYERS_TRANSPORT=nccl; node size {topology.declared_node_size()})"})
+            *flat, ("chunks_per_peer", "chunks", "")]), args.out,
+            extra={"transport": f"{host} (FLUX_LAYERS_TRANSPORT={host}; node size {topology.declared_node_size()})"})
         return
     report_operator_rows(rank, tp, rows, operator_columns([
         ("gemm_flux", "gemm_flux", ".3f"), ("nccl_rs", "nccl_rs", ".3f"), ("gemm_then_nccl", "seq", ".3f"),

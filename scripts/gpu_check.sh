@@ -5,7 +5,7 @@
 #
 # Steps (default: all, in this order): env gemm_test ag_test rs_test graph_test reliability_test layers_test gemm_bench
 # ag_bench rs_bench overhead_bench layer_bench layer_bench_conn1. Also: sweep_bench (benchmarks/bench_sweep.py),
-# split_tests (only the stream-K tail's GPU tests), layer_ops_7b, nccl_test, nccl_bench, e2e_compare
+# split_tests (only the stream-K tail's GPU tests), layer_ops_7b, nccl_test, nccl_bench, hybrid_bench, e2e_compare
 # ($E2E_MODELS, $E2E_ARGS: e.g. --cuda-graphs), reliability_bench (benchmarks/reliability.py: every reliability
 # scenario in its own process group, $RELIABILITY_ARGS added; with one GPU its two ranks share it), layer_ops_bench
 # (benchmarks/bench_layer_ops.py), e2e_ceiling (examples/gpt/ceiling.py), layer_profile
@@ -182,6 +182,11 @@ benchmarks.bench_overhead --shared-gpu ${OVERHEAD_ARGS:-} --out $WORK/results/op
         --out "$WORK/results/ag_gemm_internode_$GPU_TAG.json"
       step nccl_rs_bench 400 env FLUX_LAYERS_TRANSPORT=nccl FLUX_LAYERS_NODE_SIZE=1 $PY -m benchmarks.bench_gemm_rs \
         --out "$WORK/results/gemm_rs_internode_$GPU_TAG.json" ;;
+    hybrid_bench)  # 4+ GPUs as two emulated nodes: the hybrid transports beside the flat NCCL ones (not default)
+      step hybrid_ag_bench 400 env FLUX_LAYERS_TRANSPORT=hybrid FLUX_LAYERS_NODE_SIZE=$((GPUS / 2)) \
+        $PY -m benchmarks.bench_ag_gemm --out "$WORK/results/ag_gemm_hybrid_$GPU_TAG.json"
+      step hybrid_rs_bench 400 env FLUX_LAYERS_TRANSPORT=hybrid FLUX_LAYERS_NODE_SIZE=$((GPUS / 2)) \
+        $PY -m benchmarks.bench_gemm_rs --out "$WORK/results/gemm_rs_hybrid_$GPU_TAG.json" ;;
     overhead_bench) step overhead_bench 400 $PY -m benchmarks.bench_overhead --breakdown \
         --out "$WORK/results/op_overhead_$GPU_TAG.json" ;;
     sweep_bench) step sweep_bench 560 env CUDA_DEVICE_MAX_CONNECTIONS=1 $PY -m benchmarks.bench_sweep \
