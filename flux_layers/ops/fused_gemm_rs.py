@@ -30,7 +30,7 @@ it collects (tiles after the peers' in every walk) and stages the sum, the node 
 chunk; the host sends it on the transfer stream by NCCL to the owner (one send per node partial and chunk, in the
 order the collector completes them: nccl_rs_transport.node_partial_batches), where it lands in the collector's slot
 and its flag is set. The owner adds its node's partials, then the other nodes' node partials in node order: the
-same bits on every run. It has not run on GPUs yet (tests/gpu/test_hybrid_transport_gpu.py is its check).
+same bits on every run. It has not run on GPUs yet (tests/gpu/test_hybrid_rs_gpu.py is its check).
 """
 from __future__ import annotations
 
