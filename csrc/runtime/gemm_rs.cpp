@@ -57,16 +57,16 @@ void check_gemm_rs_args(const GemmRsArgs& a) {
   FLUX_CHECK(a.events != nullptr, "the workspace's events are missing");
   bool const graph = a.protocol == FlagProtocol::kCudaGraph;
   bool const two_level = a.node_size > 0;
-  bool const external = a.external || two_level;  // the caller moves (some) staged partials on comm[0]
-  bool const copy_engine = a.stage != nullptr && !external;
-  FLUX_CHECK(!(copy_engine || external) || a.num_comm >= 1, "the copy-engine and external transports need a ",
+  bool const caller_moves = a.external || two_level;  // the caller moves (some) staged partials on comm[0]
+  bool const copy_engine = a.stage != nullptr && !caller_moves;
+  FLUX_CHECK(!(copy_engine || caller_moves) || a.num_comm >= 1, "the copy-engine and external transports need a ",
              "communication stream");
-  FLUX_CHECK(!external || a.stage != nullptr, "external transfers need the local staging area");
-  FLUX_CHECK(!external || !graph, "external transfers run under the epoch protocol only");
+  FLUX_CHECK(!caller_moves || a.stage != nullptr, "external transfers need the local staging area");
+  FLUX_CHECK(!caller_moves || !graph, "external transfers run under the epoch protocol only");
   FLUX_CHECK(!two_level || (a.node_size < a.tp && a.tp % a.node_size == 0), "a two-level plan needs nodes of ",
              a.node_size, " ranks to divide the group of ", a.tp, " into two or more");
   for (int q = 0; q < a.tp; ++q) {
-    bool const mapped = q == a.rank || (two_level ? q / a.node_size == a.rank / a.node_size : !external);
+    bool const mapped = q == a.rank || (two_level ? q / a.node_size == a.rank / a.node_size : !a.external);
     FLUX_CHECK(!mapped || (a.recv[q] != nullptr && a.flags[q] != nullptr), "rank ", q,
                "'s receive buffer or flags are not mapped (a workspace in local memory serves external transfers "
                "only; a two-level plan's, mapped inside the node, two-level ones)");
@@ -77,7 +77,7 @@ void gemm_rs(const GemmRsArgs& a) {
   if (a.rows_per_shard == 0) return;
   bool const graph = a.protocol == FlagProtocol::kCudaGraph;
   bool const two_level = a.node_size > 0;
-  bool const external = a.external && !two_level;
+  bool const external = a.external;  // a two-level plan's workspace sets node_size instead
   bool const copy_engine = a.stage != nullptr && !external && !two_level;
   const int r = a.rank;
   const size_t elem = size_t(dtype_bytes(a.dtype));  // partials travel in the output dtype
