@@ -19,7 +19,8 @@ local memory, the kernel stages every peer's partial locally and counts it per f
 engine, and the partials move by NCCL send/recv driven from the host on the workspace's transfer stream, each
 received chunk followed by its flag; the GEMM runs on all SMs but FLUX_LAYERS_NCCL_SMS
 (flux_layers/runtime/multinode/nccl_rs_transport.py; :func:`plan_nccl_call`, :func:`run_nccl`). Not under CUDA-graph
-capture. It has not run on GPUs yet (tests/gpu/test_nccl_transport_gpu.py is its check).
+capture. It has not run over NCCL yet (tests/gpu/test_nccl_transport_gpu.py is its check; on one GPU, emulated nodes
+run it over the host-staged stand-in).
 
 Transport ``hybrid`` (``transport='hybrid'``, FLUX_LAYERS_TRANSPORT=hybrid for a group over several nodes, nodes of
 consecutive ranks): the two-level plan (csrc/include/flux/workspace_layout.h ``RsTwoLevel``, with
@@ -30,7 +31,8 @@ it collects (tiles after the peers' in every walk) and stages the sum, the node 
 chunk; the host sends it on the transfer stream by NCCL to the owner (one send per node partial and chunk, in the
 order the collector completes them: nccl_rs_transport.node_partial_batches), where it lands in the collector's slot
 and its flag is set. The owner adds its node's partials, then the other nodes' node partials in node order: the
-same bits on every run. It has not run on GPUs yet (tests/gpu/test_hybrid_rs_gpu.py is its check).
+same bits on every run. It has not run over NCCL yet (tests/gpu/test_hybrid_rs_gpu.py is its check; on one GPU at
+2 x 2 emulated nodes all but its peer-death test pass, docs/design.md §7).
 """
 from __future__ import annotations
 

@@ -44,8 +44,9 @@ partials are summed at its collector (the rank of the block's local index), then
 and chunk reaches the owner, which adds the nodes' partials in the plan's ``sum_order``. The same executor runs that
 inter-node part (:func:`node_partial_batches`: the same batches and keys, with the collectors as partners) for the
 ``hybrid`` transport (flux_layers/ops/fused_gemm_rs.py), whose kernel makes the node partials (its collector tiles)
-on a workspace mapped inside the node. Neither has run on GPUs yet: each is taken only where FLUX_LAYERS_TRANSPORT
-forces it ('nccl', 'hybrid'), and a group that spans nodes otherwise keeps the reference path.
+on a workspace mapped inside the node. Neither has run over NCCL yet (only on one GPU, emulated nodes over the
+host-staged stand-in): each is taken only where FLUX_LAYERS_TRANSPORT forces it ('nccl', 'hybrid'), and a group
+that spans nodes otherwise keeps the reference path.
 
 The executor is generic over how a chunk's count is awaited, its flag set and which tensors hold the partials
 (:meth:`RsExecutor.run` takes callables), so the CPU tests run this very code with gloo and CPU tensors

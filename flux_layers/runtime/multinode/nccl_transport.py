@@ -44,8 +44,8 @@ arrive in an earlier step, so every batch of every rank completes (by induction 
 run that too, with shared-memory tensors standing in for peer-mapped buffers. On GPUs such plans run as the
 ``hybrid`` transport (flux_layers/ops/fused_ag_gemm.py): a workspace mapped inside the node and local across, and a
 done handshake with the node's peers before a push into their buffers (:func:`node_pushes` says whom). It has not
-run on GPUs yet: unless FLUX_LAYERS_TRANSPORT=hybrid, the fused op runs all-NCCL plans (``nccl_plan``) for groups
-that span nodes.
+run over NCCL yet (on one GPU, 2 x 2 emulated nodes over the host-staged stand-in pass its GPU tests): unless
+FLUX_LAYERS_TRANSPORT=hybrid, the fused op runs all-NCCL plans (``nccl_plan``) for groups that span nodes.
 
 CUDA graphs: not supported; a captured call is refused (:data:`CAPTURE_REFUSAL`). NCCL calls can be captured, but
 the executor's batches are host-driven and untested under capture; the copy-engine transport serves captured
