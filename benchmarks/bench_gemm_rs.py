@@ -215,14 +215,14 @@ def run(rank, tp, args):
     # The transport comes from the settings like the library's: NCCL or hybrid where FLUX_LAYERS_TRANSPORT forces
     # it; otherwise the peer-mapped transports. A group they cannot serve stops here saying why.
     host = rs_host_transport(dist.group.WORLD)
-    nccl = host is not None
+    host_driven = host is not None  # the NCCL transport, flat or two-level: its own benchmark rows
     blocker = topology.fused_path_blocker(tuple(range(tp)), topology.group_node_ids(dist.group.WORLD), op="gemm_rs")
     if blocker is not None:
         raise RuntimeError(f"bench_gemm_rs: {blocker}")
     dtype = getattr(torch, args.dtype)
     rows = []
     for (m, k, n) in parse_shapes(args.shapes):
-        r = (bench_shape_nccl(rank, tp, m, k, n, dtype, args.reps, transport=host) if nccl
+        r = (bench_shape_nccl(rank, tp, m, k, n, dtype, args.reps, transport=host) if host_driven
              else bench_shape(rank, tp, m, k, n, dtype, args.reps))
         rows.append(r)
         if rank == 0:
@@ -230,7 +230,7 @@ def run(rank, tp, args):
             print(f"  {m}x{k}x{n} [{r['transport']}]: gemm {tt['gemm_cublas']:.3f} rs {tt['nccl_rs']:.3f} seq "
                   f"{tt['gemm_then_nccl']:.3f} torch {tt['torch_symm_mem_fused']} fused {tt['fused']:.3f} ms",
                   flush=True)
-    if nccl:
+    if host_driven:
         flat = [("fused_nccl_flat", "flat", ".3f")] if host == "hybrid" else []
         report_operator_rows(rank, tp, rows, operator_columns([
             ("gemm_flux_beside_nccl", "gemm_sms", ".3f"), ("nccl_rs", "nccl_rs", ".3f"),

@@ -162,7 +162,7 @@ flux_layers._library.path(), flux_layers._library.unavailable_reason())'" ;;
       --out "$WORK/results/op_overhead_shared.json" ;;
     baseline_overhead)
       if [ -d .baseline/flux_layers ]; then
-        mkdir -p .baseline/benchmarks && cp benchmarks/bench_overhead.py .baseline/benchmarks/ \
+        mkdir -p .baseline/benchmarks && cp benchmarks/bench_overhead.py benchmarks/harness.py .baseline/benchmarks/ \
           && touch .baseline/benchmarks/__init__.py
         step baseline_overhead 200 bash -c "cd .baseline && PYTHONPATH=. FLUX_LAYERS_COMMIT=baseline $PY -m \
 benchmarks.bench_overhead --shared-gpu ${OVERHEAD_ARGS:-} --out $WORK/results/op_overhead_shared_baseline.json"
