@@ -32,6 +32,8 @@
 # tests all skipped, or that collected none, is reported NOTHING RAN and counts as failed, even though pytest exits 0
 # (e.g. every 2-GPU test on a machine with one GPU). The script exits 1 when any step failed, ran nothing or was
 # skipped for the budget, else 0.
+# A failure's report is written to the step's log when it happens (tests/gpu/conftest.py), so a step killed by its
+# time limit keeps the messages of the failures before it.
 #
 # Wheels the machine lacks (megatron-core for the layer steps) are installed from .whl/ if present; the
 # op library is taken prebuilt from flux_layers/_C*.so, else built here (needs nvcc and nvidia-cutlass).

@@ -369,8 +369,15 @@ std::string WorkspaceState::describe_record() const {
     std::ostringstream os;
     os << cfg_.what << ": the ranks' calls went out of step: rank " << rec[1] << "'s call "
        << describe_call(uint32_t(rec[7]), uint32_t(rec[8]), cfg_.tp) << " (epoch " << rec[3] << ") met rank " << index
-       << "'s call " << describe_call(uint32_t(rec[5]), uint32_t(rec[6]), cfg_.tp) << " (epoch " << rec[4]
-       << "); every rank must make the same fused calls in the same order (call signatures compared on the device). "
+       << "'s call " << describe_call(uint32_t(rec[5]), uint32_t(rec[6]), cfg_.tp) << " (epoch " << rec[4] << "). ";
+    // A peer ahead of this rank made more calls, or was released after its own failure: a released workspace's
+    // waits all return, so the calls it had already enqueued run through and sign epochs this rank has not reached
+    // (a survivor of a peer's death beside a rank that learnt of it first meets exactly that).
+    if (uint32_t(rec[4]) > uint32_t(rec[3]))
+      os << "Rank " << index << " is ahead: it made more fused calls than this rank, or its workspace failed (a peer "
+         << "died or timed out) and was released, which runs the calls it had already enqueued through without "
+            "waiting; its own error then names that failure. ";
+    os << "Every rank must make the same fused calls in the same order (call signatures compared on the device). "
        << "Outputs of that call are invalid and this workspace cannot be used again (workspace.reset() on every "
           "rank brings the group back).";
     return os.str();
