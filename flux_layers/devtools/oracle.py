@@ -11,6 +11,13 @@ partials travel in the input dtype (as with NCCL's reduce-scatter of bf16 data) 
 rounding of a partial of 1/tp of the output's variance per peer, so its expected error is at most sqrt(2) times
 cuBLAS's (sqrt(1 + (tp - 1) / tp)).
 
+The two-level reduce-scatter (the hybrid transport, csrc/include/flux/workspace_layout.h RsTwoLevel) rounds more
+often: a node's partial summed at its collector is rounded once more before it crosses to the owner. With nodes of
+``ns`` ranks, ``tp / ns`` nodes and partials of equal variance its expected error is sqrt(1 + ((ns - 1) +
+(tp / ns - 1) * (2 ns - 1)) / tp) times cuBLAS's: sqrt(2) at 2 x 2 ranks, but 1.5 at 2 x 4 and 4 x 2, where a bound of
+1.5x cuBLAS's error fails half the correct calls. Its checks therefore take as the baseline
+:func:`two_level_reduce_scatter`, that plan's own roundings applied to exact partials, instead of cuBLAS's product.
+
 :func:`errors` computes the error on the device without synchronizing, so that a stress run checks a batch of
 calls with one transfer.
 """
@@ -35,6 +42,42 @@ def matmul_cublas(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return x @ w if bias is None else torch.addmm(bias, x, w)
 
 
+def two_level_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: str, tp: int,
+                             node_size: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of x @ op(weight) + bias (x [M, K] and weight unsharded) rounded as the two-level
+    reduce-scatter rounds them: each rank's partial (its K / tp columns of x) exact; a partial of a node peer rounded
+    to x's dtype; another node's partial summed at its collector (the collector's own partial exact, its node
+    peers' rounded) and rounded again; the owner's fp32 sum of its own partial, its node's and the other nodes'
+    partials, and the bias rounded once. The baseline of the two-level plan's checks (module docstring)."""
+    if node_size < 1 or tp % node_size or not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} of {tp} in nodes of {node_size}")
+    rows = x.chunk(tp)[rank].float()
+    w = weight.float().t() if layout == "nt" else weight.float()
+    partial = [xq @ wq for xq, wq in zip(rows.chunk(tp, dim=1), w.chunk(tp, dim=0))]
+    dtype = x.dtype
+
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype).float()
+
+    node, local = divmod(rank, node_size)
+    acc = partial[rank].clone()
+    for o in range(tp // node_size):
+        if o == node:
+            for q in range(o * node_size, (o + 1) * node_size):
+                if q != rank:
+                    acc += rounded(partial[q])
+        else:
+            collector = o * node_size + local
+            node_sum = partial[collector].clone()
+            for q in range(o * node_size, (o + 1) * node_size):
+                if q != collector:
+                    node_sum += rounded(partial[q])
+            acc += rounded(node_sum)
+    if bias is not None:
+        acc += bias.float()
+    return acc.to(dtype)
+
+
 def errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """Relative error of ``out`` against ``ref`` as a 0-d float64 tensor on their device (no synchronization). An
     unwritten (NaN) element makes it NaN."""
@@ -53,6 +96,7 @@ def bound(cublas_error: float, dtype: torch.dtype) -> float:
 
 def verdict(out: torch.Tensor, ref: torch.Tensor, cublas: torch.Tensor) -> tuple[bool, float, float]:
     """(within the bound, the output's relative error, the bound) for ``out`` against the fp32 ``ref``, where
-    ``cublas`` is cuBLAS's output for the same inputs in ``out``'s dtype."""
+    ``cublas`` is cuBLAS's output for the same inputs in ``out``'s dtype (or the baseline that stands for it, e.g.
+    :func:`two_level_reduce_scatter`)."""
     err, limit = rel_error(out, ref), bound(rel_error(cublas, ref), out.dtype)
     return err <= limit, err, limit  # NaN compares False

@@ -3,6 +3,7 @@ same product rounded to bfloat16 once), an output rounded twice passes, one with
 unwritten (NaN) element fails."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from flux_layers.devtools import oracle
@@ -50,3 +51,37 @@ def test_floor_keeps_exact_products_checkable():
     exact = oracle.matmul_cublas(x, w, None, "nt")
     assert oracle.rel_error(exact, ref) == 0
     assert oracle.verdict(exact, ref, exact) == (True, 0.0, oracle.RATIO * oracle.FLOOR[torch.bfloat16])
+
+
+def _expected_ratio(tp: int, node_size: int) -> float:
+    return (1 + ((node_size - 1) + (tp // node_size - 1) * (2 * node_size - 1)) / tp) ** 0.5
+
+
+def test_two_level_baseline_rounds_as_the_plan_and_keeps_the_check_tight():
+    x, w, b = _problem(2, m=512, k=2048, n=256)
+    tp = 8
+    ref = oracle.matmul_fp32(x, w, b, "nt")
+    once = ref.to(torch.bfloat16)
+    for node_size in (2, 4):
+        rows = [oracle.two_level_reduce_scatter(x, w, b, "nt", tp, node_size, r) for r in range(tp)]
+        assert all(r.dtype == torch.bfloat16 and r.shape == (512 // tp, 256) for r in rows)
+        two_level = torch.cat(rows)
+        ratio = oracle.rel_error(two_level, ref) / oracle.rel_error(once, ref)
+        # the plan's extra roundings: 1.5x one rounding at 8 ranks in nodes of 2 or 4 (the module docstring)
+        assert abs(ratio - _expected_ratio(tp, node_size)) < 0.1, (node_size, ratio)
+        assert oracle.verdict(two_level, ref, two_level)[0]
+        # a node partial that never arrived, or one of another block, fails against that baseline
+        # (the next node's partial of rank 5's rows: its ranks' K columns)
+        rank, block = 5, slice(5 * 64, 6 * 64)
+        other = (rank // node_size + 1) % (tp // node_size)
+        cols = slice(other * node_size * 2048 // tp, (other + 1) * node_size * 2048 // tp)
+        lost = oracle.matmul_fp32(x[block][:, cols], w[:, cols], None, "nt")
+        missing = (rows[rank].float() - lost).to(torch.bfloat16)
+        assert not oracle.verdict(missing, ref[block], rows[rank])[0]
+    nan = rows[0].clone()
+    nan[0, 0] = float("nan")
+    assert not oracle.verdict(nan, ref[:64], rows[0])[0]
+    with pytest.raises(ValueError, match="nodes of 3"):
+        oracle.two_level_reduce_scatter(x, w, b, "nt", tp, 3, 0)
+    torch.testing.assert_close(oracle.two_level_reduce_scatter(x, w, b, "nt", tp, 4, 1),
+                               oracle.two_level_reduce_scatter(x, w.t().contiguous(), b, "nn", tp, 4, 1))

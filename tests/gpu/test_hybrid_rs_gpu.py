@@ -73,10 +73,10 @@ def _matrix(rank, tp, seed):
         what = f"hybrid gemm_rs node_size={_node_size(tp)} tile {tile}"
         before = received_bytes()
         out = gemm_rs_checked(rank, tp, seed + i, m, 256 * tp, 768, dtype, layout, what=what, transport="hybrid",
-                              tile=tile)
+                              tile=tile, node_size=_node_size(tp))
         _check_crossings(rank, tp, m, 768, dtype, before, f"rank {rank} {what}")
         again = gemm_rs_checked(rank, tp, seed + i, m, 256 * tp, 768, dtype, layout, what=what, transport="hybrid",
-                                tile=tile)
+                                tile=tile, node_size=_node_size(tp))
         assert torch.equal(out, again), f"rank {rank} {what} {dtype} {layout}: two runs differ bitwise"
         ws = workspace.get_rs_workspace(dist.group.WORLD, dtype, m, 768, hybrid=True)
         call = fused_gemm_rs.plan_nccl_call(ws, m=m, k=256, n=768, tile=tile)
@@ -94,7 +94,7 @@ def _late_and_many(rank, tp, seed):
     _hybrid(tp)
     for late in (0, 1):
         gemm_rs_checked(rank, tp, seed + late, 1024 * tp // 2, 512, 1024, torch.bfloat16, "nt", late_rank=late,
-                        what="hybrid gemm_rs late rank", transport="hybrid")
+                        what="hybrid gemm_rs late rank", transport="hybrid", node_size=_node_size(tp))
     # Back-to-back calls with varying M on one workspace: a store into a node peer's slot waits for its previous
     # call's consumed word, which it writes after its kernel.
     ws = RsWorkspace(dist.group.WORLD, torch.bfloat16, 1024 * tp, 512, hybrid=True)
@@ -103,7 +103,7 @@ def _late_and_many(rank, tp, seed):
     for i in range(calls):
         gemm_rs_checked(rank, tp, seed + 100 + i, rows[i % len(rows)] * tp, 256, 512, torch.bfloat16,
                         "nt" if i % 3 else "nn", with_bias=bool(i % 2), what=f"hybrid gemm_rs back to back {i}",
-                        ws=ws)
+                        ws=ws, node_size=_node_size(tp))
     assert ws.epoch == calls
     ws.check()
     torch.cuda.synchronize()
@@ -174,7 +174,7 @@ def _peer_death(rank, tp, seed):
     _hybrid(tp)
     for i in range(2):
         gemm_rs_checked(rank, tp, seed + i, 256 * tp, 128 * tp, 256, torch.bfloat16, "nt",
-                        what="hybrid gemm_rs before a death", transport="hybrid")
+                        what="hybrid gemm_rs before a death", transport="hybrid", node_size=_node_size(tp))
         ops.gemm_rs(torch.randn(256 * tp, 128, device="cuda", dtype=torch.bfloat16),
                     torch.randn(256, 128, device="cuda", dtype=torch.bfloat16), group=dist.group.WORLD,
                     backend="fused")  # the shape _after_death calls, decided while every rank is alive
