@@ -32,11 +32,14 @@ every later operation of every stream, so a flag that later GPU work would write
 stream per group keep the exchanges of every executor on the group in issue order, as NCCL's calls on one
 communicator are; every rank issues the same exchanges in the same order, so each pair's messages match in order.
 
-NOTE: the thread makes no CUDA call at all (it reads and stores the two words through plain host loads and stores,
-and never frees a job's pinned buffers: the caller's next exchange does). A caller may sit in a CUDA call that waits
-for the device while holding the driver's locks (a library's first load, cublasCreate's cuLibraryLoadData, was one),
-and the device waits for this thread's store: a CUDA call here (an event query, or the pinned allocator's event
-record when a buffer is freed) would block on those locks for good.
+NOTE: the thread makes no CUDA call while the device may wait for it (it reads and stores the two words through plain
+host loads and stores, and never frees a job's pinned buffers: the caller's next exchange does). A caller may sit in
+a CUDA call that waits for the device while holding the driver's locks (a library's first load, cublasCreate's
+cuLibraryLoadData, was one), and the device waits for this thread's store: a CUDA call here (an event query, or the
+pinned allocator's event record when a buffer is freed) would block on those locks for good. The one exception is a
+failure (below): the thread (or the watcher) first stores ``arrived`` = 2^31 - 1, which releases every stream wait
+on it, and only then releases the group's workspaces, whose flag fill is a CUDA call; it may wait for the driver's
+locks, but the device no longer waits for this thread (the kernels' own waits are bounded).
 
 On CPU tensors (the CPU tests) the same thread, staging and word run; the caller waits for ``arrived`` itself.
 
@@ -283,7 +286,8 @@ class HostStagedSendRecv:
     # ---------------------------------------------------------------- the threads
 
     def _serve(self) -> None:
-        """The transfers: one job at a time, in order. No CUDA call here (module docstring's NOTE)."""
+        """The transfers: one job at a time, in order. No CUDA call here but a failure's release (module docstring's
+        NOTE)."""
         while True:
             job = self._jobs.get()
             self._transfer(job)
