@@ -62,6 +62,14 @@ def test_two_level_baseline_rounds_as_the_plan_and_keeps_the_check_tight():
     tp = 8
     ref = oracle.matmul_fp32(x, w, b, "nt")
     once = ref.to(torch.bfloat16)
+    # the reference path's ring: bf16 partials, each running sum rounded to bf16 as NCCL's reduce-scatter does
+    ring = oracle.matmul_fp32(x.chunk(tp, dim=1)[0], w.chunk(tp, dim=1)[0], None, "nt").to(torch.bfloat16)
+    for q in range(1, tp):
+        partial = oracle.matmul_fp32(x.chunk(tp, dim=1)[q], w.chunk(tp, dim=1)[q], None, "nt").to(torch.bfloat16)
+        ring = (ring.float() + partial.float()).to(torch.bfloat16)
+    ring = (ring.float() + b.float()).to(torch.bfloat16)
+    ring_ratio = oracle.rel_error(ring, ref) / oracle.rel_error(once, ref)
+    assert ring_ratio > 2.0, ring_ratio
     for node_size in (2, 4):
         rows = [oracle.two_level_reduce_scatter(x, w, b, "nt", tp, node_size, r) for r in range(tp)]
         assert all(r.dtype == torch.bfloat16 and r.shape == (512 // tp, 256) for r in rows)
@@ -69,6 +77,7 @@ def test_two_level_baseline_rounds_as_the_plan_and_keeps_the_check_tight():
         ratio = oracle.rel_error(two_level, ref) / oracle.rel_error(once, ref)
         # the plan's extra roundings: 1.5x one rounding at 8 ranks in nodes of 2 or 4 (the module docstring)
         assert abs(ratio - _expected_ratio(tp, node_size)) < 0.1, (node_size, ratio)
+        assert ratio < ring_ratio
         assert oracle.verdict(two_level, ref, two_level)[0]
         # a node partial that never arrived, or one of another block, fails against that baseline
         # (the next node's partial of rank 5's rows: its ranks' K columns)
