@@ -24,26 +24,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from flux_layers.devtools import oracle
 from flux_layers.devtools.launch import run_distributed
 
 CASES = {"matrix": lambda tp: (512 * tp, 256 * tp, 768, 1, None),
          "late0": lambda tp: (512 * tp, 512, 1024, 1, 0),
          "late1": lambda tp: (512 * tp, 512, 1024, 1, 1)}
-
-
-def fit_blocks(out: torch.Tensor, candidates: list[torch.Tensor], rows: int = 128):
-    """Per block of ``rows`` rows: (first row, NaN count, the coefficients of ``candidates``, relative residual). NaN
-    elements count as 0 in the fit."""
-    fits = []
-    for r0 in range(0, out.shape[0], rows):
-        y = out[r0:r0 + rows].double().reshape(-1)
-        a = torch.stack([c[r0:r0 + rows].double().reshape(-1) for c in candidates], 1)
-        nan = torch.isnan(y)
-        y = torch.where(nan, torch.zeros_like(y), y)
-        coef = torch.linalg.lstsq(a, y.unsqueeze(1)).solution[:, 0]
-        residual = (a @ coef - y).norm() / y.norm().clamp_min(1e-30)
-        fits.append((r0, int(nan.sum()), coef, float(residual)))
-    return fits
 
 
 def _fit(rank, tp, seed, case, node_size, calls):
@@ -67,7 +53,7 @@ def _fit(rank, tp, seed, case, node_size, calls):
             for q in range(tp):
                 candidates.append(xb.chunk(tp, dim=1)[q].float() @ w.chunk(tp, dim=1)[q].float().t())
                 names.append((b, q))
-        for r0, nan, coef, residual in fit_blocks(out, candidates):
+        for r0, nan, coef, residual in oracle.fit_partials(out, candidates):
             other = {f"{b}.{q}": round(float(c), 2) for (b, q), c in zip(names, coef)
                      if abs(c) > 0.05 and not (b == rank and abs(c - 1) < 0.02)}
             own = all(abs(float(coef[names.index((rank, q))]) - 1) < 0.02 for q in range(tp))

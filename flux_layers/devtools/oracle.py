@@ -22,7 +22,8 @@ NCCL's does with bf16 data) of bf16 partials came to 2.4x cuBLAS's at 8 ranks in
 with a bias added in one more rounding).
 
 :func:`errors` computes the error on the device without synchronizing, so that a stress run checks a batch of
-calls with one transfer.
+calls with one transfer. :func:`describe_fit` tells, for a reduce-scatter output that failed, which ranks' partials
+it holds (a least-squares fit per block of rows), so that a fault seen once says what went wrong.
 """
 from __future__ import annotations
 
@@ -54,9 +55,7 @@ def two_level_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     partials, and the bias rounded once. The baseline of the two-level plan's checks (module docstring)."""
     if node_size < 1 or tp % node_size or not 0 <= rank < tp:
         raise ValueError(f"rank {rank} of {tp} in nodes of {node_size}")
-    rows = x.chunk(tp)[rank].float()
-    w = weight.float().t() if layout == "nt" else weight.float()
-    partial = [xq @ wq for xq, wq in zip(rows.chunk(tp, dim=1), w.chunk(tp, dim=0))]
+    partial = rank_partials(x, weight, layout, tp, rank)
     dtype = x.dtype
 
     def rounded(t: torch.Tensor) -> torch.Tensor:
@@ -79,6 +78,46 @@ def two_level_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     if bias is not None:
         acc += bias.float()
     return acc.to(dtype)
+
+
+def rank_partials(x: torch.Tensor, weight: torch.Tensor, layout: str, tp: int, rank: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s rows of every rank's partial product (rank q's: x's q-th K / tp columns times op(weight)'s
+    matching rows), exact in fp32: the terms a reduce-scatter of x @ op(weight) sums for that rank."""
+    rows = x.chunk(tp)[rank].float()
+    w = weight.float().t() if layout == "nt" else weight.float()
+    return [xq @ wq for xq, wq in zip(rows.chunk(tp, dim=1), w.chunk(tp, dim=0))]
+
+
+def fit_partials(out: torch.Tensor, partials: list[torch.Tensor], rows: int = 128):
+    """Which ``partials`` ``out`` holds: per block of ``rows`` rows, (first row, NaN count, the least-squares
+    coefficients of the partials, the relative residual). NaN elements count as 0. A correct reduce-scatter output
+    is every partial with coefficient 1 and a residual of its rounding; a partial that never arrived shows near 0, a
+    stale one (another call's) near 0 with a large residual."""
+    fits = []
+    for r0 in range(0, out.shape[0], rows):
+        y = out[r0:r0 + rows].double().reshape(-1)
+        a = torch.stack([p[r0:r0 + rows].double().reshape(-1) for p in partials], 1)
+        nan = torch.isnan(y)
+        y = torch.where(nan, torch.zeros_like(y), y)
+        coef = torch.linalg.lstsq(a, y.unsqueeze(1)).solution[:, 0]
+        residual = (a @ coef - y).norm() / y.norm().clamp_min(1e-30)
+        fits.append((r0, int(nan.sum()), coef, float(residual)))
+    return fits
+
+
+def describe_fit(out: torch.Tensor, partials: list[torch.Tensor], bias: torch.Tensor | None = None,
+                 rows: int = 128) -> str:
+    """For a failed reduce-scatter check: per block of ``rows`` rows of ``out`` (less ``bias``), the partials
+    (by source rank) whose coefficient is off 1 and the residual (:func:`fit_partials`), e.g. "rows 0-127: rank 6
+    0.00, residual 9.1e-01"."""
+    y = out.float() - (bias.float() if bias is not None else 0)
+    parts = []
+    for r0, nan, coef, residual in fit_partials(y, partials, rows):
+        off = ", ".join(f"rank {q} {float(c):.2f}" for q, c in enumerate(coef) if abs(float(c) - 1) > 0.02)
+        end = min(r0 + rows, out.shape[0]) - 1
+        parts.append(f"rows {r0}-{end}: {off or 'every partial 1.00'}, residual {residual:.1e}"
+                     + (f", {nan} NaN" if nan else ""))
+    return "; ".join(parts)
 
 
 def errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

@@ -94,3 +94,27 @@ def test_two_level_baseline_rounds_as_the_plan_and_keeps_the_check_tight():
         oracle.two_level_reduce_scatter(x, w, b, "nt", tp, 3, 0)
     torch.testing.assert_close(oracle.two_level_reduce_scatter(x, w, b, "nt", tp, 4, 1),
                                oracle.two_level_reduce_scatter(x, w.t().contiguous(), b, "nn", tp, 4, 1))
+
+
+def test_partials_fit_names_a_missing_or_stale_partial():
+    x, w, b = _problem(3, m=256, k=512, n=64)
+    tp, rank = 4, 1
+    partials = oracle.rank_partials(x, w, "nt", tp, rank)
+    assert len(partials) == tp and all(p.shape == (64, 64) for p in partials)
+    exact = oracle.matmul_fp32(x, w, b, "nt").chunk(tp)[rank]
+    torch.testing.assert_close(sum(partials) + b.float(), exact)
+    said = oracle.describe_fit(exact.to(torch.bfloat16), partials, b, rows=32)
+    blocks = said.split("; ")
+    assert [blk.split(":")[0] for blk in blocks] == ["rows 0-31", "rows 32-63"], said
+    assert all("every partial 1.00" in blk and float(blk.split("residual ")[1]) < 1e-2 for blk in blocks), said
+    lost = (exact - partials[2]).to(torch.bfloat16)  # rank 2's partial never arrived
+    lost[40, :3] = float("nan")
+    said = oracle.describe_fit(lost, partials, b, rows=32)
+    assert said.startswith("rows 0-31: rank 2 0.00, residual") and "rows 32-63: rank 2 " in said, said
+    assert said.endswith(", 3 NaN"), said
+    stale = exact.clone()
+    stale[:32] = exact[:32] - partials[3][:32] + torch.randn(32, 64, generator=torch.Generator().manual_seed(4)) * 5
+    said = oracle.describe_fit(stale, partials, b, rows=32)
+    first, second = said.split("; ")
+    assert "rank 3 " in first and float(first.split("residual ")[1]) > 0.1, said
+    assert second.startswith("rows 32-63: every partial 1.00"), said
