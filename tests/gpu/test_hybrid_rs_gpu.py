@@ -8,12 +8,12 @@ runs (flux_layers/runtime/multinode/sendrecv.py).
 Nodes (FLUX_LAYERS_TEST_NODES): 0, the default, two nodes of TP / 2 ranks (at TP = 2 one rank each: every block
 collected alone, the node partials alone crossing); N >= 2, N nodes of TP / N.
 
-Checked: both dtypes, both weight layouts, M/tp a multiple of 128 and not, both tile configurations; the same bits
-on a second run; what the call ran (the two-level plan, its node size); on the stand-in, that only node partials
-crossed it (one per block of another node and chunk, from this node's collector); back-to-back calls with varying M
-on one workspace (the consumed handshake inside the node); FP8 operands through ops.gemm_rs; the dispatcher taking it
-on FLUX_LAYERS_TRANSPORT=hybrid and saying it has not run on GPUs; captured calls refused; a rank of the last node
-dying makes the survivors raise within the timeout (on the stand-in)."""
+Checked: both dtypes, both weight layouts, M/tp a multiple of 128 and not, both tile configurations; the same bits on
+a second run; what the call ran (the two-level plan, its node size); on the stand-in, that only node partials crossed
+it (one per block of another node and chunk, from this node's collector); back-to-back calls with varying M on one
+workspace (the consumed handshake inside the node); first calls of fresh workspaces; FP8 operands through
+ops.gemm_rs; the dispatcher taking it on FLUX_LAYERS_TRANSPORT=hybrid and saying it has not run on GPUs; captured
+calls refused; a rank of the last node dying makes the survivors raise within the timeout (on the stand-in)."""
 from __future__ import annotations
 
 import collections
@@ -111,6 +111,26 @@ def _late_and_many(rank, tp, seed):
 
 def test_hybrid_gemm_rs_late_rank_and_back_to_back():
     run_distributed(_late_and_many, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl")
+
+
+def _first_calls(rank, tp, seed):
+    from flux_layers.runtime.workspace import RsWorkspace
+    poison_outputs()
+    _hybrid(tp)
+    for i in range(3 if lean() else 6):
+        ws = RsWorkspace(dist.group.WORLD, torch.bfloat16, 512 * tp, 768, hybrid=True)
+        gemm_rs_checked(rank, tp, seed + i, 512 * tp, 256 * tp, 768, torch.bfloat16, "nt", ws=ws,
+                        what=f"hybrid gemm_rs first call of workspace {i}", node_size=_node_size(tp))
+        ws.check()
+        dist.barrier()  # no peer writes into it any more
+        ws.close()
+    torch.cuda.synchronize()
+
+
+def test_hybrid_gemm_rs_first_calls_of_fresh_workspaces():
+    """Each call the first of its workspace: bf7dfb2's intermittent faults at 8 ranks (a node's outputs wrong, two
+    rows of a rank unwritten) came in tests' first calls."""
+    run_distributed(_first_calls, TP, int(torch.randint(0, 2**30, ()).item()), backend="nccl")
 
 
 def _dispatched(rank, tp, seed):
