@@ -157,6 +157,14 @@ void WorkspaceState::poll() {
     if (!watched_.empty()) watched_.front().since_ns = std::max(watched_.front().since_ns, now_ns());
   }
   if (released_) return;
+  // Marked failed from the host (mark_failed: Python's Workspace.release, the host-staged stand-in's failure): release
+  // here, on this thread, so that the thread that marked it makes no CUDA call.
+  if (failed_flag_.load(std::memory_order_acquire)) {
+    if (cudaSetDevice(cfg_.device) != cudaSuccess) return;
+    released_ = true;
+    release_flags_async();
+    return;
+  }
   // A kernel wait that timed out: its call ended (the kernel gave up), but stream waits of the same call on comm
   // streams that the compute stream did not join may still wait for the peer. Release them too.
   bool const kernel_timed_out = static_cast<volatile int*>(cfg_.error_record)[0] != 0;
@@ -198,6 +206,10 @@ std::string WorkspaceState::lagging_peer(const std::vector<uint32_t>& f, uint32_
 }
 
 void WorkspaceState::release_flags_async() {
+  // The error claim first: a kernel whose waits the flags below release then yields NaN (gemm_sm90.cuh call_failed)
+  // instead of numbers computed from data that never arrived, and a kernel still waiting gives up at its next check.
+  // 0x7f7f7f7f is no error code: the record stays as it was (the failure's message is mark_failed's).
+  cudaMemsetAsync(cfg_.error_claim, 0x7f, sizeof(int), release_stream_);
   // Every wait on this rank's flags returns (epoch comparisons are wrap-safe: 0x7f7f7f7f is ahead of any epoch).
   cudaMemsetAsync(cfg_.flags[cfg_.rank], 0x7f, size_t(release_words()) * 4, release_stream_);
   release_pending_ = cudaEventRecord(release_done_, release_stream_) == cudaSuccess;

@@ -268,10 +268,9 @@ class Workspace:
                                  f"(epoch {self.epoch}); waits were released and the workspace is unusable")
 
     def release(self) -> None:
-        """Set every local flag to its maximum so that stream waits on this rank return (after a failure)."""
-        side = torch.cuda.Stream(device=self.device)
-        with torch.cuda.stream(side):
-            self.flags.fill_(2**31 - 1)
+        """Refuse further calls (after a failure); the native watchdog then releases this rank's waits at its next
+        poll (20 ms): the error claim set, so that the kernels of the calls already enqueued yield NaN, then every
+        flag of this rank at its maximum, so that the stream waits on them return. No CUDA call here."""
         self.native.mark_failed(f"{self.what}: released after a failed or abandoned call")
 
 

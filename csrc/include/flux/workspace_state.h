@@ -79,9 +79,12 @@ struct WorkspaceConfig {
 // completion (the epoch its last operation writes into a host-mapped CompletionRing, no CUDA call on either
 // side): a call that has not finished timeout_ns after it could start (its enqueue, or the end of the workspace's
 // previous call, whichever is later), or a kernel wait that timed out, is taken as hung: the watchdog names the
-// peer this rank waits for, records the failure, and sets this rank's flags to their maximum so that every wait
-// returns, including stream waits on comm streams the compute stream no longer waits for, and the process can
-// shut down (outputs of that call are garbage; the workspace refuses further calls).
+// peer this rank waits for, records the failure, sets the error claim (the kernels of the calls enqueued on the
+// workspace yield NaN for every tile they start from then on) and then this rank's flags to their maximum so that
+// every wait returns, including stream waits on comm streams the compute stream no longer waits for, and the process
+// can shut down (outputs of those calls are invalid; the workspace refuses further calls). A workspace marked failed
+// from the host (mark_failed) is released the same way at the watchdog's next poll, so that the marking thread makes
+// no CUDA call.
 // A CUDA-graph twin is not watched call by call (its replays run no host code), but once it failed (a wait of a
 // replay timed out, a signature differed, or it was released) the watchdog keeps its flags at their maximum: every
 // replay clears its handshake words, so without a peer that still replays the next replay would wait for ever. So
@@ -111,6 +114,8 @@ class WorkspaceState {
     return failed_flag_.load(std::memory_order_acquire) || static_cast<volatile const int*>(cfg_.error_record)[0] != 0;
   }
   std::string failure() const;
+  // Refuse calls from now on, for `message` (a failure recorded earlier is kept); the watchdog releases the workspace
+  // at its next poll. No CUDA call: any thread may mark a workspace failed.
   void mark_failed(const std::string& message);
   // The value this call's flags are set to: the next epoch (epoch protocol) or 1 (CUDA-graph protocol). Take it
   // only once nothing can reject the call any more: every rank must advance its counter on the same calls.

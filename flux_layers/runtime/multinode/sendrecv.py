@@ -32,25 +32,24 @@ every later operation of every stream, so a flag that later GPU work would write
 stream per group keep the exchanges of every executor on the group in issue order, as NCCL's calls on one
 communicator are; every rank issues the same exchanges in the same order, so each pair's messages match in order.
 
-NOTE: the thread makes no CUDA call while the device may wait for it (it reads and stores the two words through plain
-host loads and stores, and never frees a job's pinned buffers: the caller's next exchange does). A caller may sit in
-a CUDA call that waits for the device while holding the driver's locks (a library's first load, cublasCreate's
-cuLibraryLoadData, was one), and the device waits for this thread's store: a CUDA call here (an event query, or the
-pinned allocator's event record when a buffer is freed) would block on those locks for good. The one exception is a
-failure (below): the thread (or the watcher) first stores ``arrived`` = 2^31 - 1, which releases every stream wait
-on it, and only then releases the group's workspaces, whose flag fill is a CUDA call; it may wait for the driver's
-locks, but the device no longer waits for this thread (the kernels' own waits are bounded).
+NOTE: the thread makes no CUDA call at all (it reads and stores the two words through plain host loads and stores,
+never frees a job's pinned buffers: the caller's next exchange does, and on a failure only marks workspaces failed:
+their native watchdog releases them). A caller may sit in a CUDA call that waits for the device while holding the
+driver's locks (a library's first load, cublasCreate's cuLibraryLoadData, was one), and the device waits for this
+thread's store: a CUDA call here (an event query, or the pinned allocator's event record when a buffer is freed)
+would block on those locks for good.
 
 On CPU tensors (the CPU tests) the same thread, staging and word run; the caller waits for ``arrived`` itself.
 
 Failure. A peer process that died closes its sockets and gloo raises in the thread; a job not done ``timeout_s``
-(FLUX_LAYERS_TIMEOUT_S when the stand-in is made) after the thread took it is taken as hung by a watcher thread.
-Either way the stand-in records the failure, stores ``arrived`` = 2^31 - 1 (every stream wait returns; the receive
-copies then move stale data) and marks the group's cached NCCL-transport workspaces failed and releases them (their
-GEMMs' waits return): that call's outputs are garbage, its workspace's next call or ``check()`` raises WorkspaceError
-naming the failure, and every later exchange raises :class:`HostStagedTransferError` at once. A workspace made outside
-the cache learns of it from its next exchange or its own kernels' timeouts. As with NCCL, the group's transfers do
-not recover: a receive that hung stays posted (its buffer is kept).
+(FLUX_LAYERS_TIMEOUT_S when the stand-in is made) after the thread took it is taken as hung by a watcher thread. Either
+way the stand-in records the failure, stores ``arrived`` = 2^31 - 1 (every stream wait returns; the receive copies then
+move stale data) and marks the group's cached NCCL-transport workspaces failed, which their watchdog releases within its
+poll (their GEMMs' waits return, and the GEMMs of calls already enqueued yield NaN for the tiles they start from then
+on): those calls' outputs are invalid, the workspace's next call or ``check()`` raises WorkspaceError naming the
+failure, and every later exchange raises :class:`HostStagedTransferError` at once. A workspace made outside the cache
+learns of it from its next exchange or its own kernels' timeouts. As with NCCL, the group's transfers do not recover: a
+receive that hung stays posted (its buffer is kept).
 """
 from __future__ import annotations
 
@@ -270,8 +269,7 @@ class HostStagedSendRecv:
         name = self._group_name(self.group)
         for ws in list(workspace._cache.values()):  # a snapshot: the caller's thread may add to the cache
             if not ws.peer_mapped and self._group_name(ws.group) == name:
-                ws.native.mark_failed(message)
-                ws.release()
+                ws.native.mark_failed(message)  # its watchdog releases it (no CUDA call on this thread)
 
     @staticmethod
     def _group_name(group) -> str:
@@ -286,8 +284,7 @@ class HostStagedSendRecv:
     # ---------------------------------------------------------------- the threads
 
     def _serve(self) -> None:
-        """The transfers: one job at a time, in order. No CUDA call here but a failure's release (module docstring's
-        NOTE)."""
+        """The transfers: one job at a time, in order. No CUDA call here (module docstring's NOTE)."""
         while True:
             job = self._jobs.get()
             self._transfer(job)
