@@ -46,13 +46,9 @@ def _fit(rank, tp, seed, case, node_size, calls):
         out = fused_gemm_rs.gemm_rs(x.chunk(tp, dim=1)[rank].contiguous(), w.chunk(tp, dim=1)[rank].contiguous(),
                                     None, group=dist.group.WORLD, weight_layout="nt", transport="hybrid", tile=tile)
         torch.cuda.synchronize()
-        block_rows = m // tp
-        names, candidates = [], []
-        for b in range(tp):
-            xb = x[b * block_rows:(b + 1) * block_rows]
-            for q in range(tp):
-                candidates.append(xb.chunk(tp, dim=1)[q].float() @ w.chunk(tp, dim=1)[q].float().t())
-                names.append((b, q))
+        # every block's partials, by (block, source rank): another block's would show there
+        names = [(b, q) for b in range(tp) for q in range(tp)]
+        candidates = [p for b in range(tp) for p in oracle.rank_partials(x, w, "nt", tp, b)]
         for r0, nan, coef, residual in oracle.fit_partials(out, candidates):
             other = {f"{b}.{q}": round(float(c), 2) for (b, q), c in zip(names, coef)
                      if abs(c) > 0.05 and not (b == rank and abs(c - 1) < 0.02)}
