@@ -1,0 +1,184 @@
+"""Which operations, enqueued on other streams after a kernel that is still running, wait for that kernel when the
+context has one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) and which run beside it.
+
+Why: under one queue the NCCL transport's all-gather over the host-staged stand-in leaves output rows unwritten (its
+second exchange, which forwards a chunk received in the first, is staged only once the GEMM's waits give up;
+docs/design.md section 7). Between the two exchanges sit host-to-device copies, event waits, stream writes and waits
+on mapped host words; this probe times each of them, and the stand-in's sequence step by step, behind a running
+kernel, with one queue and with eight.
+
+A trial launches ``torch.cuda._sleep`` (one block, about ``--kernel-s`` seconds) on stream A, then enqueues the trial's
+steps on streams B and C, with an event after each step. The host polls every event and notes when each completes;
+a step that completes long before the kernel's own event ran beside it, one that completes just after it waited for
+it. Steps marked "host store" wait on a mapped host word that the host stores 0.1 s after the enqueue (as the
+stand-in's thread does when a transfer arrived).
+
+    python -m experiments.one_queue_probe [--kernel-s 1.0] [--out one_queue_probe.json]
+
+Each setting runs in its own process (the variable is read when CUDA starts). Needs one GPU and the op library
+(its ``write_flag`` / ``wait_flag``: cuStreamWriteValue32 / cuStreamWaitValue32).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+MiB = 1 << 20
+HOST_STORE_AFTER_S = 0.1
+
+
+def _mapped(host):
+    """A CUDA tensor over pinned host memory at the same address (unified addressing), as the stand-in's words."""
+    import torch
+
+    class _Interface:
+        def __init__(self, t):
+            self._t = t
+            self.__cuda_array_interface__ = {"shape": tuple(t.shape), "typestr": "<i4", "version": 3,
+                                             "data": (t.data_ptr(), False), "strides": None}
+    return torch.as_tensor(_Interface(host), device="cuda")
+
+
+def _trials(torch, ops, words, dev, pinned):
+    """name -> list of (step name, stream letter, enqueue function)."""
+    def wait_word(value):
+        return lambda: ops.wait_flag.default(words, 0, value)
+
+    def write_word(index, value):
+        return lambda: ops.write_flag.default(words, index, value)
+
+    d2h = lambda: pinned["d2h"].copy_(dev["src"], non_blocking=True)  # noqa: E731
+    h2d = lambda: dev["dst"].copy_(pinned["h2d"], non_blocking=True)  # noqa: E731
+    d2d = lambda: dev["dst"].copy_(dev["src"], non_blocking=True)  # noqa: E731
+    return {
+        "event record only": [("record", "B", lambda: None)],
+        "device-to-host copy": [("d2h", "B", d2h)],
+        "host-to-device copy": [("h2d", "B", h2d)],
+        "device-to-device copy": [("d2d", "B", d2d)],
+        "stream write to a host word": [("write", "B", write_word(1, 7))],
+        "stream wait on a host word already set": [("wait (set)", "B", wait_word(0))],
+        "stream wait on a host word, host store": [("wait (host store)", "B", wait_word(1))],
+        "event wait on an idle stream": [("wait C", "B", "wait:C")],
+        # the stand-in's exchange j, then exchange j + 1 forwarding what j received (sendrecv.py _exchange_cuda)
+        "stand-in: exchange, then a forwarding exchange": [
+            ("B waits C", "B", "wait:C"),
+            ("stage d2h", "B", d2h),
+            ("store staged", "B", write_word(1, 1)),
+            ("wait arrived (host store)", "B", wait_word(1)),
+            ("receive h2d", "B", h2d),
+            ("C waits B", "C", "wait:B"),
+            ("flag write", "C", write_word(1, 2)),
+            ("B waits C again", "B", "wait:C"),
+            ("forward stage d2h", "B", lambda: pinned["d2h"].copy_(dev["dst"], non_blocking=True)),
+            ("store staged again", "B", write_word(1, 3)),
+        ],
+    }
+
+
+def _run_setting(kernel_s: float) -> dict:
+    import torch
+
+    from flux_layers import _library
+    _library.require_library()
+    ops = torch.ops.flux_layers
+    torch.cuda.init()
+    host_words = torch.zeros(2, dtype=torch.int32, pin_memory=True)
+    words = _mapped(host_words)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dev = {"src": torch.randn(4 * MiB, device="cuda", generator=g), "dst": torch.empty(4 * MiB, device="cuda")}
+    pinned = {"d2h": torch.empty(4 * MiB, pin_memory=True), "h2d": torch.randn(4 * MiB).pin_memory()}
+    streams = {k: torch.cuda.Stream() for k in "ABC"}
+
+    # cycles per second of _sleep, from a short calibration
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(streams["A"]):
+        start.record()
+        torch.cuda._sleep(100_000_000)
+        end.record()
+    end.synchronize()
+    cycles = int(100_000_000 * kernel_s / (start.elapsed_time(end) * 1e-3))
+
+    results = {}
+    for name, steps in _trials(torch, ops, words, dev, pinned).items():
+        torch.cuda.synchronize()
+        host_words.zero_()
+        with torch.cuda.stream(streams["A"]):
+            torch.cuda._sleep(cycles)
+            kernel_done = torch.cuda.Event()
+            kernel_done.record()
+        events = []
+        for step, letter, enqueue in steps:
+            stream = streams[letter]
+            with torch.cuda.stream(stream):
+                if isinstance(enqueue, str):  # "wait:X": this stream waits for what X enqueued so far
+                    stream.wait_stream(streams[enqueue.split(":")[1]])
+                else:
+                    enqueue()
+                ev = torch.cuda.Event()
+                ev.record()
+            events.append((step, ev))
+        t0 = time.perf_counter()
+        done: dict[str, float] = {}
+        stored = False
+        kernel_t = None
+        while (kernel_t is None or len(done) < len(events)) and time.perf_counter() - t0 < kernel_s + 10:
+            now = time.perf_counter() - t0
+            if not stored and now >= HOST_STORE_AFTER_S:
+                host_words[0] = 1 << 30  # every wait on word 0 passes from here on
+                stored = True
+            if kernel_t is None and kernel_done.query():
+                kernel_t = now
+            for step, ev in events:
+                if step not in done and ev.query():
+                    done[step] = now
+            time.sleep(0.001)
+        results[name] = {
+            "kernel_done_s": kernel_t,
+            "steps": [{"step": s, "done_s": done.get(s),
+                       "waited_for_the_kernel": (None if done.get(s) is None or kernel_t is None
+                                                 else done[s] >= kernel_t - 0.05)}
+                      for s, _ in events],
+        }
+        torch.cuda.synchronize()
+    return {"cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+            "gpu": torch.cuda.get_device_name(), "kernel_s": kernel_s, "trials": results}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kernel-s", type=float, default=1.0)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--setting-only", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.setting_only:
+        print(json.dumps(_run_setting(args.kernel_s)))
+        return
+    settings = []
+    for connections in ("1", "8"):
+        env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS=connections)
+        out = subprocess.run([sys.executable, "-m", "experiments.one_queue_probe", "--setting-only",
+                              "--kernel-s", str(args.kernel_s)], env=env, capture_output=True, text=True,
+                             timeout=120)
+        if out.returncode != 0:
+            settings.append({"cuda_device_max_connections": connections, "error": out.stderr[-2000:]})
+            continue
+        setting = json.loads(out.stdout.strip().splitlines()[-1])
+        settings.append(setting)
+        for name, trial in setting["trials"].items():
+            waited = [s["step"] for s in trial["steps"] if s["waited_for_the_kernel"]]
+            print(f"connections={connections} {name}: kernel {trial['kernel_done_s']:.2f} s; "
+                  f"waited for it: {', '.join(waited) or 'none'}", flush=True)
+    result = {"command": " ".join([sys.executable, "-m", "experiments.one_queue_probe", *sys.argv[1:]]),
+              "commit": os.environ.get("FLUX_LAYERS_COMMIT"), "settings": settings}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
