@@ -402,8 +402,13 @@ std::string WorkspaceState::describe_record() const {
   os << cfg_.what << ": rank " << rec[1] << " timed out after " << double(timeout_ns()) * 1e-9 << " s waiting for "
      << wait_error(code);
   if (peer >= 0) os << " from rank " << peer;
-  os << " (index " << index << ", epoch " << rec[3] << ", flag held " << rec[4]
-     << "). A peer rank did not enter the call, crashed, or is slower than FLUX_LAYERS_TIMEOUT_S allows. "
+  os << " (index " << index << ", epoch " << rec[3] << ", flag held " << rec[4] << "). ";
+  // A rank's transfers to every peer queue behind its own waits, so with more than two ranks the peer this rank
+  // waited for may be a survivor stuck behind the rank that failed (seen at TP 4 and 8: survivors naming one another).
+  if (peer >= 0 && cfg_.tp > 2)
+    os << "Rank " << peer << " may itself be stuck waiting for another rank: each rank's error names the peer it "
+       << "waited for. ";
+  os << "A peer rank did not enter the call, crashed, or is slower than FLUX_LAYERS_TIMEOUT_S allows. "
      << "Outputs of that call are invalid and this workspace cannot be used again.";
   return os.str();
 }
