@@ -7,10 +7,11 @@ docs/design.md section 7). Between the two exchanges sit host-to-device copies, 
 on mapped host words; this probe times each of them, and the stand-in's sequence step by step, behind a running
 kernel, with one queue and with eight.
 
-A trial launches ``torch.cuda._sleep`` (one block, about ``--kernel-s`` seconds) on stream A, then enqueues the trial's
-steps on streams B and C, with an event after each step. The host polls every event and notes when each completes;
-a step that completes long before the kernel's own event ran beside it, one that completes just after it waited for
-it. Steps marked "host store" wait on a mapped host word that the host stores 0.1 s after the enqueue (as the
+A trial launches ``torch.cuda._sleep`` (one block, about ``--kernel-s`` seconds) on stream A, then enqueues the
+trial's steps on streams B and C, with an event after each step. The host polls every event and notes when each
+completes; a step that completes long before the kernel's own event ran beside it, one that completes just after it
+waited for it. Each step's enqueue is timed on the host too: a CUDA call that blocks the host until the kernel ends
+shows there. Steps marked "host store" wait on a mapped host word that the host stores 0.1 s after the enqueue (as the
 stand-in's thread does when a transfer arrived).
 
     python -m experiments.one_queue_probe [--kernel-s 1.0] [--out one_queue_probe.json]
@@ -63,6 +64,10 @@ def _trials(torch, ops, words, dev, pinned):
         "stream wait on a host word already set": [("wait (set)", "B", wait_word(0))],
         "stream wait on a host word, host store": [("wait (host store)", "B", wait_word(1))],
         "event wait on an idle stream": [("wait C", "B", "wait:C")],
+        # a pinned buffer of a size not cached yet: the host allocator's cudaHostAlloc
+        "new pinned buffer, then a host-to-device copy from it": [
+            ("h2d from a new pinned buffer", "B", lambda: dev["dst"][:MiB].copy_(
+                torch.empty(MiB + 4096 * len(pinned), pin_memory=True), non_blocking=True))],
         # the stand-in's exchange j, then exchange j + 1 forwarding what j received (sendrecv.py _exchange_cuda)
         "stand-in: exchange, then a forwarding exchange": [
             ("B waits C", "B", "wait:C"),
@@ -110,9 +115,11 @@ def _run_setting(kernel_s: float) -> dict:
             torch.cuda._sleep(cycles)
             kernel_done = torch.cuda.Event()
             kernel_done.record()
-        events = []
+        events, enqueue_s = [], {}
+        t0 = time.perf_counter()
         for step, letter, enqueue in steps:
             stream = streams[letter]
+            began = time.perf_counter()
             with torch.cuda.stream(stream):
                 if isinstance(enqueue, str):  # "wait:X": this stream waits for what X enqueued so far
                     stream.wait_stream(streams[enqueue.split(":")[1]])
@@ -120,8 +127,8 @@ def _run_setting(kernel_s: float) -> dict:
                     enqueue()
                 ev = torch.cuda.Event()
                 ev.record()
+            enqueue_s[step] = time.perf_counter() - began  # a host call that blocks until the kernel ends shows here
             events.append((step, ev))
-        t0 = time.perf_counter()
         done: dict[str, float] = {}
         stored = False
         kernel_t = None
@@ -138,7 +145,7 @@ def _run_setting(kernel_s: float) -> dict:
             time.sleep(0.001)
         results[name] = {
             "kernel_done_s": kernel_t,
-            "steps": [{"step": s, "done_s": done.get(s),
+            "steps": [{"step": s, "enqueue_s": enqueue_s[s], "done_s": done.get(s),
                        "waited_for_the_kernel": (None if done.get(s) is None or kernel_t is None
                                                  else done[s] >= kernel_t - 0.05)}
                       for s, _ in events],
@@ -170,8 +177,11 @@ def main() -> None:
         settings.append(setting)
         for name, trial in setting["trials"].items():
             waited = [s["step"] for s in trial["steps"] if s["waited_for_the_kernel"]]
-            print(f"connections={connections} {name}: kernel {trial['kernel_done_s']:.2f} s; "
-                  f"waited for it: {', '.join(waited) or 'none'}", flush=True)
+            blocked = [s["step"] for s in trial["steps"] if s["enqueue_s"] > 0.5 * args.kernel_s]
+            kernel = "never seen done" if trial["kernel_done_s"] is None else f"{trial['kernel_done_s']:.2f} s"
+            print(f"connections={connections} {name}: kernel {kernel}; on the GPU waited for it: "
+                  f"{', '.join(waited) or 'none'}; host blocked enqueueing: {', '.join(blocked) or 'none'}",
+                  flush=True)
     result = {"command": " ".join([sys.executable, "-m", "experiments.one_queue_probe", *sys.argv[1:]]),
               "commit": os.environ.get("FLUX_LAYERS_COMMIT"), "settings": settings}
     if args.out:
