@@ -57,8 +57,8 @@ __device__ __forceinline__ void release_own_flags(const GemmProblem& p) {
 
 // The error record is host-mapped pinned memory (gemm_params.h kErrorRecordWords), readable by the host without a
 // synchronisation. The first failing waiter claims it through a device-memory word (error_claim), fills in
-// fields[i] at rec[1 + i], publishes the code last, and releases this rank's waits. False: already claimed (or no
-// record: the plain GEMM).
+// fields[i] at rec[1 + i] and the snapshot of this rank's flags, publishes the code last, and releases this rank's
+// waits. False: already claimed (or no record: the plain GEMM).
 template <int kFields>
 __device__ __forceinline__ bool publish_error(const GemmProblem& p, int code, const int (&fields)[kFields]) {
   static_assert(kFields < kErrorRecordWords, "the record holds the code and kErrorRecordWords - 1 fields");
@@ -66,6 +66,11 @@ __device__ __forceinline__ bool publish_error(const GemmProblem& p, int code, co
   if (atomicCAS(p.error_claim, 0, code) != 0) return false;
   volatile int* rec = p.error_record;
   for (int i = 0; i < kFields; ++i) rec[1 + i] = fields[i];
+  if (p.release_snapshot != nullptr) {  // this rank's flags as they stood, before release_own_flags overwrites them
+    volatile const uint32_t* words = p.release_words;
+    volatile uint32_t* snapshot = p.release_snapshot;
+    for (int64_t i = 0; i < p.release_count; ++i) snapshot[i] = words[i];
+  }
   __threadfence_system();
   rec[0] = code;
   __threadfence_system();

@@ -314,6 +314,7 @@ GemmProblem gemm_problem(const AgCall& p) {
   g.rank = a.rank;
   g.release_words = p.my(0);  // chunk, avail and done: every word a wait of this rank reads
   g.release_count = p.flags.release_words();
+  g.release_snapshot = a.flags_snapshot;
   if (a.mode != AgMode::kExternal) {  // external transfers: no peer writes here, nothing to compare
     g.peer_signatures = p.my(p.flags.signature(0));
     int const left = (a.rank - 1 + a.tp) % a.tp;

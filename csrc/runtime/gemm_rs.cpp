@@ -188,6 +188,7 @@ void gemm_rs(const GemmRsArgs& a) {
   g.b_scale = a.w_scale;
   g.release_words = a.flags[r];  // flag, consumed and count: every word a wait of this rank reads
   g.release_count = layout.release_words();
+  g.release_snapshot = a.flags_snapshot;
   if (!external) {  // two-level: the node's peers sign their calls (the caller's transfers carry no signature)
     g.peer_signatures = a.flags[r] + layout.signature(0);
     for (int q = 0; q < a.tp; ++q)

@@ -116,6 +116,10 @@ WorkspaceState::WorkspaceState(WorkspaceConfig config) : cfg_(std::move(config))
     FLUX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&completion_host_), bytes, cudaHostAllocMapped));
     std::memset(completion_host_, 0, bytes);
     FLUX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&completion_device_), completion_host_, 0));
+    size_t const snapshot_bytes = size_t(release_words()) * sizeof(uint32_t);
+    FLUX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&snapshot_host_), snapshot_bytes, cudaHostAllocMapped));
+    std::memset(snapshot_host_, 0, snapshot_bytes);
+    FLUX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&snapshot_device_), snapshot_host_, 0));
   }
   FLUX_CUDA_CHECK(cudaEventCreateWithFlags(&release_done_, cudaEventDisableTiming));
   Watchdog::instance().add(this);
@@ -131,6 +135,7 @@ WorkspaceState::~WorkspaceState() {
   for (auto& e : events_)
     if (e != nullptr) cudaEventDestroy(e);
   if (completion_host_ != nullptr) cudaFreeHost(completion_host_);
+  if (snapshot_host_ != nullptr) cudaFreeHost(snapshot_host_);
   if (release_stream_ != nullptr) cudaStreamDestroy(release_stream_);
 }
 
@@ -179,30 +184,36 @@ void WorkspaceState::poll() {
   release(watched_.empty() ? epoch_.load() : watched_.front().epoch);
 }
 
-std::string WorkspaceState::lagging_peer(const std::vector<uint32_t>& f, uint32_t epoch) const {
+std::vector<std::string> WorkspaceState::lagging_peers(const std::vector<uint32_t>& f, uint32_t epoch) const {
   auto before = [&](uint32_t v, uint32_t e) { return static_cast<int32_t>(v - e) < 0; };
   bool const ag = cfg_.kind == WorkspaceKind::kAllGather;
   AgFlagLayout const ag_flags{cfg_.tp, cfg_.capacity};
   RsFlagLayout const rs_flags{cfg_.tp, cfg_.capacity};
+  std::vector<std::string> behind;
   for (int p = 0; p < cfg_.tp; ++p) {
     if (p == cfg_.rank || !cfg_.peer_mapped) continue;  // local memory: no handshake words (external transfers)
     int64_t const handshake = ag ? ag_flags.done(p) : rs_flags.consumed(p);
     if (epoch > 1 && before(f[size_t(handshake)], epoch - 1)) {
       std::ostringstream os;
       os << "rank " << p << " to finish its previous call (epoch " << epoch - 1 << ")";
-      return os.str();
+      behind.push_back(os.str());
     }
   }
   for (int p = 0; p < cfg_.tp; ++p) {  // the first chunk (or tile) of a call is always used
     int64_t const first = ag ? ag_flags.chunk(p, 0) : rs_flags.flag(p, 0);
     if (p != cfg_.rank && before(f[size_t(first)], epoch)) {
       std::ostringstream os;
-      os << "rank " << p << "'s " << (cfg_.kind == WorkspaceKind::kAllGather ? "first chunk" : "first partial tile")
-         << " of this call";
-      return os.str();
+      os << "rank " << p << "'s " << (ag ? "first chunk" : "first partial tile") << " of this call";
+      behind.push_back(os.str());
     }
   }
-  return "its peers (every flag of this call arrived: the GPU may be stalled by other work)";
+  return behind;
+}
+
+std::string WorkspaceState::lagging_peer(const std::vector<uint32_t>& f, uint32_t epoch) const {
+  std::vector<std::string> const behind = lagging_peers(f, epoch);
+  return behind.empty() ? "its peers (every flag of this call arrived: the GPU may be stalled by other work)"
+                        : behind.front();
 }
 
 void WorkspaceState::release_flags_async() {
@@ -273,7 +284,8 @@ namespace {
 
 // What both argument structs take from the workspace and the plan, whatever the op.
 template <class Args>
-void prefill(Args& a, const WorkspaceConfig& cfg, const CallPlan& plan, cudaEvent_t* events, uint32_t* completion) {
+void prefill(Args& a, const WorkspaceConfig& cfg, const CallPlan& plan, cudaEvent_t* events, uint32_t* completion,
+             uint32_t* flags_snapshot) {
   a.dtype = cfg.dtype;
   a.types.accumulation = plan.accumulation;  // the operand types are the call's (csrc/bindings/ops.cpp)
   a.tile = plan.tile;
@@ -283,6 +295,7 @@ void prefill(Args& a, const WorkspaceConfig& cfg, const CallPlan& plan, cudaEven
   a.protocol = cfg.graph_protocol ? FlagProtocol::kCudaGraph : FlagProtocol::kEpoch;
   a.error_record = cfg.error_record;
   a.error_claim = cfg.error_claim;
+  a.flags_snapshot = flags_snapshot;
   a.launch.sm_count = plan.sm_count;
   a.launch.swizzle_m = plan.swizzle;
   a.launch.split_max_fill_pct = plan.stream_k_fill;
@@ -324,7 +337,7 @@ PlannedCall WorkspaceState::plan_call(const CallPlan& plan) {
       FLUX_CHECK(ok, "shard_order must list the ", cfg_.tp, " shards once each, this rank's (", cfg_.rank, ") first");
     }
     AgGemmArgs& a = c.ag;
-    prefill(a, cfg_, plan, events_.data(), completion);
+    prefill(a, cfg_, plan, events_.data(), completion, snapshot_device_);
     for (int q = 0; q < cfg_.tp; ++q) a.buffers[q] = cfg_.data[size_t(q)];
     int64_t const scale_offset =
         ag_workspace_sizes(cfg_.tp, cfg_.max_m, cfg_.inner, cfg_.capacity, cfg_.dtype).scale_offset;
@@ -356,7 +369,7 @@ PlannedCall WorkspaceState::plan_call(const CallPlan& plan) {
     FLUX_CHECK(hybrid == (plan.node_size > 0), "node_size ", plan.node_size,
                ": a two-level plan (transport 'hybrid') needs the node size, the other transports none");
     GemmRsArgs& a = c.rs;
-    prefill(a, cfg_, plan, events_.data(), completion);
+    prefill(a, cfg_, plan, events_.data(), completion, snapshot_device_);
     for (int q = 0; q < cfg_.tp; ++q) a.recv[q] = cfg_.data[size_t(q)];
     a.slot_rows = cfg_.max_m / cfg_.tp;
     a.flags_per_source = cfg_.capacity;
@@ -405,9 +418,18 @@ std::string WorkspaceState::describe_record() const {
   os << " (index " << index << ", epoch " << rec[3] << ", flag held " << rec[4] << "). ";
   // A rank's transfers to every peer queue behind its own waits, so with more than two ranks the peer this rank
   // waited for may be a survivor stuck behind the rank that failed (seen at TP 4 and 8: survivors naming one another).
-  if (peer >= 0 && cfg_.tp > 2)
+  if (peer >= 0 && cfg_.tp > 2) {
     os << "Rank " << peer << " may itself be stuck waiting for another rank: each rank's error names the peer it "
-       << "waited for. ";
+       << "waited for";
+    if (snapshot_host_ != nullptr) {  // written by the claiming waiter before rec[0] (sync_primitives.cuh)
+      volatile const uint32_t* snap = snapshot_host_;
+      std::vector<uint32_t> const flags(snap, snap + release_words());
+      std::vector<std::string> const behind = lagging_peers(flags, uint32_t(rec[3]));
+      for (size_t i = 0; i < behind.size(); ++i)
+        os << (i == 0 ? "; when it gave up, this rank still waited for " : ", ") << behind[i];
+    }
+    os << ". ";
+  }
   os << "A peer rank did not enter the call, crashed, or is slower than FLUX_LAYERS_TIMEOUT_S allows. "
      << "Outputs of that call are invalid and this workspace cannot be used again.";
   return os.str();

@@ -89,7 +89,8 @@ struct AgGemmArgs {
   uint64_t timeout_ns = 0;
   int* error_record = nullptr;
   int* error_claim = nullptr;
-  LaunchOptions launch;  // of the GEMM
+  uint32_t* flags_snapshot = nullptr;  // GemmProblem::release_snapshot
+  LaunchOptions launch;                // of the GEMM
   cudaStream_t compute = nullptr;
   cudaStream_t comm[kMaxTp] = {nullptr};  // at least one; mesh uses up to tp - 1
   int num_comm = 0;
@@ -163,6 +164,7 @@ struct GemmRsArgs {
   uint64_t timeout_ns = 0;
   int* error_record = nullptr;
   int* error_claim = nullptr;
+  uint32_t* flags_snapshot = nullptr;  // GemmProblem::release_snapshot
   LaunchOptions launch;
   cudaStream_t compute = nullptr;
   cudaEvent_t* events = nullptr;   // kEventsPerCall events of the workspace

@@ -216,6 +216,10 @@ struct GemmProblem {
   // the only hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) and the host's release could not get through.
   uint32_t* release_words = nullptr;
   int64_t release_count = 0;
+  // Host-mapped [release_count] (null: none): the waiter that claims the error record copies release_words here
+  // before it releases them, so the host can tell every peer this rank still waited for (a peer named by a timeout
+  // may itself be stuck behind another; WorkspaceState::describe_record).
+  uint32_t* release_snapshot = nullptr;
 
   // ---- launch
   LaunchOptions launch;

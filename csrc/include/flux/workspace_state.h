@@ -143,6 +143,7 @@ class WorkspaceState {
  private:
   std::string describe_record() const;
   std::string lagging_peer(const std::vector<uint32_t>& flags, uint32_t epoch) const;
+  std::vector<std::string> lagging_peers(const std::vector<uint32_t>& flags, uint32_t epoch) const;
   void release(uint32_t epoch);
   void keep_twin_released();
   int64_t release_words() const;
@@ -164,6 +165,10 @@ class WorkspaceState {
   cudaEvent_t release_done_ = nullptr;
   bool release_pending_ = false;
   uint32_t* flags_host_ = nullptr;  // pinned copy of this rank's flags (to name the peer a hung call waits for)
+  // Host-mapped, release_words() words: this rank's flags as the kernel's waiter that claimed the error record saw
+  // them (GemmProblem::release_snapshot); eager workspaces only.
+  uint32_t* snapshot_host_ = nullptr;
+  uint32_t* snapshot_device_ = nullptr;
   void release_flags_async();
   PlannedCall plan_call(const CallPlan& plan);
 
