@@ -9,8 +9,9 @@
 # ($E2E_MODELS, $E2E_ARGS: e.g. --cuda-graphs), reliability_bench (benchmarks/reliability.py: every reliability
 # scenario in its own process group, $RELIABILITY_ARGS added; with one GPU its two ranks share it), layer_ops_bench
 # (benchmarks/bench_layer_ops.py), e2e_ceiling (examples/gpt/ceiling.py), layer_profile
-# (benchmarks/profile_layer.py), stock_bench (benchmarks/bench_cutlass_stock.py). GRAPH_TEST_K / LAYERS_TEST_K
-# narrow graph_test / layers_test to a pytest -k expression.
+# (benchmarks/profile_layer.py), stock_bench (benchmarks/bench_cutlass_stock.py), one_queue_probe
+# (experiments/one_queue_probe.py: what waits for a running kernel under one hardware queue).
+# GRAPH_TEST_K / LAYERS_TEST_K narrow graph_test / layers_test to a pytest -k expression.
 # On a machine with ONE GPU: env gemm_test shared_tests shared_overhead baseline_overhead reliability_bench, and
 # shared_tp shared_nodes.
 # shared_tests runs the fused ops' GPU tests with their ranks as processes sharing the GPU
@@ -216,6 +217,7 @@ benchmarks.bench_overhead --shared-gpu ${OVERHEAD_ARGS:-} --out $WORK/results/op
     stock_bench)  # stock CUTLASS kernel schedules beside cuBLAS and ours (not in the default steps)
       [ -f build/cutlass_stock/libstock_gemm.so ] || step stock_build 300 env PYTHON=$PY bash benchmarks/cutlass_stock/build.sh
       step stock_bench 200 $PY -m benchmarks.bench_cutlass_stock --out "$WORK/results/gemm_stock_cutlass_h200.json" ;;
+    one_queue_probe) step one_queue_probe 120 $PY -m experiments.one_queue_probe --out "$WORK/results/one_queue_probe.json" ;;
     *) echo "unknown step $s" | tee -a "$summary"; not_passed=$(( not_passed + 1 )) ;;
   esac
 done
