@@ -42,14 +42,16 @@ would block on those locks for good.
 On CPU tensors (the CPU tests) the same thread, staging and word run; the caller waits for ``arrived`` itself.
 
 Failure. A peer process that died closes its sockets and gloo raises in the thread; a job not done ``timeout_s``
-(FLUX_LAYERS_TIMEOUT_S when the stand-in is made) after the thread took it is taken as hung by a watcher thread. Either
-way the stand-in records the failure, stores ``arrived`` = 2^31 - 1 (every stream wait returns; the receive copies then
-move stale data) and marks the group's cached NCCL-transport workspaces failed, which their watchdog releases within its
-poll (their GEMMs' waits return, and the GEMMs of calls already enqueued yield NaN for the tiles they start from then
-on): those calls' outputs are invalid, the workspace's next call or ``check()`` raises WorkspaceError naming the
-failure, and every later exchange raises :class:`HostStagedTransferError` at once. A workspace made outside the cache
-learns of it from its next exchange or its own kernels' timeouts. As with NCCL, the group's transfers do not recover: a
-receive that hung stays posted (its buffer is kept).
+(FLUX_LAYERS_TIMEOUT_S when the stand-in is made) after the thread took it is taken as hung by a watcher thread.
+Either way the stand-in records the failure, stores ``arrived`` = 2^31 - 1 (every stream wait returns; the receive
+copies then move what their buffers hold, NaN where nothing came: each receive buffer starts as 0xFF bytes, so the
+GEMM's tiles and the hybrid transport's forwards to node peers read NaN instead of an earlier exchange's numbers) and
+marks the group's cached NCCL-transport workspaces failed, which their watchdog releases within its poll (their GEMMs'
+waits return, and the GEMMs of calls already enqueued yield NaN for the tiles they start from then on): those calls'
+outputs are invalid, the workspace's next call or ``check()`` raises WorkspaceError naming the failure, and every
+later exchange raises :class:`HostStagedTransferError` at once. A workspace made outside the cache learns of it from
+its next exchange or its own kernels' timeouts. As with NCCL, the group's transfers do not recover: a receive that
+hung stays posted (its buffer is kept).
 """
 from __future__ import annotations
 
@@ -123,6 +125,15 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _receive_buffer(like: torch.Tensor, pinned: bool) -> torch.Tensor:
+    """Host memory for a receive into ``like``, every byte 0xFF until the receive fills it: NaN in each floating type
+    the transports carry (bfloat16, float16, float32, both FP8 formats), so a receive released by a failure hands on
+    NaN, not the bytes of an earlier exchange (module docstring, Failure)."""
+    buffer = torch.empty(like.shape, dtype=like.dtype, pin_memory=pinned)
+    _as_bytes(buffer).fill_(0xFF)
+    return buffer
+
+
 class HostStagedSendRecv:
     """The stand-in for NCCL's send/recv on ``group`` (module docstring); :func:`stand_in` gives a group's one."""
     name = "host-staged stand-in"
@@ -188,7 +199,7 @@ class HostStagedSendRecv:
             staged_sends = self._stage(sends, pinned=True)
             if staged_sends:
                 torch.ops.flux_layers.write_flag.default(self._words_on_device, 1, seq)
-            buffers = [(torch.empty(t.shape, dtype=t.dtype, pin_memory=True), t, peer) for t, peer in recvs]
+            buffers = [(_receive_buffer(t, pinned=True), t, peer) for t, peer in recvs]
             self._jobs.put(_Job(seq, staged_sends, [(_as_bytes(b), peer) for b, _, peer in buffers],
                                 bool(staged_sends)))
             if buffers:
@@ -198,7 +209,7 @@ class HostStagedSendRecv:
         current.wait_stream(stream)
 
     def _exchange_host(self, seq: int, sends: Sequence[Transfer], recvs: Sequence[Transfer]) -> None:
-        buffers = [(torch.empty(t.shape, dtype=t.dtype), t, peer) for t, peer in recvs]
+        buffers = [(_receive_buffer(t, pinned=False), t, peer) for t, peer in recvs]
         self._jobs.put(_Job(seq, self._stage(sends, pinned=False), [(_as_bytes(b), p) for b, _, p in buffers], False))
         with self._cond:
             while self._arrived_seq < seq:
@@ -327,8 +338,8 @@ class HostStagedSendRecv:
             self.exchanges += 1
             self._arrived.value = job.seq  # NOTE: after the receives completed: the GPU's wait sees the data
             self._arrived_seq = job.seq
+            self._log("stored", job.seq)  # before a host caller wakes up (and may end its process)
             self._cond.notify_all()
-        self._log("stored", job.seq)
 
     def _log(self, step: str, seq: int, sends: Sequence[Transfer] = (), recvs: Sequence[Transfer] = ()) -> None:
         """One line of FLUX_LAYERS_TEST_STAND_IN_TRACE: this rank, the time since the stand-in was made, the step,

@@ -1,9 +1,10 @@
 """The NCCL transports' send/recv primitive (flux_layers/runtime/multinode/sendrecv.py) on CPU, gloo across processes:
 which primitive a group gets (the host-staged stand-in only where ranks share one GPU), the stand-in's exchanges
-(dtypes, a tensor sent to several peers, empty tensors, the bytes it accounts), its failures (a dead peer raises at
-once, a peer that never exchanges raises after the timeout, later exchanges raise, the group's cached NCCL-transport
-workspaces are failed and released) and the dispatcher's choice and reason where it runs the NCCL transports. The
-executors through the stand-in: tests/cpu/multinode/test_nccl_transport.py and test_nccl_rs_transport.py."""
+(dtypes, a tensor sent to several peers, empty tensors, the bytes it accounts), its failures (a receive buffer reads
+NaN until a receive fills it, a dead peer raises at once, a peer that never exchanges raises after the timeout, later
+exchanges raise, the group's cached NCCL-transport workspaces are failed and released) and the dispatcher's choice
+and reason where it runs the NCCL transports. The executors through the stand-in:
+tests/cpu/multinode/test_nccl_transport.py and test_nccl_rs_transport.py."""
 from __future__ import annotations
 
 import os
@@ -145,6 +146,17 @@ def _dead_peer(rank, tp):
     assert nccl_ws.native.failed == s.failure, "the NCCL-transport workspace was not failed"
     assert peer_ws.native.failed is None
     os._exit(0)  # the peer is gone: no collective shutdown
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn,
+                                   torch.float8_e5m2])
+def test_a_receive_buffer_reads_nan_until_a_receive_fills_it(dtype):
+    """What a receive released by a failure hands on (the GPU's copy out of the buffer runs then): NaN, not the bytes
+    an earlier exchange left in recycled host memory."""
+    like = torch.empty(7, 33, dtype=dtype)
+    buffer = sendrecv._receive_buffer(like, pinned=False)
+    assert buffer.shape == like.shape and buffer.dtype == dtype
+    assert torch.isnan(buffer.float()).all()
 
 
 def test_dead_peer_raises_at_once_and_fails_the_groups_nccl_workspaces():
