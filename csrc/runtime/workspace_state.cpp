@@ -421,7 +421,10 @@ std::string WorkspaceState::describe_record() const {
   if (peer >= 0 && cfg_.tp > 2) {
     os << "Rank " << peer << " may itself be stuck waiting for another rank: each rank's error names the peer it "
        << "waited for";
-    if (snapshot_host_ != nullptr) {  // written by the claiming waiter before rec[0] (sync_primitives.cuh)
+    // The snapshot is written by the claiming waiter before rec[0] (sync_primitives.cuh). Reduce-scatters over
+    // external transfers are left out: the two-level plan's partial tiles come from the node and the collectors only.
+    bool const every_peer_writes = cfg_.peer_mapped || cfg_.kind == WorkspaceKind::kAllGather;
+    if (snapshot_host_ != nullptr && every_peer_writes) {
       volatile const uint32_t* snap = snapshot_host_;
       std::vector<uint32_t> const flags(snap, snap + release_words());
       std::vector<std::string> const behind = lagging_peers(flags, uint32_t(rec[3]));
