@@ -93,6 +93,8 @@ def _run_setting(kernel_s: float) -> dict:
     torch.cuda.init()
     host_words = torch.zeros(2, dtype=torch.int32, pin_memory=True)
     words = _mapped(host_words)
+    if words.data_ptr() != host_words.data_ptr():
+        raise RuntimeError("the host words are not mapped in place (a copy would never see the host's stores)")
     g = torch.Generator(device="cuda").manual_seed(0)
     dev = {"src": torch.randn(4 * MiB, device="cuda", generator=g), "dst": torch.empty(4 * MiB, device="cuda")}
     pinned = {"d2h": torch.empty(4 * MiB, pin_memory=True), "h2d": torch.randn(4 * MiB).pin_memory()}
