@@ -32,18 +32,6 @@ MiB = 1 << 20
 HOST_STORE_AFTER_S = 0.1
 
 
-def _mapped(host):
-    """A CUDA tensor over pinned host memory at the same address (unified addressing), as the stand-in's words."""
-    import torch
-
-    class _Interface:
-        def __init__(self, t):
-            self._t = t
-            self.__cuda_array_interface__ = {"shape": tuple(t.shape), "typestr": "<i4", "version": 3,
-                                             "data": (t.data_ptr(), False), "strides": None}
-    return torch.as_tensor(_Interface(host), device="cuda")
-
-
 def _trials(torch, ops, words, dev, pinned):
     """name -> list of (step name, stream letter, enqueue function)."""
     def wait_word(value):
@@ -92,7 +80,8 @@ def _run_setting(kernel_s: float) -> dict:
     ops = torch.ops.flux_layers
     torch.cuda.init()
     host_words = torch.zeros(2, dtype=torch.int32, pin_memory=True)
-    words = _mapped(host_words)
+    from flux_layers.runtime.multinode.sendrecv import _MappedWord  # the stand-in's own mapping of its words
+    words = torch.as_tensor(_MappedWord(host_words), device="cuda")
     if words.data_ptr() != host_words.data_ptr():
         raise RuntimeError("the host words are not mapped in place (a copy would never see the host's stores)")
     g = torch.Generator(device="cuda").manual_seed(0)
