@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import time
 import weakref
 
@@ -82,19 +83,22 @@ def _peer_death(rank, tp, seed):
 
 
 def _raises_naming_a_peer(rank, tp, call):
-    """``call`` raises. At TP = 2 its error names the dead rank (the last). Above that it names the peer this rank
-    waited for, which may be a survivor stuck behind the dead rank (its chunks held behind its own handshake wait:
-    ranks 0-2 of 4 each named another survivor at 59f5da8), or a survivor whose workspace was released first and ran
-    its enqueued calls through, which meets this rank's calls out of step (seen at TP = 8): both messages say so."""
+    """``call`` raises, and its error leads to the dead rank (the last). At TP = 2 the error names it. Above that the
+    peer it names may be a survivor stuck behind the dead rank (a survivor's chunks queue behind its own handshake
+    wait: ranks 0-2 of 4 each named another survivor at 59f5da8), so the message also lists every peer this rank still
+    waited for when it gave up, and the dead rank must be among them; or the error is the out-of-step one, met from a
+    survivor whose workspace was released first and ran its enqueued calls through (seen at TP = 8), which says so."""
     from flux_layers.runtime.workspace import WorkspaceError
+    dead = tp - 1
     if tp == 2:
-        expected = rf"rank {rank} timed out after .* waiting for .*rank {tp - 1}"
+        expected = rf"rank {rank} timed out after .* waiting for .*rank {dead}"
     else:
         other = rf"(?!{rank}\b)\d+"  # a peer, never this rank
-        expected = (rf"rank {rank} timed out after .* waiting for .*rank {other}|"
+        expected = (rf"rank {rank} timed out after .* waiting for .*\brank {dead}\b|"
                     rf"went out of step: rank {rank}'s call .* Rank {other} is ahead")
-    with pytest.raises(WorkspaceError, match=expected):
+    with pytest.raises(WorkspaceError) as raised:
         call()
+    assert re.search(expected, str(raised.value)), f"rank {rank}: the error leads not to rank {dead}: {raised.value}"
 
 
 # The default, and the single hardware queue Megatron asks for, where a blocked stream wait holds every stream's work
