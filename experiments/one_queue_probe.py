@@ -12,12 +12,18 @@ trial's steps on streams B and C, with an event after each step. The host polls 
 completes; a step that completes long before the kernel's own event ran beside it, one that completes just after it
 waited for it. Each step's enqueue is timed on the host too: a CUDA call that blocks the host until the kernel ends
 shows there. Steps marked "host store" wait on a mapped host word that the host stores 0.1 s after the enqueue (as the
-stand-in's thread does when a transfer arrived).
+stand-in's thread does when a transfer arrived). The stand-in's sequence runs again where the fused op differs: the
+kernel on torch's default stream (where the tests' GEMM runs), the stand-in's stream at high priority, and both.
 
-    python -m experiments.one_queue_probe [--kernel-s 1.0] [--out one_queue_probe.json]
+    python -m experiments.one_queue_probe [--kernel-s 1.0] [--processes 1 [4]] [--out one_queue_probe.json]
 
-Each setting runs in its own process (the variable is read when CUDA starts). Needs one GPU and the op library
-(its ``write_flag`` / ``wait_flag``: cuStreamWriteValue32 / cuStreamWaitValue32).
+Each setting runs in its own process (the variable is read when CUDA starts); ``--processes 4`` runs four copies at
+once, four contexts time-slicing the GPU as the failing test's ranks do. Needs one GPU and the op library (its
+``write_flag`` / ``wait_flag``: cuStreamWriteValue32 / cuStreamWaitValue32).
+
+Found (9e7dbc6, one H200, one process): with one queue as with eight, none of the steps, nor the stand-in's whole
+sequence, waited for the running kernel, and no enqueue blocked the host. The variants and ``--processes 4`` have
+not run yet: the one call that tried them got no answer back from the machine.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import time
 
 MiB = 1 << 20
 HOST_STORE_AFTER_S = 0.1
+STAND_IN = "stand-in: exchange, then a forwarding exchange"
 
 
 def _trials(torch, ops, words, dev, pinned):
@@ -54,10 +61,10 @@ def _trials(torch, ops, words, dev, pinned):
         "event wait on an idle stream": [("wait C", "B", "wait:C")],
         # a pinned buffer of a size not cached yet: the host allocator's cudaHostAlloc
         "new pinned buffer, then a host-to-device copy from it": [
-            ("h2d from a new pinned buffer", "B", lambda: dev["dst"][:MiB].copy_(
-                torch.empty(MiB + 4096 * len(pinned), pin_memory=True), non_blocking=True))],
+            ("h2d from a new pinned buffer", "B", lambda: dev["dst"][:MiB + 4096].copy_(
+                torch.empty(MiB + 4096, pin_memory=True), non_blocking=True))],
         # the stand-in's exchange j, then exchange j + 1 forwarding what j received (sendrecv.py _exchange_cuda)
-        "stand-in: exchange, then a forwarding exchange": [
+        STAND_IN: [
             ("B waits C", "B", "wait:C"),
             ("stage d2h", "B", d2h),
             ("store staged", "B", write_word(1, 1)),
@@ -98,8 +105,17 @@ def _run_setting(kernel_s: float) -> dict:
     end.synchronize()
     cycles = int(100_000_000 * kernel_s / (start.elapsed_time(end) * 1e-3))
 
+    # The stand-in's sequence again where the fused op differs from the trials above: its GEMM runs on the caller's
+    # stream (torch's default stream, in the tests) and the stand-in's own stream (B) has a high priority.
+    high = {"A": streams["A"], "B": torch.cuda.Stream(priority=-1), "C": streams["C"]}
+    default_a = dict(streams, A=torch.cuda.default_stream())
+    variants = {"": streams, " [kernel on the default stream]": default_a, " [B at high priority]": high,
+                " [both]": dict(high, A=torch.cuda.default_stream())}
+    trials = _trials(torch, ops, words, dev, pinned)
+    runs = [(name, steps, streams) for name, steps in trials.items()]
+    runs += [(STAND_IN + suffix, trials[STAND_IN], chosen) for suffix, chosen in variants.items() if suffix]
     results = {}
-    for name, steps in _trials(torch, ops, words, dev, pinned).items():
+    for name, steps, streams in runs:
         torch.cuda.synchronize()
         host_words.zero_()
         with torch.cuda.stream(streams["A"]):
@@ -150,6 +166,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernel-s", type=float, default=1.0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--processes", type=int, nargs="+", default=[1],
+                    help="copies of each setting run at once, each its own CUDA context (default: 1)")
     ap.add_argument("--setting-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.setting_only:
@@ -157,22 +175,27 @@ def main() -> None:
         return
     settings = []
     for connections in ("1", "8"):
-        env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS=connections)
-        out = subprocess.run([sys.executable, "-m", "experiments.one_queue_probe", "--setting-only",
-                              "--kernel-s", str(args.kernel_s)], env=env, capture_output=True, text=True,
-                             timeout=120)
-        if out.returncode != 0:
-            settings.append({"cuda_device_max_connections": connections, "error": out.stderr[-2000:]})
-            continue
-        setting = json.loads(out.stdout.strip().splitlines()[-1])
-        settings.append(setting)
-        for name, trial in setting["trials"].items():
-            waited = [s["step"] for s in trial["steps"] if s["waited_for_the_kernel"]]
-            blocked = [s["step"] for s in trial["steps"] if s["enqueue_s"] > 0.5 * args.kernel_s]
-            kernel = "never seen done" if trial["kernel_done_s"] is None else f"{trial['kernel_done_s']:.2f} s"
-            print(f"connections={connections} {name}: kernel {kernel}; on the GPU waited for it: "
-                  f"{', '.join(waited) or 'none'}; host blocked enqueueing: {', '.join(blocked) or 'none'}",
-                  flush=True)
+        for processes in args.processes:  # e.g. 4: as many contexts time-slicing the GPU as the failing test's ranks
+            env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS=connections)
+            procs = [subprocess.Popen([sys.executable, "-m", "experiments.one_queue_probe", "--setting-only",
+                                       "--kernel-s", str(args.kernel_s)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True) for _ in range(processes)]
+            outs = [p.communicate(timeout=180) for p in procs]
+            for p, (stdout, stderr) in zip(procs, outs):
+                if p.returncode != 0:
+                    settings.append({"cuda_device_max_connections": connections, "processes": processes,
+                                     "error": stderr[-2000:]})
+                    continue
+                setting = dict(json.loads(stdout.strip().splitlines()[-1]), processes=processes)
+                settings.append(setting)
+                for name, trial in setting["trials"].items():
+                    waited = [s["step"] for s in trial["steps"] if s["waited_for_the_kernel"]]
+                    blocked = [s["step"] for s in trial["steps"] if s["enqueue_s"] > 0.5 * args.kernel_s]
+                    kernel = ("never seen done" if trial["kernel_done_s"] is None
+                              else f"{trial['kernel_done_s']:.2f} s")
+                    print(f"connections={connections} processes={processes} {name}: kernel {kernel}; on the GPU "
+                          f"waited for it: {', '.join(waited) or 'none'}; host blocked enqueueing: "
+                          f"{', '.join(blocked) or 'none'}", flush=True)
     result = {"command": " ".join([sys.executable, "-m", "experiments.one_queue_probe", *sys.argv[1:]]),
               "commit": os.environ.get("FLUX_LAYERS_COMMIT"), "settings": settings}
     if args.out:
