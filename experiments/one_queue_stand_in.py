@@ -1,0 +1,186 @@
+"""The NCCL transport's all-gather over the host-staged stand-in under one hardware queue, with one thing changed at a
+time: which change lets the forwarding exchange run beside the GEMM.
+
+Why: under CUDA_DEVICE_MAX_CONNECTIONS=1 the all-gather of 4 ranks as 2 x 2 emulated nodes (internode plan) leaves
+output elements unwritten; its second exchange, which forwards a chunk received in the first, is staged by the
+device only when the GEMM's waits give up (docs/design.md section 7). Ruled out so far: the caller's thread, lazy
+module loading, and (experiments/one_queue_probe.py, one process) each step of the sequence behind a one-block kernel.
+
+Variants, each in its own group of processes sharing the GPU (FLUX_LAYERS_TEST_SHARED_GPU=1):
+
+* ``base``: as tests/gpu/test_nccl_transport_gpu.py makes the call (torch's default stream);
+* ``side_stream``: the call on a side stream of the caller's;
+* ``stand_in_priority_0``: the stand-in's stream at the default priority instead of the highest;
+* ``forward_from_host``: a send of a region this stand-in received into earlier leaves from the pinned buffer it
+  arrived in: no staging copy, and the stand-in's thread sends it without waiting for the device;
+* ``nccl_sms_32``: the GEMM leaves 32 SMs free instead of FLUX_LAYERS_NCCL_SMS's default.
+
+Each variant runs ``--calls`` calls per rank under each ``--connections`` setting, outputs poisoned with NaN; a
+rank records per call the seconds until the device finished it, the NaN elements and the error against fp32, or
+the error it raised (a call after a timeout raises: its workspace failed).
+
+    FLUX_LAYERS_TEST_SHARED_GPU=1 python -m experiments.one_queue_stand_in [--variants base ...]
+        [--connections 1 8] [--calls 3] [--out one_queue_stand_in.json]
+
+Needs one GPU and the op library. Not yet run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+TP, NODE_SIZE = 4, 2
+TIMEOUT_S = 5.0
+VARIANTS = ("base", "side_stream", "stand_in_priority_0", "forward_from_host", "nccl_sms_32")
+
+
+def _forward_from_host(sendrecv) -> None:
+    """Patch the stand-in so a send of a device region it received into earlier goes from that receive's pinned
+    buffer (the bytes are there once the receive's exchange completed, which the stand-in's one thread orders before
+    any later exchange). Only for this experiment: a region written by anything else in between would be sent
+    stale."""
+    import torch
+
+    arrived: dict[tuple, torch.Tensor] = {}
+
+    def key(t):
+        return t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
+
+    def exchange_cuda(self, seq, sends, recvs):
+        current = torch.cuda.current_stream()
+        stream = self._stream_on(current.device)
+        from_host = [(sendrecv._as_bytes(arrived[key(t)]), peer) for t, peer in sends if key(t) in arrived]
+        from_device = [(t, peer) for t, peer in sends if key(t) not in arrived]
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            staged = self._stage(from_device, pinned=True)
+            if staged:
+                torch.ops.flux_layers.write_flag.default(self._words_on_device, 1, seq)
+            buffers = [(sendrecv._receive_buffer(t, pinned=True), t, peer) for t, peer in recvs]
+            for b, t, _ in buffers:
+                arrived[key(t)] = b
+            self._jobs.put(sendrecv._Job(seq, staged + from_host, [(sendrecv._as_bytes(b), p) for b, _, p in buffers],
+                                         bool(staged)))
+            if buffers:
+                torch.ops.flux_layers.wait_flag.default(self._words_on_device, 0, seq)
+                for b, t, _ in buffers:
+                    t.copy_(b, non_blocking=True)
+        current.wait_stream(stream)
+
+    sendrecv.HostStagedSendRecv._exchange_cuda = exchange_cuda
+
+
+def _stand_in_priority_0(sendrecv) -> None:
+    """Patch the stand-in's stream to the default priority (made once, on its first exchange on the GPU)."""
+    import torch
+    make = sendrecv.HostStagedSendRecv._stream_on
+
+    def stream_on(self, device):
+        if self._stream is None:
+            make(self, device)  # maps the host words and makes the high-priority stream, replaced here
+            self._stream = torch.cuda.Stream(device=device, priority=0)
+        return make(self, device)
+
+    sendrecv.HostStagedSendRecv._stream_on = stream_on
+
+
+def _rank(rank, tp, variant, calls, seed, out_dir):
+    import torch
+    import torch.distributed as dist
+    os.environ.update(FLUX_LAYERS_TIMEOUT_S=str(TIMEOUT_S), FLUX_LAYERS_POISON_OUTPUTS="1",
+                      FLUX_LAYERS_TRANSPORT="nccl", FLUX_LAYERS_NODE_SIZE=str(NODE_SIZE),
+                      FLUX_LAYERS_AG_ORDER="internode", FLUX_LAYERS_NUMA_MAP="")
+    if variant == "nccl_sms_32":
+        os.environ["FLUX_LAYERS_NCCL_SMS"] = "32"
+    from flux_layers import ops
+    from flux_layers.runtime.multinode import sendrecv
+    ops.refresh_settings()
+    if variant == "forward_from_host":
+        _forward_from_host(sendrecv)
+    if variant == "stand_in_priority_0":
+        _stand_in_priority_0(sendrecv)
+    caller = torch.cuda.current_stream()
+    stream = torch.cuda.Stream() if variant == "side_stream" else caller
+    results = []
+    for i in range(calls):
+        gen = torch.Generator(device="cuda").manual_seed(seed + i)
+        x = torch.randn(256 * tp, 256, generator=gen, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(128 * tp, 256, generator=gen, device="cuda", dtype=torch.bfloat16).chunk(tp)[rank].contiguous()
+        torch.cuda.synchronize()
+        dist.barrier()
+        began = time.monotonic()
+        try:
+            stream.wait_stream(caller)
+            with torch.cuda.stream(stream):
+                out = ops.ag_gemm(x.chunk(tp)[rank], w, group=dist.group.WORLD, backend="fused")
+            caller.wait_stream(stream)
+            torch.cuda.synchronize()
+        except Exception as exc:  # a call after a timeout: its workspace failed
+            results.append({"call": i, "raised": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            break
+        seconds = time.monotonic() - began
+        ref = x.float() @ w.float().t()
+        written = ~out.isnan()
+        error = float((out.float()[written] - ref[written]).norm() / ref[written].norm())
+        results.append({"call": i, "seconds": round(seconds, 4), "nan_elements": int((~written).sum()),
+                        "rel_error_of_written": error})
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    torch.cuda.synchronize()
+
+
+def _run(variant: str, connections: str, calls: int, seed: int) -> dict:
+    from experiments.one_queue_stand_in import _rank as rank  # by its module's name, not __main__'s, for the spawn
+    from flux_layers.devtools.launch import run_distributed
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = connections  # read by each rank's CUDA start
+    out_dir = tempfile.mkdtemp(prefix="one-queue-stand-in-")
+    began = time.monotonic()
+    failure = None
+    try:
+        run_distributed(rank, TP, variant, calls, seed, out_dir, backend="nccl", timeout_s=120)
+    except AssertionError as exc:
+        failure = str(exc)[-1500:]
+    ranks = {}
+    for r in range(TP):
+        path = os.path.join(out_dir, f"rank{r}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                ranks[r] = json.load(f)
+    calls_ok = all(len(v) == calls and all(c.get("nan_elements") == 0 for c in v) for v in ranks.values())
+    return {"variant": variant, "connections": connections, "all_written": calls_ok and len(ranks) == TP,
+            "wall_s": round(time.monotonic() - began, 1), "ranks": ranks, "launch_failure": failure}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--connections", nargs="+", default=["1", "8"])
+    ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if os.environ.get("FLUX_LAYERS_TEST_SHARED_GPU") != "1":
+        sys.exit("set FLUX_LAYERS_TEST_SHARED_GPU=1: the ranks share this machine's one GPU through gloo and the "
+                 "host-staged stand-in")
+    runs = []
+    for connections in args.connections:
+        for variant in args.variants:
+            run = _run(variant, connections, args.calls, args.seed)
+            runs.append(run)
+            worst = max((c.get("nan_elements", -1) for v in run["ranks"].values() for c in v), default=None)
+            print(f"connections={connections} {variant}: all written={run['all_written']} most NaN in a call={worst} "
+                  f"({run['wall_s']} s){' launch failed' if run['launch_failure'] else ''}", flush=True)
+    result = {"command": " ".join([sys.executable, "-m", "experiments.one_queue_stand_in", *sys.argv[1:]]),
+              "commit": os.environ.get("FLUX_LAYERS_COMMIT"), "tp": TP, "node_size": NODE_SIZE, "runs": runs}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
