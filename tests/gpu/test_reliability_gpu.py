@@ -78,11 +78,11 @@ def _peer_death(rank, tp, seed):
     torch.cuda.synchronize()  # returns: the kernels' waits time out and the watchdog releases the stream waits
     elapsed = time.monotonic() - began
     assert elapsed < TIMEOUT_S + 10, f"rank {rank}: the device drained only after {elapsed:.1f} s"
-    _raises_naming_a_peer(rank, tp, lambda: _ag_call(rank, tp, seed + 20, ws))
+    _raises_leading_to_the_dead_rank(rank, tp, lambda: _ag_call(rank, tp, seed + 20, ws))
     os._exit(0)  # the peer is gone: no collective shutdown
 
 
-def _raises_naming_a_peer(rank, tp, call):
+def _raises_leading_to_the_dead_rank(rank, tp, call):
     """``call`` raises, and its error leads to the dead rank (the last). At TP = 2 the error names it. Above that the
     peer it names may be a survivor stuck behind the dead rank (a survivor's chunks queue behind its own handshake
     wait: ranks 0-2 of 4 each named another survivor at 59f5da8), so the message also lists every peer this rank still
@@ -139,7 +139,7 @@ def _peer_death_inside_a_call(rank, tp, seed):
     torch.cuda.synchronize()
     elapsed = time.monotonic() - began
     assert elapsed < TIMEOUT_S + 10, f"rank {rank}: the device drained only after {elapsed:.1f} s"
-    _raises_naming_a_peer(rank, tp, lambda: _ag_call(rank, tp, seed + 20, ws))
+    _raises_leading_to_the_dead_rank(rank, tp, lambda: _ag_call(rank, tp, seed + 20, ws))
     os._exit(0)
 
 
