@@ -126,7 +126,13 @@ def _rank(rank, tp, variant, calls, seed, out_dir):
         ref = x.float() @ w.float().t()
         written = ~out.isnan()
         error = float((out.float()[written] - ref[written]).norm() / ref[written].norm())
-        results.append({"call": i, "seconds": round(seconds, 4), "nan_elements": int((~written).sum()),
+        unwritten = ~written
+        rows = x.shape[0] // tp
+        results.append({"call": i, "seconds": round(seconds, 4), "nan_elements": int(unwritten.sum()),
+                        # which source ranks' rows, and whether whole rows (a tile given up) or scattered elements
+                        "nan_elements_by_shard": [int(unwritten[g * rows:(g + 1) * rows].sum()) for g in range(tp)],
+                        "rows_wholly_nan": int(unwritten.all(dim=1).sum()),
+                        "rows_partly_nan": int((unwritten.any(dim=1) & ~unwritten.all(dim=1)).sum()),
                         "rel_error_of_written": error})
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
