@@ -41,37 +41,31 @@ VARIANTS = ("base", "side_stream", "stand_in_priority_0", "forward_from_host", "
 def _forward_from_host(sendrecv) -> None:
     """Patch the stand-in so a send of a device region it received into earlier goes from that receive's pinned
     buffer (the bytes are there once the receive's exchange completed, which the stand-in's one thread orders before
-    any later exchange). Only for this experiment: a region written by anything else in between would be sent
-    stale."""
-    import torch
-
-    arrived: dict[tuple, torch.Tensor] = {}
+    any later exchange), leaving the rest of its exchange as it is: its staging (``_stage``) copies only the other
+    sends, so an exchange with none puts no staging copy on the device and its job does not wait for one. Only for
+    this experiment: a region written by anything else in between would be sent stale."""
+    arrived = {}  # a receive's device region -> the pinned buffer it arrived in
+    host_sends = []  # the forwarded sends of the exchange being made, for its job
 
     def key(t):
         return t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
 
-    def exchange_cuda(self, seq, sends, recvs):
-        current = torch.cuda.current_stream()
-        stream = self._stream_on(current.device)
-        from_host = [(sendrecv._as_bytes(arrived[key(t)]), peer) for t, peer in sends if key(t) in arrived]
-        from_device = [(t, peer) for t, peer in sends if key(t) not in arrived]
-        stream.wait_stream(current)
-        with torch.cuda.stream(stream):
-            staged = self._stage(from_device, pinned=True)
-            if staged:
-                torch.ops.flux_layers.write_flag.default(self._words_on_device, 1, seq)
-            buffers = [(sendrecv._receive_buffer(t, pinned=True), t, peer) for t, peer in recvs]
-            for b, t, _ in buffers:
-                arrived[key(t)] = b
-            self._jobs.put(sendrecv._Job(seq, staged + from_host, [(sendrecv._as_bytes(b), p) for b, _, p in buffers],
-                                         bool(staged)))
-            if buffers:
-                torch.ops.flux_layers.wait_flag.default(self._words_on_device, 0, seq)
-                for b, t, _ in buffers:
-                    t.copy_(b, non_blocking=True)
-        current.wait_stream(stream)
+    stage, receive_buffer, job = sendrecv.HostStagedSendRecv._stage, sendrecv._receive_buffer, sendrecv._Job
 
-    sendrecv.HostStagedSendRecv._exchange_cuda = exchange_cuda
+    def stage_the_rest(sends, pinned):
+        host_sends.append([(sendrecv._as_bytes(arrived[key(t)]), peer) for t, peer in sends if key(t) in arrived])
+        return stage([(t, peer) for t, peer in sends if key(t) not in arrived], pinned)
+
+    def remembered_receive_buffer(like, pinned):
+        arrived[key(like)] = buffer = receive_buffer(like, pinned)
+        return buffer
+
+    def job_with_host_sends(seq, sends, recvs, on_device):
+        return job(seq, sends + host_sends.pop(), recvs, on_device)
+
+    sendrecv.HostStagedSendRecv._stage = staticmethod(stage_the_rest)
+    sendrecv._receive_buffer = remembered_receive_buffer
+    sendrecv._Job = job_with_host_sends
 
 
 def _stand_in_priority_0(sendrecv) -> None:
