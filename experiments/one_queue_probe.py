@@ -196,12 +196,9 @@ def main() -> None:
                     print(f"connections={connections} processes={processes} {name}: kernel {kernel}; on the GPU "
                           f"waited for it: {', '.join(waited) or 'none'}; host blocked enqueueing: "
                           f"{', '.join(blocked) or 'none'}", flush=True)
-    result = {"command": " ".join([sys.executable, "-m", "experiments.one_queue_probe", *sys.argv[1:]]),
-              "commit": os.environ.get("FLUX_LAYERS_COMMIT"), "settings": settings}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.out}")
+        from flux_layers.devtools import records
+        records.write_json(args.out, {**records.environment(gpu_count=1), "settings": settings})
 
 
 if __name__ == "__main__":

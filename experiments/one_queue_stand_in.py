@@ -136,6 +136,7 @@ def _rank(rank, tp, variant, calls, seed, out_dir):
 def _run(variant: str, connections: str, calls: int, seed: int) -> dict:
     from experiments.one_queue_stand_in import _rank as rank  # by its module's name, not __main__'s, for the spawn
     from flux_layers.devtools.launch import run_distributed
+    before = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = connections  # read by each rank's CUDA start
     out_dir = tempfile.mkdtemp(prefix="one-queue-stand-in-")
     began = time.monotonic()
@@ -144,6 +145,11 @@ def _run(variant: str, connections: str, calls: int, seed: int) -> dict:
         run_distributed(rank, TP, variant, calls, seed, out_dir, backend="nccl", timeout_s=120)
     except AssertionError as exc:
         failure = str(exc)[-1500:]
+    finally:  # the record's settings are this process's
+        if before is None:
+            os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS")
+        else:
+            os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = before
     ranks = {}
     for r in range(TP):
         path = os.path.join(out_dir, f"rank{r}.json")
@@ -174,12 +180,10 @@ def main() -> None:
             worst = max((c.get("nan_elements", -1) for v in run["ranks"].values() for c in v), default=None)
             print(f"connections={connections} {variant}: all written={run['all_written']} most NaN in a call={worst} "
                   f"({run['wall_s']} s){' launch failed' if run['launch_failure'] else ''}", flush=True)
-    result = {"command": " ".join([sys.executable, "-m", "experiments.one_queue_stand_in", *sys.argv[1:]]),
-              "commit": os.environ.get("FLUX_LAYERS_COMMIT"), "tp": TP, "node_size": NODE_SIZE, "runs": runs}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.out}")
+        from flux_layers.devtools import records
+        records.write_json(args.out, {**records.environment(gpu_count=1), "tp": TP, "node_size": NODE_SIZE,
+                                      "runs": runs})
 
 
 if __name__ == "__main__":
