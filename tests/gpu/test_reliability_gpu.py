@@ -185,6 +185,14 @@ def test_rejected_call_leaves_ranks_in_step():
     run_distributed(_rejected_then_valid, TP, _seed(), backend="nccl")
 
 
+def _wait_for(event, what: str, limit_s: float = 10.0) -> None:
+    """Poll ``event`` (a synchronize would hang for good if the GPU did)."""
+    began = time.monotonic()
+    while not event.query():
+        assert time.monotonic() - began < limit_s, f"{what} hangs"
+        time.sleep(0.01)
+
+
 def _graph_timeout(rank, tp, seed, done):
     from flux_layers import ops
     from flux_layers.runtime import workspace
@@ -210,6 +218,8 @@ def _graph_timeout(rank, tp, seed, done):
     dist.barrier()
     if rank == 0:  # replays alone: the twin's waits time out on the device
         graph.replay()
+        finished = torch.cuda.Event()
+        finished.record()
         began = time.monotonic()
         while True:
             try:
@@ -219,16 +229,19 @@ def _graph_timeout(rank, tp, seed, done):
                 break
             assert time.monotonic() - began < TIMEOUT_S + 10, "the replay's timeout was not reported"
             time.sleep(0.01)
+        _wait_for(finished, "the replay that timed out")
+        # Its peers' rows never came: every tile of them is NaN, the tiles whose mainloop had started before a wait
+        # gave up included (their loads read the previous replay's rows, numbers that look right).
+        peer_rows = torch.cat([o for g, o in enumerate(out.chunk(tp)) if g != rank])
+        written = int((~peer_rows.isnan()).sum())
+        assert written == 0, f"the replay that timed out wrote numbers into {written} elements of rows that never came"
         with pytest.raises(WorkspaceError):  # the next eager call on the workspace reports it too
             call()
         for i in range(3):  # later replays, still without the peer: they run through and yield NaN
             graph.replay()
             finished = torch.cuda.Event()
             finished.record()
-            began = time.monotonic()
-            while not finished.query():
-                assert time.monotonic() - began < 10, f"replay {i} after the failure hangs"
-                time.sleep(0.01)
+            _wait_for(finished, f"replay {i} after the failure")
             assert torch.isnan(out).all(), f"replay {i} after the failure wrote numbers, not NaN"
         with pytest.raises(WorkspaceError, match="rank 0 timed out"):
             workspace.check_graph_replays()
