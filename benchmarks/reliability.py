@@ -5,7 +5,7 @@
 | ``peer_death`` | after two good calls the last rank exits; the others enqueue three calls and synchronize, then go on calling (a call, then a device sync, as a training step) | ``raised`` (WorkspaceError on every survivor), ``seconds`` from the first call after the death to the raise (max over survivors), ``timeout_s``, ``message``, ``names_peer``, ``pipelined_drain_s`` (until the three enqueued calls drained) |
 | ``peer_death_inside_call`` | the last rank's chunks of a call go out, then it exits while its GEMM waits for rank 0's (held back by a GPU sleep), so its end-of-call handshake never comes; the others finish that call, then go on as in ``peer_death`` | as ``peer_death`` |
 | ``rejected_call_then_valid`` | rank 0 alone makes rejected calls (Python checks and the op library's), then M = 0 calls, then valid calls on every rank | ``ok`` (rejections raised, epochs equal across ranks, M = 0 a no-op, valid calls right) |
-| ``graph_replay_timeout`` | a captured call replays on rank 0 only | ``raised`` (``workspace.check_graph_replays()`` raised within timeout + 10 s), ``seconds``, ``eager_call_raised`` (the next eager call on the workspace raises), ``later_replays_nan`` (three more replays, still alone, finish and yield NaN), ``later_replay_max_s``, ``drained`` (after ``release()``) |
+| ``graph_replay_timeout`` | a captured call replays on rank 0 only | ``raised`` (``workspace.check_graph_replays()`` raised within timeout + 10 s), ``seconds``, ``eager_call_raised`` (the next eager call on the workspace raises), ``first_replay_peer_rows_written`` (elements of the peers' rows holding numbers after the replay that timed out: 0 when each tile that waited is NaN), ``later_replays_nan`` (three more replays, still alone, finish and yield NaN), ``later_replay_max_s``, ``drained`` (after ``release()``) |
 | ``rank_mismatch`` | ranks make different fused calls (M, layout, op: checked on the host when a call is new), or calls of known shapes out of step (``out_of_step_*``: checked on the device) | ``raised_on_both`` (ValueError, or WorkspaceError for the device variants, on every rank, for every variant), ``names_every_rank`` (every rank's call in the message; device variants: the two calls that met), ``later_ok``, ``device_seconds`` (longest time to the device variants' error) |
 | ``bad_inputs`` | the catalogue of flux_layers/devtools/bad_inputs.py, a valid call of each op after each case | ``cases``, ``unclear`` (raised without naming the argument and the rule), ``not_raised``, ``later_calls_ok``, ``epoch_advanced`` |
 | ``workspace_growth`` | M grows call to call (both ops); then the cap FLUX_LAYERS_WORKSPACE_MAX_GIB is set below the next size | ``bounded``, ``peak_gib``, ``final_workspace_gib``, ``created_gib``, ``outgrown_freed``, ``cap_raised``, ``cap_message``, ``after_cap_ok`` |
@@ -279,6 +279,8 @@ def graph_replay_timeout(rank, tp, opts, out_dir):
     record = {"replay_ok": replay_ok}
     if rank == 0:  # replays alone: the twin's waits time out on the device
         graph.replay()
+        first_done = torch.cuda.Event()
+        first_done.record()
         began = time.monotonic()
         raised, message = False, None
         while time.monotonic() - began < timeout + 10:
@@ -289,6 +291,11 @@ def graph_replay_timeout(rank, tp, opts, out_dir):
                 break
             time.sleep(0.01)
         seconds = time.monotonic() - began
+        while not first_done.query() and time.monotonic() - began < timeout + 10:
+            time.sleep(0.01)
+        # Its peers' rows never came: elements of them holding numbers (none, when every tile that waited is NaN)
+        peer_rows = torch.cat([o for g, o in enumerate(out.chunk(tp)) if g != rank])
+        first_written = int((~peer_rows.isnan()).sum()) if first_done.query() else None
         try:
             call()
             eager_raised = False
@@ -312,7 +319,7 @@ def graph_replay_timeout(rank, tp, opts, out_dir):
         while not drained.query() and time.monotonic() < deadline:
             time.sleep(0.01)
         record.update(raised=raised, seconds=round(seconds, 2), message=message, eager_call_raised=eager_raised,
-                      later_replays_nan=later_nan, later_replay_max_s=round(later_s, 3), drained=drained.query())
+                      first_replay_peer_rows_written=first_written, later_replays_nan=later_nan, later_replay_max_s=round(later_s, 3), drained=drained.query())
         open(done, "w").close()
     else:
         record["rank0_finished"] = _wait_for(done, 3 * timeout + 30)
@@ -324,7 +331,8 @@ def _merge_graph_timeout(records, opts):
     r0 = records.get(0, {})
     return {"raised": bool(r0.get("raised")), "seconds": r0.get("seconds"), "timeout_s": opts["graph_timeout_s"],
             "message": r0.get("message"), "eager_call_raised": r0.get("eager_call_raised"),
-            "drained": r0.get("drained"), "later_replays_nan": r0.get("later_replays_nan"),
+            "drained": r0.get("drained"), "first_replay_peer_rows_written": r0.get("first_replay_peer_rows_written"),
+            "later_replays_nan": r0.get("later_replays_nan"),
             "later_replay_max_s": r0.get("later_replay_max_s"),
             "replay_ok_before": all(r.get("replay_ok") for r in records.values())}
 

@@ -52,8 +52,10 @@ def test_merges():
                                           1: {"out_of_step_ag_gemm": dict(device, raised=False)}}, opts)
     assert not missed["raised_on_both"]
     graph = reliability._merge_graph_timeout({0: {"replay_ok": True, "raised": True, "later_replays_nan": False,
+                                                  "first_replay_peer_rows_written": 96,
                                                   "later_replay_max_s": 13.0}, 1: {"replay_ok": True}}, opts)
     assert graph["raised"] and graph["later_replays_nan"] is False and graph["later_replay_max_s"] == 13.0
+    assert graph["first_replay_peer_rows_written"] == 96
     rows = [{"case": "a", "clear": True, "raised": True, "later_ok": True, "epoch_advanced": False},
             {"case": "b", "clear": False, "raised": True, "later_ok": True, "epoch_advanced": False}]
     other = [dict(r, clear=True) for r in rows]
