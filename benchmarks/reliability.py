@@ -319,7 +319,8 @@ def graph_replay_timeout(rank, tp, opts, out_dir):
         while not drained.query() and time.monotonic() < deadline:
             time.sleep(0.01)
         record.update(raised=raised, seconds=round(seconds, 2), message=message, eager_call_raised=eager_raised,
-                      first_replay_peer_rows_written=first_written, later_replays_nan=later_nan, later_replay_max_s=round(later_s, 3), drained=drained.query())
+                      first_replay_peer_rows_written=first_written, later_replays_nan=later_nan,
+                      later_replay_max_s=round(later_s, 3), drained=drained.query())
         open(done, "w").close()
     else:
         record["rank0_finished"] = _wait_for(done, 3 * timeout + 30)

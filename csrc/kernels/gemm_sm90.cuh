@@ -835,22 +835,21 @@ struct GemmKernel {
           }
         }
         int const k_count = seg.k_end - seg.k_begin;
-        bool const refused = call_failed(p);  // read before the mainloop, which hides the load
-        // A claim made while this tile's mainloop ran: above all its own chunk wait giving up, after which the
-        // producer loaded whatever the buffer held (a previous call's rows: numbers that look right). Read once the
-        // last stage's full barrier was passed, which orders the producer's claim before it.
-        bool failed_meanwhile;
+        // The error claim is read once the tile's last stage arrived: after a claim made before the tile began, and
+        // after one its own producer made when its chunk wait gave up (it then loaded whatever the buffer held, a
+        // previous call's rows: numbers that look right), which the last stage's full barrier orders before the read.
+        bool failed;
         Tensor accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
         if constexpr (Cfg::kFp8 && Cfg::kAccumulation == Accumulation::kSplit) {
           mma_fp8_split(pipeline, read_state, accum, k_count, mma_thread_idx, ss);
-          failed_meanwhile = call_failed(p);
+          failed = call_failed(p);
         } else {
           collective.mma(pipeline, read_state, accum, k_count, mma_thread_idx, ss.mainloop, params.mainloop_own);
-          failed_meanwhile = call_failed(p);  // while the last MMAs run, which hides the load
+          failed = call_failed(p);  // while the last MMAs run, which hides the load
           collective.mma_tail(pipeline, read_state, k_count);
           read_state.advance(k_count);
         }
-        if (refused || failed_meanwhile) poison(accum);
+        if (failed) poison(accum);
         if constexpr (kSplitCapable) {
           if (seg.k_begin > 0) {  // a later segment of a split item: hand the partial to the item's reducer
             store_partial(params, accum, cluster_id * kClusterM + cluster_rank_m, mma_thread_idx);
