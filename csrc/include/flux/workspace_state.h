@@ -80,16 +80,15 @@ struct WorkspaceConfig {
 // side): a call that has not finished timeout_ns after it could start (its enqueue, or the end of the workspace's
 // previous call, whichever is later), or a kernel wait that timed out, is taken as hung: the watchdog names the
 // peer this rank waits for, records the failure, sets the error claim (the kernels of the calls enqueued on the
-// workspace yield NaN for every tile they start from then on) and then this rank's flags to their maximum so that
-// every wait returns, including stream waits on comm streams the compute stream no longer waits for, and the process
-// can shut down (outputs of those calls are invalid; the workspace refuses further calls). A workspace marked failed
-// from the host (mark_failed) is released the same way at the watchdog's next poll, so that the marking thread makes
-// no CUDA call.
-// A CUDA-graph twin is not watched call by call (its replays run no host code), but once it failed (a wait of a
-// replay timed out, a signature differed, or it was released) the watchdog keeps its flags at their maximum: every
-// replay clears its handshake words, so without a peer that still replays the next replay would wait for ever. So
-// later replays run through (their GEMM yields NaN, gemm_sm90.cuh) instead of hanging, until the host reports the
-// failure (workspace.check_graph_replays(), the next eager call).
+// workspace yield NaN for every tile whose mainloop ends from then on) and then this rank's flags to their maximum so
+// that every wait returns, including stream waits on comm streams the compute stream no longer waits for, and the
+// process can shut down (outputs of those calls are invalid; the workspace refuses further calls). A workspace marked
+// failed from the host (mark_failed) is released the same way at the watchdog's next poll, so that the marking thread
+// makes no CUDA call. A CUDA-graph twin is not watched call by call (its replays run no host code), but once it failed
+// (a wait of a replay timed out, a signature differed, or it was released) the watchdog keeps its flags at their
+// maximum: every replay clears its handshake words, so without a peer that still replays the next replay would wait for
+// ever. So later replays run through (their GEMM yields NaN, gemm_sm90.cuh) instead of hanging, until the host reports
+// the failure (workspace.check_graph_replays(), the next eager call).
 class WorkspaceState {
  public:
   explicit WorkspaceState(WorkspaceConfig config);

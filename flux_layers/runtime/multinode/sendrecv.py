@@ -45,13 +45,13 @@ Failure. A peer process that died closes its sockets and gloo raises in the thre
 (FLUX_LAYERS_TIMEOUT_S when the stand-in is made) after the thread took it is taken as hung by a watcher thread.
 Either way the stand-in records the failure, stores ``arrived`` = 2^31 - 1 (every stream wait returns; the receive
 copies then move what their buffers hold, NaN where nothing came: each receive buffer starts as 0xFF bytes, so the
-GEMM's tiles and the hybrid transport's forwards to node peers read NaN instead of an earlier exchange's numbers) and
-marks the group's cached NCCL-transport workspaces failed, which their watchdog releases within its poll (their GEMMs'
-waits return, and the GEMMs of calls already enqueued yield NaN for the tiles they start from then on): those calls'
-outputs are invalid, the workspace's next call or ``check()`` raises WorkspaceError naming the failure, and every
-later exchange raises :class:`HostStagedTransferError` at once. A workspace made outside the cache learns of it from
-its next exchange or its own kernels' timeouts. As with NCCL, the group's transfers do not recover: a receive that
-hung stays posted (its buffer is kept).
+GEMM's tiles and the hybrid transport's forwards to node peers read NaN instead of an earlier exchange's numbers)
+and marks the group's cached NCCL-transport workspaces failed, which their watchdog releases within its poll (their
+GEMMs' waits return, and the GEMMs of calls already enqueued yield NaN for every tile whose mainloop ends from then
+on): those calls' outputs are invalid, the workspace's next call or ``check()`` raises WorkspaceError naming the
+failure, and every later exchange raises :class:`HostStagedTransferError` at once. A workspace made outside the
+cache learns of it from its next exchange or its own kernels' timeouts. As with NCCL, the group's transfers do not
+recover: a receive that hung stays posted (its buffer is kept).
 """
 from __future__ import annotations
 
