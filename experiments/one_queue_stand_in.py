@@ -13,7 +13,15 @@ Variants, each in its own group of processes sharing the GPU (FLUX_LAYERS_TEST_S
 * ``stand_in_priority_0``: the stand-in's stream at the default priority instead of the highest;
 * ``forward_from_host``: a send of a region this stand-in received into earlier leaves from the pinned buffer it
   arrived in: no staging copy, and the stand-in's thread sends it without waiting for the device;
-* ``nccl_sms_32``: the GEMM leaves 32 SMs free instead of FLUX_LAYERS_NCCL_SMS's default.
+* ``nccl_sms_32``: the GEMM leaves 32 SMs free instead of FLUX_LAYERS_NCCL_SMS's default;
+* ``progress``: as ``base``, with the stand-in's device steps traced: after each step its stream stores the
+  exchange's number into a word of mapped host memory (``cuStreamWriteValue32``), and a host thread records when each
+  word changed: which step the device holds back;
+* ``receive_by_kernel``: the receives' host-to-device copies made by a kernel reading the mapped pinned buffer instead
+  of ``cudaMemcpyAsync`` (traced as ``progress``);
+* ``receive_op``: each receive one kernel of the op library (``torch.ops.flux_layers.receive_from_host``) that waits
+  on SMs for the host word and then copies, as an NCCL receive does: no stream wait, no copy (traced as
+  ``progress``).
 
 Each variant runs ``--calls`` calls per rank under each ``--connections`` setting, outputs poisoned with NaN; a
 rank records per call the seconds until the device finished it, the NaN elements and the error against fp32, or
@@ -22,7 +30,10 @@ the error it raised (a call after a timeout raises: its workspace failed).
     FLUX_LAYERS_TEST_SHARED_GPU=1 python -m experiments.one_queue_stand_in [--variants base ...]
         [--connections 1 8] [--calls 3] [--out one_queue_stand_in.json]
 
-Needs one GPU and the op library. Not yet run.
+Needs one GPU and the op library. First run (ace8079, 4 ranks sharing one H100,
+benchmarks/results/one_queue_stand_in_h100.json): under one queue every variant of the first five left every peer
+shard of the first call NaN (each tile that ends after the timeout's claim yields NaN); with 8 queues all wrote
+everything.
 """
 from __future__ import annotations
 
@@ -35,7 +46,10 @@ import time
 
 TP, NODE_SIZE = 4, 2
 TIMEOUT_S = 5.0
-VARIANTS = ("base", "side_stream", "stand_in_priority_0", "forward_from_host", "nccl_sms_32")
+VARIANTS = ("base", "side_stream", "stand_in_priority_0", "forward_from_host", "nccl_sms_32", "progress",
+            "receive_by_kernel", "receive_op")
+# The traced steps of an exchange (``progress``), in the order its streams reach them.
+STEPS = ("caller_at_exchange", "stand_in_forked", "staged", "arrived_waited", "received", "caller_joined")
 
 
 def _forward_from_host(sendrecv) -> None:
@@ -82,6 +96,88 @@ def _stand_in_priority_0(sendrecv) -> None:
     sendrecv.HostStagedSendRecv._stream_on = stream_on
 
 
+class _Progress:
+    """Words of mapped host memory the device stores each traced step's exchange number into, and a host thread
+    (plain loads, no CUDA call) that records when each changed, in seconds since :attr:`began`."""
+
+    def __init__(self, sendrecv):
+        import threading
+
+        import torch
+        self.host = torch.zeros(len(STEPS), dtype=torch.int32, pin_memory=True)
+        self.device = None
+        self.seen: list[tuple[str, int, float]] = []
+        self.began = time.monotonic()
+        self._mapped = sendrecv._MappedWord
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def word(self, device):
+        import torch
+        if self.device is None:
+            self.device = torch.as_tensor(self._mapped(self.host), device=device)
+        return self.device
+
+    def _watch(self) -> None:
+        last = [0] * len(STEPS)
+        view = memoryview(self.host.numpy())
+        while True:
+            for i in range(len(STEPS)):
+                v = view[i]
+                if v != last[i]:
+                    last[i] = v
+                    self.seen.append((STEPS[i], int(v), round(time.monotonic() - self.began, 4)))
+            time.sleep(200e-6)
+
+
+def _traced_exchange(sendrecv, progress: _Progress, receive: str) -> None:
+    """Patch the stand-in's device side (sendrecv.HostStagedSendRecv._exchange_cuda, the same steps) to store each
+    step's exchange number into ``progress``'s words. ``receive``: 'copy' (as the stand-in: a stream wait, then
+    ``cudaMemcpyAsync``), 'kernel' (the stream wait, then a torch kernel reading the pinned buffer through its mapped
+    address) or 'op' (the op library's receive_from_host: one kernel that waits and copies)."""
+    import torch
+    write = torch.ops.flux_layers.write_flag.default
+
+    def mapped_bytes(host):
+        class Interface:
+            __cuda_array_interface__ = {"shape": (host.numel() * host.element_size(),), "typestr": "|u1",
+                                        "version": 3, "data": (host.data_ptr(), False), "strides": None}
+        return torch.as_tensor(Interface(), device=torch.cuda.current_device())
+
+    def exchange_cuda(self, seq, sends, recvs):
+        current = torch.cuda.current_stream()
+        stream = self._stream_on(current.device)
+        words = progress.word(current.device)
+        write(words, STEPS.index("caller_at_exchange"), seq)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            write(words, STEPS.index("stand_in_forked"), seq)
+            staged_sends = self._stage(sends, pinned=True)
+            if staged_sends:
+                write(self._words_on_device, 1, seq)
+                write(words, STEPS.index("staged"), seq)
+            buffers = [(sendrecv._receive_buffer(t, pinned=True), t, peer) for t, peer in recvs]
+            self._jobs.put(sendrecv._Job(seq, staged_sends, [(sendrecv._as_bytes(b), peer) for b, _, peer in buffers],
+                                         bool(staged_sends)))
+            if buffers and receive == "op":
+                for b, t, _ in buffers:
+                    torch.ops.flux_layers.receive_from_host.default(sendrecv._as_bytes(t), sendrecv._as_bytes(b),
+                                                                    self._words_on_device, 0, seq)
+                write(words, STEPS.index("received"), seq)
+            elif buffers:
+                torch.ops.flux_layers.wait_flag.default(self._words_on_device, 0, seq)
+                write(words, STEPS.index("arrived_waited"), seq)
+                for b, t, _ in buffers:
+                    if receive == "kernel":
+                        torch.bitwise_or(mapped_bytes(b), 0, out=sendrecv._as_bytes(t))
+                    else:
+                        t.copy_(b, non_blocking=True)
+                write(words, STEPS.index("received"), seq)
+        current.wait_stream(stream)
+        write(words, STEPS.index("caller_joined"), seq)
+
+    sendrecv.HostStagedSendRecv._exchange_cuda = exchange_cuda
+
+
 def _rank(rank, tp, variant, calls, seed, out_dir):
     import torch
     import torch.distributed as dist
@@ -97,6 +193,11 @@ def _rank(rank, tp, variant, calls, seed, out_dir):
         _forward_from_host(sendrecv)
     if variant == "stand_in_priority_0":
         _stand_in_priority_0(sendrecv)
+    progress = None
+    if variant in ("progress", "receive_by_kernel", "receive_op"):
+        progress = _Progress(sendrecv)
+        _traced_exchange(sendrecv, progress, {"progress": "copy", "receive_by_kernel": "kernel",
+                                              "receive_op": "op"}[variant])
     caller = torch.cuda.current_stream()
     stream = torch.cuda.Stream() if variant == "side_stream" else caller
     results = []
@@ -107,6 +208,7 @@ def _rank(rank, tp, variant, calls, seed, out_dir):
         torch.cuda.synchronize()
         dist.barrier()
         began = time.monotonic()
+        traced_from = len(progress.seen) if progress else 0
         try:
             stream.wait_stream(caller)
             with torch.cuda.stream(stream):
@@ -117,6 +219,9 @@ def _rank(rank, tp, variant, calls, seed, out_dir):
             results.append({"call": i, "raised": f"{type(exc).__name__}: {str(exc)[:300]}"})
             break
         seconds = time.monotonic() - began
+        # each traced step reached: (step, exchange, seconds since the call began)
+        steps = [(step, seq, round(t - (began - progress.began), 4)) for step, seq, t in progress.seen[traced_from:]] \
+            if progress else None
         ref = x.float() @ w.float().t()
         written = ~out.isnan()
         error = float((out.float()[written] - ref[written]).norm() / ref[written].norm())
@@ -127,7 +232,7 @@ def _rank(rank, tp, variant, calls, seed, out_dir):
                         "nan_elements_by_shard": [int(unwritten[g * rows:(g + 1) * rows].sum()) for g in range(tp)],
                         "rows_wholly_nan": int(unwritten.all(dim=1).sum()),
                         "rows_partly_nan": int((unwritten.any(dim=1) & ~unwritten.all(dim=1)).sum()),
-                        "rel_error_of_written": error})
+                        "rel_error_of_written": error, **({"device_steps": steps} if steps is not None else {})})
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     torch.cuda.synchronize()
