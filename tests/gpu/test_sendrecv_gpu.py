@@ -29,32 +29,46 @@ def _value(rank: int, step: int) -> float:
     return float(1000 * step + rank)
 
 
-def _host_word(rank, world_size):
-    """The stand-in's two GPU pieces alone: its pinned host word seen in place as a CUDA tensor, and a stream wait
-    on it that returns once the host stores the value (from another thread, as the stand-in's does)."""
-    import threading
-
+def _mapped_host_word():
+    """The stand-in's pinned host word (int32, 0) and that word seen in place as a CUDA tensor."""
     from flux_layers import _library
     from flux_layers.runtime.multinode.sendrecv import _MappedWord
     _library.require_library()
     word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
     on_device = torch.as_tensor(_MappedWord(word), device="cuda")
     assert on_device.is_cuda and on_device.data_ptr() == word.data_ptr(), (on_device.device, on_device.data_ptr())
+    return word, on_device
+
+
+def _returns_only_after_the_host_stores(word, enqueue, what: str) -> None:
+    """``enqueue()`` on a side stream waits for word >= 3: it must not pass while the word holds 2, and must pass
+    once another thread stores 3 (as the stand-in's thread does)."""
+    import threading
     stream = torch.cuda.Stream()
-    out = torch.zeros(1, device="cuda")
     with torch.cuda.stream(stream):
-        torch.ops.flux_layers.wait_flag.default(on_device, 0, 3)
-        out.fill_(1.0)
+        enqueue()
     passed = torch.cuda.Event()
     passed.record(stream)
     word[0] = 2  # below the value waited for
     time.sleep(0.3)
-    assert not passed.query(), "the stream wait returned before the host stored the value it waits for"
+    assert not passed.query(), f"the {what} returned before the host stored the value it waits for"
     threading.Thread(target=lambda: word.fill_(3)).start()
     deadline = time.monotonic() + 10
     while not passed.query():
-        assert time.monotonic() < deadline, "the stream wait did not see the host's store within 10 s"
+        assert time.monotonic() < deadline, f"the {what} did not see the host's store within 10 s"
         time.sleep(1e-3)
+
+
+def _host_word(rank, world_size):
+    """A stream wait on the mapped host word returns once the host stores the value."""
+    word, on_device = _mapped_host_word()
+    out = torch.zeros(1, device="cuda")
+
+    def wait_then_write():
+        torch.ops.flux_layers.wait_flag.default(on_device, 0, 3)
+        out.fill_(1.0)
+
+    _returns_only_after_the_host_stores(word, wait_then_write, "stream wait")
     assert out.item() == 1.0
 
 
@@ -67,35 +81,16 @@ def _host_receive(rank, world_size):
     holds the value a host thread stores (as the stand-in's does), then copies the pinned buffer's bytes exactly;
     at any size and alignment; a pinned buffer written again and received again gives its new bytes (the kernel
     reads past the caches); bad arguments raise before anything is enqueued."""
-    import threading
-
-    from flux_layers import _library
-    from flux_layers.runtime.multinode.sendrecv import _MappedWord
-    _library.require_library()
     receive = torch.ops.flux_layers.receive_from_host.default
-    word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-    on_device = torch.as_tensor(_MappedWord(word), device="cuda")
-    assert on_device.is_cuda and on_device.data_ptr() == word.data_ptr(), (on_device.device, on_device.data_ptr())
+    word, on_device = _mapped_host_word()
     gen = torch.Generator().manual_seed(7)
 
     def random_bytes(n):
         return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
 
-    stream = torch.cuda.Stream()
     src = random_bytes(1 << 20).pin_memory()
     dst = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
-    with torch.cuda.stream(stream):
-        receive(dst, src, on_device, 0, 3)
-    passed = torch.cuda.Event()
-    passed.record(stream)
-    word[0] = 2  # below the value waited for
-    time.sleep(0.3)
-    assert not passed.query(), "the receive returned before the host stored the value it waits for"
-    threading.Thread(target=lambda: word.fill_(3)).start()
-    deadline = time.monotonic() + 10
-    while not passed.query():
-        assert time.monotonic() < deadline, "the receive did not see the host's store within 10 s"
-        time.sleep(1e-3)
+    _returns_only_after_the_host_stores(word, lambda: receive(dst, src, on_device, 0, 3), "receive")
     assert torch.equal(dst.cpu(), src), "the receive's bytes differ from the pinned buffer's"
 
     for n, offset in ((1, 0), (15, 1), (4099, 3), (65536, 0), ((1 << 20) - 5, 5)):
