@@ -207,13 +207,8 @@ class HostStagedSendRecv:
             self._jobs.put(_Job(seq, staged_sends, [(_as_bytes(b), peer) for b, _, peer in buffers],
                                 bool(staged_sends)))
             for b, t, _ in buffers:
-                # The kernel writes a flat byte view; a strided tensor's would be a copy, so it receives into a
-                # contiguous one first.
-                landing = t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
-                torch.ops.flux_layers.receive_from_host.default(_as_bytes(landing), _as_bytes(b),
-                                                                self._words_on_device, 0, seq)
-                if landing is not t:
-                    t.copy_(landing)
+                torch.ops.flux_layers.receive_from_host.default(_as_bytes(t), _as_bytes(b), self._words_on_device, 0,
+                                                                seq)
         current.wait_stream(stream)
 
     def _exchange_host(self, seq: int, sends: Sequence[Transfer], recvs: Sequence[Transfer]) -> None:
