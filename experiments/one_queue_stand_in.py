@@ -14,15 +14,14 @@ Variants, each in its own group of processes sharing the GPU (FLUX_LAYERS_TEST_S
 * ``forward_from_host``: a send of a region this stand-in received into earlier leaves from the pinned buffer it
   arrived in: no staging copy, and the stand-in's thread sends it without waiting for the device;
 * ``nccl_sms_32``: the GEMM leaves 32 SMs free instead of FLUX_LAYERS_NCCL_SMS's default;
-* ``progress``: the stand-in's receive as it was up to ace8079 (a stream wait on the host word, then
-  ``cudaMemcpyAsync``), with its device steps traced: after each step its stream stores the exchange's number into a
-  word of mapped host memory (``cuStreamWriteValue32``), and a host thread records when each word changed: which step
-  the device holds back;
+* ``progress``: as ``base``, with the stand-in's device steps traced: after each step its stream stores the
+  exchange's number into a word of mapped host memory (``cuStreamWriteValue32``), and a host thread records when each
+  word changed: which step the device holds back;
 * ``receive_by_kernel``: the receives' host-to-device copies made by a kernel reading the mapped pinned buffer instead
   of ``cudaMemcpyAsync`` (traced as ``progress``);
 * ``receive_op``: each receive one kernel of the op library (``torch.ops.flux_layers.receive_from_host``) that waits
   on SMs for the host word and then copies, as an NCCL receive does: no stream wait, no copy (traced as
-  ``progress``). The stand-in receives this way since 6168645, so ``base`` and the first five variants do too.
+  ``progress``).
 
 Each variant runs ``--calls`` calls per rank under each ``--connections`` setting, outputs poisoned with NaN; a
 rank records per call the seconds until the device finished it, the NaN elements and the error against fp32, or
@@ -132,9 +131,9 @@ class _Progress:
 
 def _traced_exchange(sendrecv, progress: _Progress, receive: str) -> None:
     """Patch the stand-in's device side (sendrecv.HostStagedSendRecv._exchange_cuda, the same steps) to store each
-    step's exchange number into ``progress``'s words. ``receive``: 'copy' (as the stand-in up to ace8079: a stream
-    wait, then ``cudaMemcpyAsync``), 'kernel' (the stream wait, then a torch kernel reading the pinned buffer through
-    its mapped address) or 'op' (the op library's receive_from_host: one kernel that waits and copies)."""
+    step's exchange number into ``progress``'s words. ``receive``: 'copy' (as the stand-in: a stream wait, then
+    ``cudaMemcpyAsync``), 'kernel' (the stream wait, then a torch kernel reading the pinned buffer through its mapped
+    address) or 'op' (the op library's receive_from_host: one kernel that waits and copies)."""
     import torch
     write = torch.ops.flux_layers.write_flag.default
 

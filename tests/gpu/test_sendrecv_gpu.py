@@ -4,9 +4,9 @@
 the host calls; the host does not wait for the GPU; the current stream's later work sees what was received; an
 exchange that forwards what the previous one received, issued with no host synchronization in between, forwards
 the received data; back-to-back exchanges of several sizes and dtypes, issued from two streams by turns, each land
-in place; the bytes accounted are the bytes given. Its receive kernel alone (waits for the mapped host word, then
-copies the pinned bytes exactly), and the op library's stream wait on such a word (the stand-in's receive before that
-kernel). The NCCL transports through the stand-in: tests/gpu/test_nccl_transport_gpu.py."""
+in place; the bytes accounted are the bytes given. Its two device pieces alone: a stream wait on the mapped host
+word, and the receive kernel (waits for the word, then copies the pinned bytes exactly). The NCCL transports through
+the stand-in: tests/gpu/test_nccl_transport_gpu.py."""
 from __future__ import annotations
 
 import time
