@@ -21,19 +21,16 @@ any host wait:
    and then stores j into the host word ``staged`` (``torch.ops.flux_layers.write_flag``: cuStreamWriteValue32 on
    mapped host memory, ordered after the copies);
 2. the job (j, the pinned sends, pinned receive buffers) goes to the stand-in's thread;
-3. on the stand-in's stream, each receive is one kernel (``torch.ops.flux_layers.receive_from_host``) that waits on
-   SMs until the host word ``arrived`` holds >= j and then copies the receive buffer (pinned, read through its
-   mapping) into its tensor, as an NCCL receive is a kernel that polls a word its proxy thread stores; the current
-   stream waits for the stand-in's stream, as it waits for NCCL's stream.
+3. the stand-in's stream waits until the host word ``arrived`` holds >= j (``torch.ops.flux_layers.wait_flag``:
+   cuStreamWaitValue32 on mapped host memory), copies each receive buffer into its tensor; the current stream waits
+   for the stand-in's stream, as it waits for NCCL's stream.
 
 The thread, job by job in order: waits until ``staged`` holds >= j, issues a gloo isend / irecv for every send and
 receive of the job (tag :data:`TAG`), waits for them and stores ``arrived = j``. NOTE: the GPU waits on a host store,
-never on work enqueued after its wait, and it waits in a kernel, not the hardware queue: with one hardware queue
-(CUDA_DEVICE_MAX_CONNECTIONS=1), the persistent GEMM running, a receive made as a stream wait (cuStreamWaitValue32)
-and a copy (cudaMemcpyAsync) did not run until the GEMM's chunk waits gave up (experiments/one_queue_stand_in.py).
-One thread and one stream per group keep the exchanges of every executor on the group in issue order, as NCCL's calls
-on one communicator are; every rank issues the same exchanges in the same order, so each pair's messages match in
-order.
+never on work enqueued after its wait: with one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) a stream wait holds
+every later operation of every stream, so a flag that later GPU work would write never comes. One thread and one
+stream per group keep the exchanges of every executor on the group in issue order, as NCCL's calls on one
+communicator are; every rank issues the same exchanges in the same order, so each pair's messages match in order.
 
 NOTE: the thread makes no CUDA call at all (it reads and stores the two words through plain host loads and stores,
 never frees a job's pinned buffers: the caller's next exchange does, and on a failure only marks workspaces failed:
@@ -46,8 +43,8 @@ On CPU tensors (the CPU tests) the same thread, staging and word run; the caller
 
 Failure. A peer process that died closes its sockets and gloo raises in the thread; a job not done ``timeout_s``
 (FLUX_LAYERS_TIMEOUT_S when the stand-in is made) after the thread took it is taken as hung by a watcher thread.
-Either way the stand-in records the failure, stores ``arrived`` = 2^31 - 1 (every receive kernel's wait returns; the
-receives then copy what their buffers hold, NaN where nothing came: each receive buffer starts as 0xFF bytes, so the
+Either way the stand-in records the failure, stores ``arrived`` = 2^31 - 1 (every stream wait returns; the receive
+copies then move what their buffers hold, NaN where nothing came: each receive buffer starts as 0xFF bytes, so the
 GEMM's tiles and the hybrid transport's forwards to node peers read NaN instead of an earlier exchange's numbers)
 and marks the group's cached NCCL-transport workspaces failed, which their watchdog releases within its poll (their
 GEMMs' waits return, and the GEMMs of calls already enqueued yield NaN for every tile whose mainloop ends from then
@@ -116,8 +113,7 @@ class _Job:
 
 class _MappedWord:
     """``__cuda_array_interface__`` of pinned host memory, which under unified addressing has one address on the host
-    and the device: the CUDA tensor torch makes of it is what the op library's receive kernel and stream write
-    take."""
+    and the device: the CUDA tensor torch makes of it is what the op library's stream waits take."""
 
     def __init__(self, host: torch.Tensor):
         self._host = host  # kept alive by the tensor made from this object
@@ -206,9 +202,10 @@ class HostStagedSendRecv:
             buffers = [(_receive_buffer(t, pinned=True), t, peer) for t, peer in recvs]
             self._jobs.put(_Job(seq, staged_sends, [(_as_bytes(b), peer) for b, _, peer in buffers],
                                 bool(staged_sends)))
-            for b, t, _ in buffers:
-                torch.ops.flux_layers.receive_from_host.default(_as_bytes(t), _as_bytes(b), self._words_on_device, 0,
-                                                                seq)
+            if buffers:
+                torch.ops.flux_layers.wait_flag.default(self._words_on_device, 0, seq)
+                for b, t, _ in buffers:
+                    t.copy_(b, non_blocking=True)
         current.wait_stream(stream)
 
     def _exchange_host(self, seq: int, sends: Sequence[Transfer], recvs: Sequence[Transfer]) -> None:
@@ -239,7 +236,7 @@ class HostStagedSendRecv:
     def _stream_on(self, device: torch.device) -> torch.cuda.Stream:
         if self._stream is None:
             from flux_layers import _library
-            _library.require_library()  # the receive kernel is the op library's (not loaded by importing this module)
+            _library.require_library()  # the stream wait is the op library's (not loaded by importing this module)
             self._stream = torch.cuda.Stream(device=device, priority=-1)
             self._words_on_device = torch.as_tensor(_MappedWord(self._words), device=device)
             if not (self._words_on_device.is_cuda and self._words_on_device.data_ptr() == self._words.data_ptr()):
