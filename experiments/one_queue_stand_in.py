@@ -135,6 +135,9 @@ def _traced_exchange(sendrecv, progress: _Progress, receive: str) -> None:
     ``cudaMemcpyAsync``), 'kernel' (the stream wait, then a torch kernel reading the pinned buffer through its mapped
     address) or 'op' (the op library's receive_from_host: one kernel that waits and copies)."""
     import torch
+
+    from flux_layers import _library
+    _library.require_library()  # the op library's stream write and receive kernel (not loaded by importing sendrecv)
     write = torch.ops.flux_layers.write_flag.default
 
     def mapped_bytes(host):

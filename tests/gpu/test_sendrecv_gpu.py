@@ -81,8 +81,8 @@ def _host_receive(rank, world_size):
     holds the value a host thread stores (as the stand-in's does), then copies the pinned buffer's bytes exactly;
     at any size and alignment; a pinned buffer written again and received again gives its new bytes (the kernel
     reads past the caches); bad arguments raise before anything is enqueued."""
+    word, on_device = _mapped_host_word()  # loads the op library
     receive = torch.ops.flux_layers.receive_from_host.default
-    word, on_device = _mapped_host_word()
     gen = torch.Generator().manual_seed(7)
 
     def random_bytes(n):
