@@ -288,10 +288,10 @@ def main() -> None:
             worst = max((c.get("nan_elements", -1) for v in run["ranks"].values() for c in v), default=None)
             print(f"connections={connections} {variant}: all written={run['all_written']} most NaN in a call={worst} "
                   f"({run['wall_s']} s){' launch failed' if run['launch_failure'] else ''}", flush=True)
-    if args.out:
-        from flux_layers.devtools import records
-        records.write_json(args.out, {**records.environment(gpu_count=1), "tp": TP, "node_size": NODE_SIZE,
-                                      "runs": runs})
+            if args.out:  # after every run: a run cut short by a time limit keeps the ones before it
+                from flux_layers.devtools import records
+                records.write_json(args.out, {**records.environment(gpu_count=1), "tp": TP, "node_size": NODE_SIZE,
+                                              "runs": runs})
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@
 # scenario in its own process group, $RELIABILITY_ARGS added; with one GPU its two ranks share it), layer_ops_bench
 # (benchmarks/bench_layer_ops.py), e2e_ceiling (examples/gpt/ceiling.py), layer_profile
 # (benchmarks/profile_layer.py), stock_bench (benchmarks/bench_cutlass_stock.py), one_queue_probe
-# (experiments/one_queue_probe.py: what waits for a running kernel under one hardware queue), one_queue_stand_in
+# (experiments/one_queue_probe.py $ONE_QUEUE_PROBE_ARGS: what waits for a running kernel under one hardware queue), one_queue_stand_in
 # (experiments/one_queue_stand_in.py $ONE_QUEUE_ARGS: the one-queue failure of the NCCL transport on emulated nodes,
 # one change at a time).
 # GRAPH_TEST_K / LAYERS_TEST_K narrow graph_test / layers_test to a pytest -k expression.
@@ -219,7 +219,8 @@ benchmarks.bench_overhead --shared-gpu ${OVERHEAD_ARGS:-} --out $WORK/results/op
     stock_bench)  # stock CUTLASS kernel schedules beside cuBLAS and ours (not in the default steps)
       [ -f build/cutlass_stock/libstock_gemm.so ] || step stock_build 300 env PYTHON=$PY bash benchmarks/cutlass_stock/build.sh
       step stock_bench 200 $PY -m benchmarks.bench_cutlass_stock --out "$WORK/results/gemm_stock_cutlass_h200.json" ;;
-    one_queue_probe) step one_queue_probe 120 $PY -m experiments.one_queue_probe --out "$WORK/results/one_queue_probe.json" ;;
+    one_queue_probe) step one_queue_probe 200 $PY -m experiments.one_queue_probe ${ONE_QUEUE_PROBE_ARGS:-} \
+        --out "$WORK/results/one_queue_probe.json" ;;
     one_queue_stand_in) step one_queue_stand_in 400 env FLUX_LAYERS_TEST_SHARED_GPU=1 $PY -m experiments.one_queue_stand_in \
         ${ONE_QUEUE_ARGS:-} --out "$WORK/results/one_queue_stand_in.json" ;;
     *) echo "unknown step $s" | tee -a "$summary"; not_passed=$(( not_passed + 1 )) ;;
