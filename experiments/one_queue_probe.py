@@ -21,9 +21,12 @@ Each setting runs in its own process (the variable is read when CUDA starts); ``
 once, four contexts time-slicing the GPU as the failing test's ranks do. Needs one GPU and the op library (its
 ``write_flag`` / ``wait_flag``: cuStreamWriteValue32 / cuStreamWaitValue32).
 
-Found (9e7dbc6, one H200, one process): with one queue as with eight, none of the steps, nor the stand-in's whole
-sequence, waited for the running kernel, and no enqueue blocked the host. The variants and ``--processes 4`` have
-not run yet: the one call that tried them got no answer back from the machine.
+The stand-in's sequence writes its chunk flag into a device word, as the transports do (until f395f6e a host word),
+and two trials write and wait on a device word alone.
+
+Found (9e7dbc6, one H200, one process; the chunk flag then a host word): with one queue as with eight, none of the
+steps, nor the stand-in's whole sequence, waited for the running kernel, and no enqueue blocked the host. The variants
+and ``--processes 4`` have not run yet: the one call that tried them got no answer back from the machine.
 """
 from __future__ import annotations
 
@@ -47,6 +50,9 @@ def _trials(torch, ops, words, dev, pinned):
     def write_word(index, value):
         return lambda: ops.write_flag.default(words, index, value)
 
+    def write_device_word(value):  # the chunk flags the transports write live in device memory, not host memory
+        return lambda: ops.write_flag.default(dev["flags"], 0, value)
+
     d2h = lambda: pinned["d2h"].copy_(dev["src"], non_blocking=True)  # noqa: E731
     h2d = lambda: dev["dst"].copy_(pinned["h2d"], non_blocking=True)  # noqa: E731
     d2d = lambda: dev["dst"].copy_(dev["src"], non_blocking=True)  # noqa: E731
@@ -56,6 +62,9 @@ def _trials(torch, ops, words, dev, pinned):
         "host-to-device copy": [("h2d", "B", h2d)],
         "device-to-device copy": [("d2d", "B", d2d)],
         "stream write to a host word": [("write", "B", write_word(1, 7))],
+        "stream write to a device word": [("write (device)", "B", write_device_word(7))],
+        "stream wait on a device word already set": [("wait (device, set)", "B",
+                                                      lambda: ops.wait_flag.default(dev["flags"], 1, 0))],
         "stream wait on a host word already set": [("wait (set)", "B", wait_word(0))],
         "stream wait on a host word, host store": [("wait (host store)", "B", wait_word(1))],
         "event wait on an idle stream": [("wait C", "B", "wait:C")],
@@ -71,7 +80,7 @@ def _trials(torch, ops, words, dev, pinned):
             ("wait arrived (host store)", "B", wait_word(1)),
             ("receive h2d", "B", h2d),
             ("C waits B", "C", "wait:B"),
-            ("flag write", "C", write_word(1, 2)),
+            ("flag write", "C", write_device_word(2)),
             ("B waits C again", "B", "wait:C"),
             ("forward stage d2h", "B", lambda: pinned["d2h"].copy_(dev["dst"], non_blocking=True)),
             ("store staged again", "B", write_word(1, 3)),
@@ -92,7 +101,8 @@ def _run_setting(kernel_s: float) -> dict:
     if words.data_ptr() != host_words.data_ptr():
         raise RuntimeError("the host words are not mapped in place (a copy would never see the host's stores)")
     g = torch.Generator(device="cuda").manual_seed(0)
-    dev = {"src": torch.randn(4 * MiB, device="cuda", generator=g), "dst": torch.empty(4 * MiB, device="cuda")}
+    dev = {"src": torch.randn(4 * MiB, device="cuda", generator=g), "dst": torch.empty(4 * MiB, device="cuda"),
+           "flags": torch.zeros(2, dtype=torch.int32, device="cuda")}
     pinned = {"d2h": torch.empty(4 * MiB, pin_memory=True), "h2d": torch.randn(4 * MiB).pin_memory()}
     streams = {k: torch.cuda.Stream() for k in "ABC"}
 
