@@ -19,6 +19,9 @@ Variants, each in its own group of processes sharing the GPU (FLUX_LAYERS_TEST_S
   word changed: which step the device holds back;
 * ``receive_by_kernel``: the receives' host-to-device copies made by a kernel reading the mapped pinned buffer instead
   of ``cudaMemcpyAsync`` (traced as ``progress``);
+* ``flags_by_kernel``: each chunk flag the transfer stream sets (``flag_ops``' write) stored by a one-element fill
+  kernel instead of ``cuStreamWriteValue32`` on device memory (whether a stream write that must follow the GEMM's
+  launch in the one queue is what is held);
 * ``receive_op``: each receive one kernel of the op library (``torch.ops.flux_layers.receive_from_host``) that waits
   on SMs for the host word and then copies, as an NCCL receive does: no stream wait, no copy (traced as
   ``progress``).
@@ -47,7 +50,7 @@ import time
 TP, NODE_SIZE = 4, 2
 TIMEOUT_S = 5.0
 VARIANTS = ("base", "side_stream", "stand_in_priority_0", "forward_from_host", "nccl_sms_32", "progress",
-            "receive_by_kernel", "receive_op")
+            "receive_by_kernel", "receive_op", "flags_by_kernel")
 # The traced steps of an exchange (``progress``), in the order its streams reach them.
 STEPS = ("caller_at_exchange", "stand_in_forked", "staged", "arrived_waited", "received", "caller_joined")
 
@@ -80,6 +83,18 @@ def _forward_from_host(sendrecv) -> None:
     sendrecv.HostStagedSendRecv._stage = staticmethod(stage_the_rest)
     sendrecv._receive_buffer = remembered_receive_buffer
     sendrecv._Job = job_with_host_sends
+
+
+def _flags_by_kernel() -> None:
+    """Patch the NCCL transport's flag writes (flux_layers/ops/fused_ag_gemm.py ``flag_ops``, taken at each call) to a
+    fill kernel on the current stream: stream order still puts each flag after its chunk's receive."""
+    from flux_layers.ops import fused_ag_gemm
+    _, wait = fused_ag_gemm.flag_ops()
+
+    def write_by_kernel(flags, index, value):  # flags: a workspace's int32 flag words, in device memory
+        flags[index:index + 1].fill_(value)
+
+    fused_ag_gemm.flag_ops = lambda: (write_by_kernel, wait)
 
 
 def _stand_in_priority_0(sendrecv) -> None:
@@ -196,6 +211,8 @@ def _rank(rank, tp, variant, calls, seed, out_dir):
         _forward_from_host(sendrecv)
     if variant == "stand_in_priority_0":
         _stand_in_priority_0(sendrecv)
+    if variant == "flags_by_kernel":
+        _flags_by_kernel()
     progress = None
     if variant in ("progress", "receive_by_kernel", "receive_op"):
         progress = _Progress(sendrecv)
