@@ -36,7 +36,10 @@ the error it raised (a call after a timeout raises: its workspace failed).
 Needs one GPU and the op library. First run (ace8079, 4 ranks sharing one H100,
 benchmarks/results/one_queue_stand_in_h100.json): under one queue every variant of the first five left every peer
 shard of the first call NaN (each tile that ends after the timeout's claim yields NaN); with 8 queues all wrote
-everything.
+everything. At 5dc9894 (one H100, benchmarks/results/one_queue_stand_in_progress_h100.json) ``progress``,
+``receive_op`` and ``flags_by_kernel`` failed the same way under one queue; ``progress`` showed every traced step of
+the transfer stream, its first included, held until the GEMM's waits gave up, which pointed at the completion word
+the op library then wrote on the GEMM's stream (docs/design.md section 7).
 """
 from __future__ import annotations
 
@@ -88,7 +91,9 @@ def _forward_from_host(sendrecv) -> None:
 def _flags_by_kernel() -> None:
     """Patch the NCCL transport's flag writes (flux_layers/ops/fused_ag_gemm.py ``flag_ops``, taken at each call) to a
     fill kernel on the current stream: stream order still puts each flag after its chunk's receive."""
+    from flux_layers import _library
     from flux_layers.ops import fused_ag_gemm
+    _library.require_library()  # flag_ops takes the op library's ops (not loaded by importing the module)
     _, wait = fused_ag_gemm.flag_ops()
 
     def write_by_kernel(flags, index, value):  # flags: a workspace's int32 flag words, in device memory
