@@ -25,8 +25,10 @@ The stand-in's sequence writes its chunk flag into a device word, as the transpo
 and two trials write and wait on a device word alone.
 
 Found (9e7dbc6, one H200, one process; the chunk flag then a host word): with one queue as with eight, none of the
-steps, nor the stand-in's whole sequence, waited for the running kernel, and no enqueue blocked the host. The variants
-and ``--processes 4`` have not run yet: the one call that tried them got no answer back from the machine.
+steps, nor the stand-in's whole sequence, waited for the running kernel, and no enqueue blocked the host. Again at
+5dc9894 (one H100, ``--processes 1 4 --kernel-s 0.5``, benchmarks/results/one_queue_probe_h100.json), the variants,
+the device-word trials and four contexts at once included. The trials on the kernel's own stream have not run yet:
+they test what docs/design.md section 7 gives as the cause of the one-queue failure.
 """
 from __future__ import annotations
 
@@ -68,6 +70,13 @@ def _trials(torch, ops, words, dev, pinned):
         "stream wait on a host word already set": [("wait (set)", "B", wait_word(0))],
         "stream wait on a host word, host store": [("wait (host store)", "B", wait_word(1))],
         "event wait on an idle stream": [("wait C", "B", "wait:C")],
+        # the external-mode calls up to 5dc9894 wrote their completion word on the GEMM's stream right after it, and
+        # the caller's transfers followed on another stream: the first step waits for the kernel by stream order,
+        # the question is whether the second does too
+        "stream write behind the kernel on its stream, then a record on another": [
+            ("write on the kernel's stream", "A", write_word(1, 9)), ("record on B after it", "B", lambda: None)],
+        "event record behind the kernel on its stream, then a record on another": [
+            ("record on the kernel's stream", "A", lambda: None), ("record on B after it", "B", lambda: None)],
         # a pinned buffer of a size not cached yet: the host allocator's cudaHostAlloc
         "new pinned buffer, then a host-to-device copy from it": [
             ("h2d from a new pinned buffer", "B", lambda: dev["dst"][:MiB + 4096].copy_(

@@ -429,6 +429,30 @@ struct NativeWorkspace : torch::CustomClassHolder {
   void mark_failed(std::string message) { live().mark_failed(message); }
   int64_t epoch() const { return live().epoch(); }
 
+  // The end of an external-transfer call of plan `plan` and epoch `epoch` (the NCCL and hybrid transports) on the
+  // current stream, which the caller enqueues once its transfers joined that stream (flux::end_external_ag_gemm,
+  // end_external_gemm_rs: why it is not enqueued with the GEMM).
+  void end_external_call(int64_t plan, int64_t epoch) {
+    flux::PlannedCall const& c = planned(plan);
+    TORCH_CHECK_VALUE(epoch > 0 && epoch <= live().epoch(), "end_external_call: epoch ", epoch, " is not a call of ",
+                      config().what, " (its last epoch is ", live().epoch(), ")");
+    c10::cuda::CUDAGuard guard(c10::Device(c10::DeviceType::CUDA, c10::DeviceIndex(config().device)));
+    cudaStream_t const stream = c10::cuda::getCurrentCUDAStream();
+    translate_errors([&] {
+      if (config().kind == flux::WorkspaceKind::kAllGather) {
+        flux::AgGemmArgs a = c.ag;
+        a.epoch = uint32_t(epoch);
+        a.compute = stream;
+        flux::end_external_ag_gemm(a);
+      } else {
+        flux::GemmRsArgs a = c.rs;
+        a.epoch = uint32_t(epoch);
+        a.compute = stream;
+        flux::end_external_gemm_rs(a);
+      }
+    });
+  }
+
   const Tensor& no_gathered(const Tensor& like) {
     if (!empty_gathered.defined()) empty_gathered = at::empty({0, config().inner}, like.options());
     return empty_gathered;
@@ -789,6 +813,7 @@ TORCH_LIBRARY(flux_layers, m) {
       .def("failure", &NativeWorkspace::failure)
       .def("mark_failed", &NativeWorkspace::mark_failed)
       .def("epoch", &NativeWorkspace::epoch)
+      .def("end_external_call", &NativeWorkspace::end_external_call, "", {torch::arg("plan"), torch::arg("epoch")})
       .def("handle", &NativeWorkspace::handle)
       .def("close", &NativeWorkspace::close);
   m.def(

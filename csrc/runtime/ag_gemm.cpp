@@ -364,6 +364,12 @@ void check_ag_gemm_args(const AgGemmArgs& a) {
                "'s buffer and flags mapped");
 }
 
+void end_external_ag_gemm(const AgGemmArgs& a) {
+  FLUX_CHECK(a.mode == AgMode::kExternal, "only a call whose caller moves the chunks (external mode) ends apart");
+  // The watchdog sees the call's end; transfers that never arrive make the GEMM's own waits time out.
+  if (a.completion != nullptr) stream_write_u32(a.compute, CompletionRing::word(a.completion, a.epoch), a.epoch);
+}
+
 void ag_gemm(const AgGemmArgs& a) {
   if (a.rows_per_shard == 0) return;
   AgCall p{a,
@@ -376,8 +382,9 @@ void ag_gemm(const AgGemmArgs& a) {
   if (a.mode == AgMode::kExternal) {
     if (a.run_gemm) launch_gemm(gemm_problem(p), a.types, a.layout, a.tile, a.compute);
     if (p.graph()) FLUX_CUDA_CHECK(cudaMemsetAsync(p.my(0), 0, size_t(p.flags.data_words()) * 4, a.compute));
-    // The watchdog sees the GEMM's end; transfers that never arrive make the GEMM's own waits time out.
-    if (a.completion != nullptr) stream_write_u32(a.compute, CompletionRing::word(a.completion, a.epoch), a.epoch);
+    // The call's end is the caller's to enqueue (end_external_ag_gemm), once its transfers are: a stream write
+    // here, behind the GEMM, would hold a single hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) until the GEMM
+    // ends, and with it every transfer the GEMM waits for.
     return;
   }
   cudaEvent_t* const ev = a.events;

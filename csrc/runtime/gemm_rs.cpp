@@ -25,8 +25,8 @@
 //                     the caller raises its flag per chunk. The owner adds its node's partials, then the other
 //                     nodes' node partials in node order.
 //
-// After the kernel, consumed[r] = e is written at every peer (not external; two-level: at the node's peers): our
-// receive slots are free again.
+// After the kernel, consumed[r] = e is written at every peer (not external; two-level: at the node's peers, with the
+// call's end that the caller enqueues after its transfers, end_external_gemm_rs): our receive slots are free again.
 // CUDA-graph protocol (FlagProtocol, e = 1): consumed[d] is waited for on a stream and cleared at once (for
 // the epilogue transport on the compute stream before the kernel, which then skips its own wait); our tile flags are
 // cleared after the kernel, before consumed is written (a peer sets them again only after it saw that write).
@@ -71,6 +71,22 @@ void check_gemm_rs_args(const GemmRsArgs& a) {
                "'s receive buffer or flags are not mapped (a workspace in local memory serves external transfers "
                "only; a two-level plan's, mapped inside the node, two-level ones)");
   }
+}
+
+void end_external_gemm_rs(const GemmRsArgs& a) {
+  bool const two_level = a.node_size > 0;
+  FLUX_CHECK(a.external || two_level, "only a call whose caller moves the partials (external or two-level) ends apart");
+  // Two-level: our slots are free again for the node's peers (the caller's receives of the next call follow this
+  // call's kernel by the fork). Both: the call is complete for the watchdog; partials that never arrive make the
+  // GEMM's own waits time out. One batch.
+  RsFlagLayout const layout{a.tp, a.flags_per_source};
+  FlagOp done[kMaxFlagOps];
+  int n = 0;
+  if (two_level)
+    for (int q = a.rank / a.node_size * a.node_size; q < (a.rank / a.node_size + 1) * a.node_size; ++q)
+      if (q != a.rank) done[n++] = {a.flags[q] + layout.consumed(0) + a.rank, a.epoch};
+  if (a.completion != nullptr) done[n++] = {CompletionRing::word(a.completion, a.epoch), a.epoch};
+  if (n > 0) stream_write_u32_all(a.compute, done, n);
 }
 
 void gemm_rs(const GemmRsArgs& a) {
@@ -237,23 +253,10 @@ void gemm_rs(const GemmRsArgs& a) {
   // (CUDA_DEVICE_MAX_CONNECTIONS=1) a wait queued ahead of it would never be released.
   launch_gemm(g, a.types, a.layout, a.tile, a.compute);
 
-  if (external) {
-    // The watchdog sees the GEMM's end; partials that never arrive make the GEMM's own waits time out. The caller
-    // joins its transfer stream into the compute stream.
-    if (a.completion != nullptr) stream_write_u32(a.compute, CompletionRing::word(a.completion, a.epoch), a.epoch);
-    return;
-  }
-  if (two_level) {
-    // Our slots are free again for the node's peers (the caller's receives follow this call's kernel by the
-    // fork), and the call is complete for the watchdog: one batch. The caller joins its transfer stream.
-    FlagOp done[kMaxFlagOps];
-    int n = 0;
-    for (int q = r / a.node_size * a.node_size; q < (r / a.node_size + 1) * a.node_size; ++q)
-      if (q != r) done[n++] = {consumed(q) + r, a.epoch};
-    if (a.completion != nullptr) done[n++] = {CompletionRing::word(a.completion, a.epoch), a.epoch};
-    stream_write_u32_all(a.compute, done, n);
-    return;
-  }
+  // External and two-level: the caller joins its transfer stream and then enqueues the call's end
+  // (end_external_gemm_rs): a stream write here, behind the GEMM, would hold a single hardware queue
+  // (CUDA_DEVICE_MAX_CONNECTIONS=1) until the GEMM ends, and with it every transfer the GEMM waits for.
+  if (external || two_level) return;
 
   if (copy_engine) {
     const size_t row_bytes = size_t(a.n) * elem;

@@ -103,3 +103,13 @@ def gemm_rs_fp8(ws, plan: int, weight_nn: bool) -> BoundCall:
     direct = _library.direct_calls()
     bound = None if direct is None else functools.partial(direct.gemm_rs_fp8, ws.handle, plan, weight_nn)
     return BoundCall(bound, _typed(registered, ws))
+
+
+def end_external_call(ws, plan: int, epoch: int) -> None:
+    """The end of ``ws``'s external-transfer call of ``plan`` and ``epoch`` (the NCCL and hybrid transports: the
+    caller moves the chunks or partials): the words the op library writes once the call is done (its completion for
+    the workspace's watchdog; a two-level reduce-scatter's slots freed at the node's peers), on the current stream.
+    The caller enqueues it after its transfers joined that stream: enqueued with the GEMM, it would wait there for the
+    GEMM to end and, under one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1), hold every later operation of every
+    stream, the transfers the GEMM waits for among them."""
+    ws.native.end_external_call(plan=plan, epoch=epoch)

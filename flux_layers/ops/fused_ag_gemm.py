@@ -167,9 +167,9 @@ def run_nccl(ws: workspace.AgWorkspace, call: NcclCall, x_shard_m: torch.Tensor,
     compute stream, enqueue the GEMM (it waits per chunk on this rank's flags), then this rank's batches on the
     transfer stream (NCCL, each received chunk's flag set to the call's epoch after it; hybrid: then its pushes into
     node peers' buffers, each followed by the chunk's flag there), the gathered input copied out there if asked for,
-    and join; hybrid: then done at each of the node's other ranks. Returns out, or (out, gathered) if
-    ``return_gathered``. ``run_gemm`` False: the transfers alone (benchmarks). A call under CUDA-graph capture raises
-    NoGraphTwin (the transport has none).
+    and join, then the call's end (its completion word: ``_opcalls.end_external_call``); hybrid: then done at each of
+    the node's other ranks. Returns out, or (out, gathered) if ``return_gathered``. ``run_gemm`` False: the transfers
+    alone (benchmarks). A call under CUDA-graph capture raises NoGraphTwin (the transport has none).
 
     FP8 rows (an FP8 workspace; ``x_scale``, ``w_scale`` as ``ops.ag_gemm`` takes them): a chunk travels with its
     scales, into the scale region's slots of the call's epoch (``ws.scale_index``), in the chunk's batch and so ahead
@@ -248,6 +248,7 @@ def run_nccl(ws: workspace.AgWorkspace, call: NcclCall, x_shard_m: torch.Tensor,
                 gathered_scale = torch.cat([own_scales if g == ws.rank else shard_scales(g) for g in range(tp)])
                 gathered_scale = gathered_scale.view(-1, 1) if per_shard > 1 else gathered_scale
     compute.wait_stream(stream)
+    _opcalls.end_external_call(ws, call.index, epoch)  # after the transfers (_opcalls.end_external_call says why)
     # This rank's GEMM and transfers stopped reading its buffer: the node's other ranks may push their next call.
     for q in call.pushes.peers if call.pushes else ():
         write_flag(ws.peer_flags(q), call.done_at_peers, epoch)

@@ -141,8 +141,8 @@ def run_nccl(ws: workspace.RsWorkspace, call: NcclCall, x: torch.Tensor, weight:
     """One call on a workspace of the NCCL transport (flux_layers/runtime/multinode/nccl_rs_transport.py): the op
     clears the counts, forks the transfer stream and enqueues the GEMM; then this rank's batches on the transfer stream
     (per chunk: wait for its count, send it, receive the peer's partial of our rows, set that chunk's flag to the call's
-    epoch), and the compute stream joins it. FP8 operands (``x_scale``, ``w_scale``): each rank's partials scaled in
-    its epilogue, moved as bfloat16 like any other."""
+    epoch), the compute stream joins it, and then the call's end (``_opcalls.end_external_call``). FP8 operands
+    (``x_scale``, ``w_scale``): each rank's partials scaled in its epilogue, moved as bfloat16 like any other."""
     if torch.cuda.is_current_stream_capturing():
         raise workspace.NoGraphTwin(f"gemm_rs: {nccl_rs_transport.CAPTURE_REFUSAL}")
     compute, stream = torch.cuda.current_stream(), ws.transfer_stream
@@ -161,6 +161,7 @@ def run_nccl(ws: workspace.RsWorkspace, call: NcclCall, x: torch.Tensor, weight:
                           lambda d, c: rows(ws.stage_slot(d), chunks[c]), lambda s, c: rows(ws.recv[s], chunks[c]),
                           lambda s, c: write_flag(flags, partials[s][c], epoch))
     compute.wait_stream(stream)
+    _opcalls.end_external_call(ws, call.index, epoch)  # after the transfers (_opcalls.end_external_call says why)
     return out
 
 

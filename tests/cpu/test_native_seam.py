@@ -62,6 +62,20 @@ def test_the_native_state_is_freed_by_a_method_not_by_the_destructor():
 
 
 @needs_library
+def test_an_external_call_ends_after_its_transfers():
+    """The NCCL and hybrid transports end each call (its completion word; a two-level reduce-scatter's freed slots)
+    through the native workspace, by the names it declares, once the transfer stream joined the compute stream: with
+    one hardware queue, a stream write that waits for the GEMM and is enqueued before the transfers holds them."""
+    from flux_layers.ops import _opcalls, fused_ag_gemm, fused_gemm_rs
+    assert _workspace_schemas()["end_external_call"] == ["plan", "epoch"]
+    assert "ws.native.end_external_call(plan=plan, epoch=epoch)" in inspect.getsource(_opcalls.end_external_call)
+    for op in (fused_ag_gemm, fused_gemm_rs):
+        source = inspect.getsource(op.run_nccl)
+        assert source.count("_opcalls.end_external_call(ws, call.index, epoch)") == 1, op.__name__
+        assert source.index("compute.wait_stream(stream)") < source.index("_opcalls.end_external_call("), op.__name__
+
+
+@needs_library
 def test_every_name_python_passes_is_exported():
     from flux_layers.ops import fused_ag_gemm
     from flux_layers.ops._checks import FUSED_DTYPES

@@ -110,6 +110,12 @@ void check_ag_gemm_args(const AgGemmArgs& args);
 // workspace, its chunks the chunk flags), and an epoch from WorkspaceState::next_epoch.
 void ag_gemm(const AgGemmArgs& args);
 
+// The end of an external-mode call (its completion word), on args.compute, which the caller enqueues once its
+// transfers are enqueued and joined into that stream: ag_gemm enqueues nothing behind its GEMM in that mode, since
+// under a single hardware queue a stream operation that waits for the GEMM holds every later one, the transfers
+// the GEMM waits for included. `args`: the call's (its epoch).
+void end_external_ag_gemm(const AgGemmArgs& args);
+
 // The shard order the GEMM walks for this rank: own shard, then in arrival order.
 void ag_shard_order(int rank, int tp, AgOrder order, int* shard_order);
 
@@ -178,6 +184,10 @@ void check_gemm_rs_args(const GemmRsArgs& args);
 // epilogue, staged locally and moved by the copy engine, or staged locally and moved by the caller) and are
 // reduced there by the owner's GEMM epilogue (deterministic order). `args` as for ag_gemm (its rows fit a slot).
 void gemm_rs(const GemmRsArgs& args);
+
+// As end_external_ag_gemm, for an external or two-level reduce-scatter (two-level: with the consumed words at the
+// node's peers).
+void end_external_gemm_rs(const GemmRsArgs& args);
 
 // The destination order of this rank's tiles: rank+1, rank+2, ..., own rows last.
 void rs_shard_order(int rank, int tp, int* shard_order);

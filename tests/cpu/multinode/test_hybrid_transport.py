@@ -213,7 +213,8 @@ def _hybrid_calls(rank, tp, node_size, layouts, buffers, flags, k, scales=None):
     torch.cuda.stream = lambda s: contextlib.nullcontext()
     torch.Tensor.record_stream = lambda self, s: None
     fused_ag_gemm.flag_ops = lambda: (_write, _wait)
-    fused_ag_gemm._opcalls = types.SimpleNamespace(ag_gemm=lambda *args: _Op(), ag_gemm_fp8=lambda *args: _Op())
+    fused_ag_gemm._opcalls = types.SimpleNamespace(ag_gemm=lambda *args: _Op(), ag_gemm_fp8=lambda *args: _Op(),
+                                                   end_external_call=lambda *args: None)  # the GEMM's end: stood in
     ws = _HostWorkspace(rank, tp, node_size, buffers, flags, k, scales)
     for i in range(12):
         order, numa = layouts[i % len(layouts)]
