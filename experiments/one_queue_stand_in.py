@@ -22,9 +22,8 @@ Variants, each in its own group of processes sharing the GPU (FLUX_LAYERS_TEST_S
 * ``flags_by_kernel``: each chunk flag the transfer stream sets (``flag_ops``' write) stored by a one-element fill
   kernel instead of ``cuStreamWriteValue32`` on device memory (whether a stream write that must follow the GEMM's
   launch in the one queue is what is held);
-* ``receive_op``: each receive one kernel of the op library (``torch.ops.flux_layers.receive_from_host``) that waits
-  on SMs for the host word and then copies, as an NCCL receive does: no stream wait, no copy (traced as
-  ``progress``).
+* ``receive_op`` (up to 5dc9894, with the op library's receive kernel, since removed): each receive one kernel that
+  waited on SMs for the host word and then copied, as an NCCL receive does.
 
 Each variant runs ``--calls`` calls per rank under each ``--connections`` setting, outputs poisoned with NaN; a
 rank records per call the seconds until the device finished it, the NaN elements and the error against fp32, or
@@ -53,7 +52,7 @@ import time
 TP, NODE_SIZE = 4, 2
 TIMEOUT_S = 5.0
 VARIANTS = ("base", "side_stream", "stand_in_priority_0", "forward_from_host", "nccl_sms_32", "progress",
-            "receive_by_kernel", "receive_op", "flags_by_kernel")
+            "receive_by_kernel", "flags_by_kernel")
 # The traced steps of an exchange (``progress``), in the order its streams reach them.
 STEPS = ("caller_at_exchange", "stand_in_forked", "staged", "arrived_waited", "received", "caller_joined")
 
@@ -152,12 +151,12 @@ class _Progress:
 def _traced_exchange(sendrecv, progress: _Progress, receive: str) -> None:
     """Patch the stand-in's device side (sendrecv.HostStagedSendRecv._exchange_cuda, the same steps) to store each
     step's exchange number into ``progress``'s words. ``receive``: 'copy' (as the stand-in: a stream wait, then
-    ``cudaMemcpyAsync``), 'kernel' (the stream wait, then a torch kernel reading the pinned buffer through its mapped
-    address) or 'op' (the op library's receive_from_host: one kernel that waits and copies)."""
+    ``cudaMemcpyAsync``) or 'kernel' (the stream wait, then a torch kernel reading the pinned buffer through its
+    mapped address)."""
     import torch
 
     from flux_layers import _library
-    _library.require_library()  # the op library's stream write and receive kernel (not loaded by importing sendrecv)
+    _library.require_library()  # the op library's stream write (not loaded by importing sendrecv)
     write = torch.ops.flux_layers.write_flag.default
 
     def mapped_bytes(host):
@@ -181,12 +180,7 @@ def _traced_exchange(sendrecv, progress: _Progress, receive: str) -> None:
             buffers = [(sendrecv._receive_buffer(t, pinned=True), t, peer) for t, peer in recvs]
             self._jobs.put(sendrecv._Job(seq, staged_sends, [(sendrecv._as_bytes(b), peer) for b, _, peer in buffers],
                                          bool(staged_sends)))
-            if buffers and receive == "op":
-                for b, t, _ in buffers:
-                    torch.ops.flux_layers.receive_from_host.default(sendrecv._as_bytes(t), sendrecv._as_bytes(b),
-                                                                    self._words_on_device, 0, seq)
-                write(words, STEPS.index("received"), seq)
-            elif buffers:
+            if buffers:
                 torch.ops.flux_layers.wait_flag.default(self._words_on_device, 0, seq)
                 write(words, STEPS.index("arrived_waited"), seq)
                 for b, t, _ in buffers:
@@ -219,10 +213,9 @@ def _rank(rank, tp, variant, calls, seed, out_dir):
     if variant == "flags_by_kernel":
         _flags_by_kernel()
     progress = None
-    if variant in ("progress", "receive_by_kernel", "receive_op"):
+    if variant in ("progress", "receive_by_kernel"):
         progress = _Progress(sendrecv)
-        _traced_exchange(sendrecv, progress, {"progress": "copy", "receive_by_kernel": "kernel",
-                                              "receive_op": "op"}[variant])
+        _traced_exchange(sendrecv, progress, {"progress": "copy", "receive_by_kernel": "kernel"}[variant])
     caller = torch.cuda.current_stream()
     stream = torch.cuda.Stream() if variant == "side_stream" else caller
     results = []

@@ -27,7 +27,6 @@
 #include "flux/check.h"
 #include "flux/fused_ops.h"
 #include "flux/gemm_dispatch.h"
-#include "flux/host_receive.h"
 #include "flux/workspace_layout.h"
 #include "flux/workspace_state.h"
 #include "fused_calls.h"
@@ -745,27 +744,6 @@ void wait_flag(Tensor flags, int64_t index, int64_t value) {
   translate_errors([&] { flux::stream_wait_u32_geq(c10::cuda::getCurrentCUDAStream(), word, uint32_t(value)); });
 }
 
-// dst = the bytes of the pinned host tensor src, once words[index] >= value: the host-staged stand-in's receive
-// (flux/host_receive.h), a kernel on the current stream. src's device address is its host address's mapping.
-void receive_from_host(Tensor dst, const Tensor& src, const Tensor& words, int64_t index, int64_t value) {
-  uint32_t const* const word = flag_word(words, index, value, "receive_from_host");
-  TORCH_CHECK_VALUE(dst.is_cuda() && dst.is_contiguous(), "receive_from_host: dst must be a contiguous CUDA tensor");
-  TORCH_CHECK_VALUE(!src.is_cuda() && src.is_pinned() && src.is_contiguous(),
-                    "receive_from_host: src must be contiguous pinned host memory");
-  size_t const bytes = dst.numel() * dst.element_size();
-  TORCH_CHECK_VALUE(size_t(src.numel() * src.element_size()) == bytes, "receive_from_host: src holds ",
-                    src.numel() * src.element_size(), " bytes, dst ", bytes);
-  if (bytes == 0) return;
-  c10::cuda::CUDAGuard guard(dst.device());
-  void* mapped = nullptr;
-  C10_CUDA_CHECK(cudaHostGetDevicePointer(&mapped, src.data_ptr(), 0));
-  c10::cuda::CUDAStream const stream = c10::cuda::getCurrentCUDAStream();
-  translate_errors([&] { flux::receive_from_host(word, uint32_t(value), mapped, dst.data_ptr(), bytes, stream); });
-  // The pinned allocator must not hand src's block out again before the kernel read it (as a copy_ records).
-  at::DataPtr const& block = src.storage().data_ptr();
-  at::getHostAllocator(at::kCUDA)->record_event(block.get(), block.get_context(), stream.unwrap());
-}
-
 // The fused ops' signature with nothing behind it: benchmarks/bench_overhead.py times it to separate the cost of
 // calling an op from Python (argument parsing, dispatch) from the op's own host work.
 void call_overhead_probe(const Tensor&, const Tensor&, const std::optional<Tensor>&, int64_t, int64_t, bool, bool,
@@ -831,7 +809,6 @@ TORCH_LIBRARY(flux_layers, m) {
       "bool weight_nn) -> Tensor");
   m.def("write_flag(Tensor(a!) flags, int index, int value) -> ()");
   m.def("wait_flag(Tensor flags, int index, int value) -> ()");
-  m.def("receive_from_host(Tensor(a!) dst, Tensor src, Tensor words, int index, int value) -> ()");
   m.def(
       "call_overhead_probe(Tensor x, Tensor weight, Tensor? bias, int workspace, int plan, bool weight_nn, "
       "bool return_gathered, bool run_gemm) -> ()");
@@ -851,6 +828,5 @@ TORCH_LIBRARY_IMPL(flux_layers, CUDA, m) {
   m.impl("gemm_rs_fp8", &flux::bindings::gemm_rs_fp8);
   m.impl("write_flag", &write_flag);
   m.impl("wait_flag", &wait_flag);
-  m.impl("receive_from_host", &receive_from_host);
   m.impl("call_overhead_probe", &call_overhead_probe);
 }

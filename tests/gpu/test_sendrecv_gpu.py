@@ -4,9 +4,8 @@
 the host calls; the host does not wait for the GPU; the current stream's later work sees what was received; an
 exchange that forwards what the previous one received, issued with no host synchronization in between, forwards
 the received data; back-to-back exchanges of several sizes and dtypes, issued from two streams by turns, each land
-in place; the bytes accounted are the bytes given. Its two device pieces alone: a stream wait on the mapped host
-word, and the receive kernel (waits for the word, then copies the pinned bytes exactly). The NCCL transports through
-the stand-in: tests/gpu/test_nccl_transport_gpu.py."""
+in place; the bytes accounted are the bytes given. Its device piece alone: a stream wait on the mapped host word.
+The NCCL transports through the stand-in: tests/gpu/test_nccl_transport_gpu.py."""
 from __future__ import annotations
 
 import time
@@ -74,47 +73,6 @@ def _host_word(rank, world_size):
 
 def test_stream_wait_on_the_host_word_returns_on_a_host_store():
     run_distributed(_host_word, 1, timeout_s=60)
-
-
-def _host_receive(rank, world_size):
-    """The stand-in's receive alone: a kernel that waits until the pinned host word, seen in place on the device,
-    holds the value a host thread stores (as the stand-in's does), then copies the pinned buffer's bytes exactly;
-    at any size and alignment; a pinned buffer written again and received again gives its new bytes (the kernel
-    reads past the caches); bad arguments raise before anything is enqueued."""
-    word, on_device = _mapped_host_word()  # loads the op library
-    receive = torch.ops.flux_layers.receive_from_host.default
-    gen = torch.Generator().manual_seed(7)
-
-    def random_bytes(n):
-        return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
-
-    src = random_bytes(1 << 20).pin_memory()
-    dst = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
-    _returns_only_after_the_host_stores(word, lambda: receive(dst, src, on_device, 0, 3), "receive")
-    assert torch.equal(dst.cpu(), src), "the receive's bytes differ from the pinned buffer's"
-
-    for n, offset in ((1, 0), (15, 1), (4099, 3), (65536, 0), ((1 << 20) - 5, 5)):
-        host = torch.empty(n + offset, dtype=torch.uint8).pin_memory()
-        out = torch.full((n + 16,), 0xA5, dtype=torch.uint8, device="cuda")
-        for _ in range(2):  # the same pinned bytes written again: the second receive must see the new ones
-            host[offset:] = random_bytes(n)
-            receive(out[16 - offset % 16:][:n], host[offset:], on_device, 0, 3)
-            torch.cuda.synchronize()
-            assert torch.equal(out[16 - offset % 16:][:n].cpu(), host[offset:]), f"{n} bytes at offset {offset}"
-        assert (out[:16 - offset % 16] == 0xA5).all() and (out[16 - offset % 16 + n:] == 0xA5).all(), \
-            f"{n} bytes at offset {offset}: bytes outside the destination written"
-
-    for bad, match in (((dst, src.clone(), on_device, 0, 3), "pinned"),  # pageable host memory
-                       ((dst, src[:-1], on_device, 0, 3), "bytes"),
-                       ((dst[::2], src[: dst.numel() // 2], on_device, 0, 3), "contiguous"),
-                       ((dst, src, on_device, 1, 3), "index")):
-        with pytest.raises(ValueError, match=match):
-            receive(*bad)
-    torch.cuda.synchronize()
-
-
-def test_receive_kernel_waits_for_the_host_word_and_copies_exactly():
-    run_distributed(_host_receive, 1, timeout_s=60)
 
 
 def _stream_semantics(rank, tp):
