@@ -10,9 +10,9 @@
 # scenario in its own process group, $RELIABILITY_ARGS added; with one GPU its two ranks share it), layer_ops_bench
 # (benchmarks/bench_layer_ops.py), e2e_ceiling (examples/gpt/ceiling.py), layer_profile
 # (benchmarks/profile_layer.py), stock_bench (benchmarks/bench_cutlass_stock.py), one_queue_probe
-# (experiments/one_queue_probe.py $ONE_QUEUE_PROBE_ARGS: what waits for a running kernel under one hardware queue), one_queue_stand_in
-# (experiments/one_queue_stand_in.py $ONE_QUEUE_ARGS: the one-queue failure of the NCCL transport on emulated nodes,
-# one change at a time).
+# (experiments/one_queue_probe.py $ONE_QUEUE_PROBE_ARGS: what waits for a running kernel under one hardware queue),
+# one_queue_stand_in (experiments/one_queue_stand_in.py $ONE_QUEUE_ARGS: the one-queue failure of the NCCL transport
+# on emulated nodes, one change at a time).
 # GRAPH_TEST_K / LAYERS_TEST_K narrow graph_test / layers_test to a pytest -k expression.
 # On a machine with ONE GPU: env gemm_test shared_tests shared_overhead baseline_overhead reliability_bench, and
 # shared_tp shared_nodes.
