@@ -27,8 +27,12 @@ and two trials write and wait on a device word alone.
 Found (9e7dbc6, one H200, one process; the chunk flag then a host word): with one queue as with eight, none of the
 steps, nor the stand-in's whole sequence, waited for the running kernel, and no enqueue blocked the host. Again at
 5dc9894 (one H100, ``--processes 1 4 --kernel-s 0.5``, benchmarks/results/one_queue_probe_h100.json), the variants,
-the device-word trials and four contexts at once included. The trials on the kernel's own stream have not run yet:
-they test what docs/design.md section 7 gives as the cause of the one-queue failure.
+the device-word trials and four contexts at once included. At 54a092e (one H100, ``--processes 1 --kernel-s 0.5``,
+benchmarks/results/one_queue_probe_kernel_stream_h100.json) the trials on the kernel's own stream: the write (or
+record) behind the kernel waited for it, as stream order says, and an event record enqueued on another stream after it
+did not, with one queue as with eight. So the hold that docs/design.md section 7 describes (the completion write behind
+the GEMM, whose removal ended the one-queue failure) is not that simple form; the trials with a stream write and with
+the stand-in's sequence behind the kernel's stream (added after that run) have not run yet.
 """
 from __future__ import annotations
 
@@ -58,6 +62,20 @@ def _trials(torch, ops, words, dev, pinned):
     d2h = lambda: pinned["d2h"].copy_(dev["src"], non_blocking=True)  # noqa: E731
     h2d = lambda: dev["dst"].copy_(pinned["h2d"], non_blocking=True)  # noqa: E731
     d2d = lambda: dev["dst"].copy_(dev["src"], non_blocking=True)  # noqa: E731
+    # the stand-in's exchange j, then exchange j + 1 forwarding what j received (sendrecv.py _exchange_cuda)
+    stand_in = [
+        ("B waits C", "B", "wait:C"),
+        ("stage d2h", "B", d2h),
+        ("store staged", "B", write_word(1, 1)),
+        ("wait arrived (host store)", "B", wait_word(1)),
+        ("receive h2d", "B", h2d),
+        ("C waits B", "C", "wait:B"),
+        ("flag write", "C", write_device_word(2)),
+        ("B waits C again", "B", "wait:C"),
+        ("forward stage d2h", "B", lambda: pinned["d2h"].copy_(dev["dst"], non_blocking=True)),
+        ("store staged again", "B", write_word(1, 3)),
+    ]
+    behind_kernel = ("write on the kernel's stream", "A", write_word(1, 9))
     return {
         "event record only": [("record", "B", lambda: None)],
         "device-to-host copy": [("d2h", "B", d2h)],
@@ -74,26 +92,19 @@ def _trials(torch, ops, words, dev, pinned):
         # the caller's transfers followed on another stream: the first step waits for the kernel by stream order,
         # the question is whether the second does too
         "stream write behind the kernel on its stream, then a record on another": [
-            ("write on the kernel's stream", "A", write_word(1, 9)), ("record on B after it", "B", lambda: None)],
+            behind_kernel, ("record on B after it", "B", lambda: None)],
+        # the record above did not wait (54a092e): the same with a stream write after it, and with the stand-in's
+        # sequence, whose first operation in the traced failure was a stream write
+        "stream write behind the kernel on its stream, then a stream write on another": [
+            behind_kernel, ("write on B after it", "B", write_word(1, 11))],
+        "stream write behind the kernel on its stream, then the stand-in's sequence": [behind_kernel] + stand_in,
         "event record behind the kernel on its stream, then a record on another": [
             ("record on the kernel's stream", "A", lambda: None), ("record on B after it", "B", lambda: None)],
         # a pinned buffer of a size not cached yet: the host allocator's cudaHostAlloc
         "new pinned buffer, then a host-to-device copy from it": [
             ("h2d from a new pinned buffer", "B", lambda: dev["dst"][:MiB + 4096].copy_(
                 torch.empty(MiB + 4096, pin_memory=True), non_blocking=True))],
-        # the stand-in's exchange j, then exchange j + 1 forwarding what j received (sendrecv.py _exchange_cuda)
-        STAND_IN: [
-            ("B waits C", "B", "wait:C"),
-            ("stage d2h", "B", d2h),
-            ("store staged", "B", write_word(1, 1)),
-            ("wait arrived (host store)", "B", wait_word(1)),
-            ("receive h2d", "B", h2d),
-            ("C waits B", "C", "wait:B"),
-            ("flag write", "C", write_device_word(2)),
-            ("B waits C again", "B", "wait:C"),
-            ("forward stage d2h", "B", lambda: pinned["d2h"].copy_(dev["dst"], non_blocking=True)),
-            ("store staged again", "B", write_word(1, 3)),
-        ],
+        STAND_IN: stand_in,
     }
 
 
