@@ -382,9 +382,9 @@ void ag_gemm(const AgGemmArgs& a) {
   if (a.mode == AgMode::kExternal) {
     if (a.run_gemm) launch_gemm(gemm_problem(p), a.types, a.layout, a.tile, a.compute);
     if (p.graph()) FLUX_CUDA_CHECK(cudaMemsetAsync(p.my(0), 0, size_t(p.flags.data_words()) * 4, a.compute));
-    // The call's end is the caller's to enqueue (end_external_ag_gemm), once its transfers are: a stream write
-    // here, behind the GEMM, would hold a single hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) until the GEMM
-    // ends, and with it every transfer the GEMM waits for.
+    // The call's end is the caller's to enqueue (end_external_ag_gemm), once its transfers are. A stream write
+    // here waits for the GEMM, and with it here, under a single hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1), the
+    // transfers the GEMM waits for did not run until the GEMM gave up (docs/design.md section 7).
     return;
   }
   cudaEvent_t* const ev = a.events;

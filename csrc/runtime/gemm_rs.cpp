@@ -254,8 +254,8 @@ void gemm_rs(const GemmRsArgs& a) {
   launch_gemm(g, a.types, a.layout, a.tile, a.compute);
 
   // External and two-level: the caller joins its transfer stream and then enqueues the call's end
-  // (end_external_gemm_rs): a stream write here, behind the GEMM, would hold a single hardware queue
-  // (CUDA_DEVICE_MAX_CONNECTIONS=1) until the GEMM ends, and with it every transfer the GEMM waits for.
+  // (end_external_gemm_rs), as the all-gather does (ag_gemm.cpp): a stream write here would wait for the GEMM and,
+  // under a single hardware queue, the transfers the GEMM waits for did not run behind one.
   if (external || two_level) return;
 
   if (copy_engine) {

@@ -109,7 +109,7 @@ def end_external_call(ws, plan: int, epoch: int) -> None:
     """The end of ``ws``'s external-transfer call of ``plan`` and ``epoch`` (the NCCL and hybrid transports: the
     caller moves the chunks or partials): the words the op library writes once the call is done (its completion for
     the workspace's watchdog; a two-level reduce-scatter's slots freed at the node's peers), on the current stream.
-    The caller enqueues it after its transfers joined that stream: enqueued with the GEMM, it would wait there for the
-    GEMM to end and, under one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1), hold every later operation of every
-    stream, the transfers the GEMM waits for among them."""
+    The caller enqueues it after its transfers joined that stream. Enqueued with the GEMM, it waits there for the GEMM
+    to end; with it there, under one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1), the transfers the GEMM waits for
+    did not run until the GEMM gave up (emulated nodes), and with it here they do (docs/design.md section 7)."""
     ws.native.end_external_call(plan=plan, epoch=epoch)

@@ -112,8 +112,8 @@ void ag_gemm(const AgGemmArgs& args);
 
 // The end of an external-mode call (its completion word), on args.compute, which the caller enqueues once its
 // transfers are enqueued and joined into that stream: ag_gemm enqueues nothing behind its GEMM in that mode, since
-// under a single hardware queue a stream operation that waits for the GEMM holds every later one, the transfers
-// the GEMM waits for included. `args`: the call's (its epoch).
+// under a single hardware queue the transfers the GEMM waits for did not run behind a stream write that waits for
+// the GEMM (docs/design.md section 7). `args`: the call's (its epoch).
 void end_external_ag_gemm(const AgGemmArgs& args);
 
 // The shard order the GEMM walks for this rank: own shard, then in arrival order.
