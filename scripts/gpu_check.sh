@@ -23,7 +23,8 @@
 # emulated nodes, their send/recv by the host-staged stand-in, for each TPxNODES of $SHARED_NODES (default
 # "4x2 8x2 8x4": 2x2, 2x4 and 4x2 ranks; internode and numa2d orders). Both write
 # OUTDIR/gpu_tests_shared_h200.json from the runs' own pytest counts (scripts/shared_gpu_runs.py; $SHARED_RUNS_MERGE:
-# the summary of an earlier call of the same commit, to add up). shared_overhead times the host cost per call that way
+# the summary of an earlier call of the same commit, to add up; a run that wrote no report, cut by its time limit, is
+# counted from its -vv log's result lines and marked from_log, with the tests it did not reach). shared_overhead times the host cost per call that way
 # (benchmarks/bench_overhead.py --shared-gpu $OVERHEAD_ARGS), baseline_overhead the same for a prebuilt older tree
 # in .baseline/ (its flux_layers package and configs). Set FLUX_LAYERS_COMMIT where the repository is: a copy of the
 # tree on the GPU machine may report another commit. Each step runs under its own
@@ -114,8 +115,12 @@ shared_limit() {  # shared_limit tp|nodes TP: a step's time limit (seconds), lar
   if [ "$kind" = tp ]; then echo $(( 300 + 30 * tp )); else echo $(( 150 + 30 * tp )); fi
 }
 
-shared_run() {  # shared_run TP NODES STEP: the step's report joins the summary, if it wrote one
-  [ -f "$WORK/$3.junit.xml" ] && shared_runs="$shared_runs $1:$2:$WORK/$3.junit.xml"
+shared_run() {  # shared_run TP NODES STEP: the step's report joins the summary, else (no report) its -vv log
+  if [ -f "$WORK/$3.junit.xml" ]; then
+    shared_runs="$shared_runs $1:$2:$WORK/$3.junit.xml"
+  elif [ -f "$WORK/$3.log" ]; then
+    shared_runs="$shared_runs $1:$2:$WORK/$3.log"
+  fi
 }
 
 for s in $STEPS; do

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -97,3 +98,30 @@ def test_shared_gpu_runs_summary_counts_each_run_and_merges_earlier_ones(tmp_pat
     proc = _runs(str(out), f"4:2:{report_four}", "--merge", str(first), commit="other")
     assert proc.returncode == 1 and "cannot merge" in proc.stderr
     assert _runs(str(out), f"8:1:{tmp_path / 'missing.xml'}").returncode == 1
+
+
+def test_shared_gpu_runs_counts_a_run_cut_before_its_report_from_its_log(tmp_path):
+    """A run killed by its time limit writes no JUnit report: its -vv log's result lines give the counts, and the
+    tests it did not reach are said."""
+    import json
+    (tmp_path / "test_sample.py").write_text(
+        "import time\nimport pytest\n\ndef test_a():\n    print('rank output')\n\ndef test_b():\n    assert False\n\n"
+        "@pytest.mark.skip(reason='runs at TP = 2')\ndef test_c():\n    pass\n\n"
+        "def test_d():\n    time.sleep(120)\n\ndef test_e():\n    pass\n")
+    log = tmp_path / "step.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-vv", "-p", "no:cacheprovider", "test_sample.py"],
+                                cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 60
+            while "test_d" not in log.read_text() and time.monotonic() < deadline:  # killed in test_d, as by a limit
+                time.sleep(0.2)
+        finally:
+            proc.kill()
+            proc.wait()
+    out = tmp_path / "out.json"
+    proc = _runs(str(out), f"2:1:{log}")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["runs"] == [
+        {"tp": 2, "nodes": 1, "tests": 3, "passed": 1, "failed": 1, "skipped": 1, "from_log": True, "not_reached": 2}]
+    assert "no report: counted from its log, 2 not reached" in proc.stdout
