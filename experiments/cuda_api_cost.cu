@@ -1,11 +1,12 @@
 // Host cost of one call of each CUDA operation a fused call makes: empty-kernel launches with parameter blocks of
 // several sizes (plain and with a cluster attribute, as the persistent GEMM is launched), stream memory operations
 // (single and batched), event record and wait, device-to-device copies through each API, a memset, the capture
-// query. Each figure: wall time per call of 300 calls enqueued on two streams behind a ~30 ms GPU spin (so the GPU
-// never drains the queue while the host enqueues), median of 7. One GPU; no torch.
+// query, and the push all-gather's comm-stream sequence op by op against one graph of it. Each figure: wall time per
+// call of 300 calls enqueued on two streams behind a ~30 ms GPU spin (so the GPU never drains the queue while the
+// host enqueues), median of 7. One GPU; no torch.
 //
 // Build and run (nvcc on the CPU machine; the binary alone travels to the GPU machine):
-//   nvcc -O2 -std=c++17 -arch=sm_90a -o cuda_api_cost benchmarks/cuda_api_cost.cu && ./cuda_api_cost
+//   nvcc -O2 -std=c++17 -arch=sm_90a -o cuda_api_cost experiments/cuda_api_cost.cu && ./cuda_api_cost
 // Results: benchmarks/results/cuda_api_cost_h200.json.
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -85,5 +86,71 @@ int main() {
   auto ma = reinterpret_cast<CUresult (*)(CUdeviceptr, CUdeviceptr, size_t, CUstream)>(fn);
   std::printf("cuMemcpyAsync 1 MiB %.2f us\n", per_call([&](int) { ma((CUdeviceptr)b, (CUdeviceptr)a, 1 << 20, (CUstream)s2); }));
   std::printf("cudaMemsetAsync 64 B %.2f us\n", per_call([&](int) { cudaMemsetAsync(w, 0, 64, s); }));
+
+  // The push all-gather's comm-stream sequence at TP=2 (one chunk): a wait batch (the GEMM's started word, the
+  // peer's done of the previous call), the 8 MiB copy, a write batch (the chunk flag, the sent word); each call's
+  // values are its epoch. Enqueued op by op, against one graph of the same three operations whose two batch nodes
+  // take the call's values before each launch (cuGraphExecBatchMemOpNodeSetParams), and that graph launched alone.
+  cudaGetDriverEntryPointByVersion("cuGraphExecBatchMemOpNodeSetParams", &fn, 12000, cudaEnableDefault, &q);
+  auto set_batch = reinterpret_cast<CUresult (*)(CUgraphExec, CUgraphNode, const CUDA_BATCH_MEM_OP_NODE_PARAMS*)>(fn);
+  cudaGetDriverEntryPointByVersion("cuGraphNodeGetType", &fn, 12000, cudaEnableDefault, &q);
+  auto node_type = reinterpret_cast<CUresult (*)(CUgraphNode, CUgraphNodeType*)>(fn);
+  cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 12000, cudaEnableDefault, &q);
+  CUcontext ctx = nullptr;
+  reinterpret_cast<CUresult (*)(CUcontext*)>(fn)(&ctx);
+  cudaMemset(w, 0, 4096);  // every wait below passes: it waits for >= 0
+  CUstreamBatchMemOpParams waits[2] = {}, writes[2] = {};
+  auto fill = [&](int epoch) {
+    for (int j = 0; j < 2; ++j) {
+      waits[j].waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
+      waits[j].waitValue.address = (CUdeviceptr)(w + 8 + j);
+      waits[j].waitValue.value = 0;
+      waits[j].waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+      writes[j].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
+      writes[j].writeValue.address = (CUdeviceptr)(w + 16 + j);
+      writes[j].writeValue.value = epoch;
+    }
+  };
+  auto sequence = [&](int epoch) {
+    fill(epoch);
+    bt((CUstream)s2, 2, waits, 0);
+    cudaMemcpyAsync(b, a, 1 << 23, cudaMemcpyDefault, s2);
+    bt((CUstream)s2, 2, writes, 0);
+  };
+  std::printf("comm sequence op by op (wait batch, 8 MiB copy, write batch) %.2f us\n", per_call(sequence));
+  cudaGraph_t graph;
+  cudaStreamBeginCapture(s2, cudaStreamCaptureModeThreadLocal);
+  sequence(1);
+  cudaStreamEndCapture(s2, &graph);
+  cudaGraphExec_t exec;
+  cudaGraphInstantiate(&exec, graph, 0);
+  size_t count = 0;
+  cudaGraphGetNodes(graph, nullptr, &count);
+  std::vector<cudaGraphNode_t> nodes(count);
+  cudaGraphGetNodes(graph, nodes.data(), &count);
+  std::vector<CUgraphNode> batches;  // in capture order: the waits, then the writes
+  for (cudaGraphNode_t n : nodes) {
+    CUgraphNodeType t;
+    if (node_type((CUgraphNode)n, &t) == CUDA_SUCCESS && t == CU_GRAPH_NODE_TYPE_BATCH_MEM_OP)
+      batches.push_back((CUgraphNode)n);
+  }
+  std::printf("graph: %zu nodes, %zu batch nodes\n", count, batches.size());
+  if (batches.size() == 2) {
+    auto graphed = [&](int epoch) {
+      fill(epoch);
+      CUDA_BATCH_MEM_OP_NODE_PARAMS wp = {ctx, 2, waits, 0}, xp = {ctx, 2, writes, 0};
+      set_batch((CUgraphExec)exec, batches[0], &wp);
+      set_batch((CUgraphExec)exec, batches[1], &xp);
+      cudaGraphLaunch(exec, s2);
+    };
+    std::printf("comm sequence as a graph, 2 batch nodes set, launch %.2f us\n", per_call(graphed));
+    std::printf("the graph's launch alone %.2f us\n", per_call([&](int) { cudaGraphLaunch(exec, s2); }));
+    cudaDeviceSynchronize();
+    unsigned flag = 0;  // the last graphed call's epoch reached the word: the set values are the ones that ran
+    graphed(4242);
+    cudaDeviceSynchronize();
+    cudaMemcpy(&flag, w + 16, 4, cudaMemcpyDeviceToHost);
+    std::printf("graph's write after setting 4242: %u\n", flag);
+  }
   std::printf("error: %s\n", cudaGetErrorString(cudaGetLastError()));
 }
