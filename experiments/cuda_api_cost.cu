@@ -121,21 +121,25 @@ int main() {
   cudaGraph_t graph;
   cudaStreamBeginCapture(s2, cudaStreamCaptureModeThreadLocal);
   sequence(1);
-  cudaStreamEndCapture(s2, &graph);
+  cudaError_t captured = cudaStreamEndCapture(s2, &graph);
   cudaGraphExec_t exec;
-  cudaGraphInstantiate(&exec, graph, 0);
+  cudaError_t instantiated = captured == cudaSuccess ? cudaGraphInstantiate(&exec, graph, 0) : captured;
+  std::printf("graph capture: %s, instantiation: %s\n", cudaGetErrorString(captured), cudaGetErrorString(instantiated));
+  if (instantiated != cudaSuccess) return 1;
   size_t count = 0;
   cudaGraphGetNodes(graph, nullptr, &count);
   std::vector<cudaGraphNode_t> nodes(count);
   cudaGraphGetNodes(graph, nodes.data(), &count);
   std::vector<CUgraphNode> batches;  // in capture order: the waits, then the writes
+  cudaGraphNode_t copy_node = nullptr;
   for (cudaGraphNode_t n : nodes) {
     CUgraphNodeType t;
-    if (node_type((CUgraphNode)n, &t) == CUDA_SUCCESS && t == CU_GRAPH_NODE_TYPE_BATCH_MEM_OP)
-      batches.push_back((CUgraphNode)n);
+    if (node_type((CUgraphNode)n, &t) != CUDA_SUCCESS) continue;
+    if (t == CU_GRAPH_NODE_TYPE_BATCH_MEM_OP) batches.push_back((CUgraphNode)n);
+    if (t == CU_GRAPH_NODE_TYPE_MEMCPY) copy_node = n;
   }
-  std::printf("graph: %zu nodes, %zu batch nodes\n", count, batches.size());
-  if (batches.size() == 2) {
+  std::printf("graph: %zu nodes, %zu batch nodes, copy node %s\n", count, batches.size(), copy_node ? "found" : "none");
+  if (batches.size() == 2 && copy_node != nullptr) {
     auto graphed = [&](int epoch) {
       fill(epoch);
       CUDA_BATCH_MEM_OP_NODE_PARAMS wp = {ctx, 2, waits, 0}, xp = {ctx, 2, writes, 0};
@@ -143,7 +147,18 @@ int main() {
       set_batch((CUgraphExec)exec, batches[1], &xp);
       cudaGraphLaunch(exec, s2);
     };
+    // each call's source: the layer's activation is not always at the same address
+    auto graphed_copy = [&](int epoch) {
+      fill(epoch);
+      CUDA_BATCH_MEM_OP_NODE_PARAMS wp = {ctx, 2, waits, 0}, xp = {ctx, 2, writes, 0};
+      set_batch((CUgraphExec)exec, batches[0], &wp);
+      cudaGraphExecMemcpyNodeSetParams1D(exec, copy_node, b, a + (epoch & 1) * (1 << 23), 1 << 23, cudaMemcpyDefault);
+      set_batch((CUgraphExec)exec, batches[1], &xp);
+      cudaGraphLaunch(exec, s2);
+    };
     std::printf("comm sequence as a graph, 2 batch nodes set, launch %.2f us\n", per_call(graphed));
+    std::printf("comm sequence as a graph, 2 batch nodes and the copy's source set, launch %.2f us\n",
+                per_call(graphed_copy));
     std::printf("the graph's launch alone %.2f us\n", per_call([&](int) { cudaGraphLaunch(exec, s2); }));
     cudaDeviceSynchronize();
     unsigned flag = 0;  // the last graphed call's epoch reached the word: the set values are the ones that ran
