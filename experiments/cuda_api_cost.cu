@@ -1,9 +1,9 @@
 // Host cost of one call of each CUDA operation a fused call makes: empty-kernel launches with parameter blocks of
 // several sizes (plain and with a cluster attribute, as the persistent GEMM is launched), stream memory operations
 // (single and batched), event record and wait, device-to-device copies through each API, a memset, the capture
-// query, and the push all-gather's comm-stream sequence op by op against one graph of it. Each figure: wall time per
-// call of 300 calls enqueued on two streams behind a ~30 ms GPU spin (so the GPU never drains the queue while the
-// host enqueues), median of 7. One GPU; no torch.
+// query, and the push all-gather's comm-stream sequence (and the whole TP=2 call) op by op against one graph of it.
+// Each figure: wall time per call of 300 calls enqueued on two streams behind a ~30 ms GPU spin (so the GPU never
+// drains the queue while the host enqueues), median of 7. One GPU; no torch.
 //
 // Build and run (nvcc on the CPU machine; the binary alone travels to the GPU machine):
 //   nvcc -O2 -std=c++17 -arch=sm_90a -o cuda_api_cost experiments/cuda_api_cost.cu && ./cuda_api_cost
@@ -166,6 +166,72 @@ int main() {
     cudaDeviceSynchronize();
     cudaMemcpy(&flag, w + 16, 4, cudaMemcpyDeviceToHost);
     std::printf("graph's write after setting 4242: %u\n", flag);
+  }
+
+  // The whole call at TP=2 as one graph: the GEMM's launch (a 6 KB parameter block, cluster 2) on s beside the comm
+  // sequence on s2, against the same enqueued op by op; per call the kernel node takes new parameters (the call's
+  // operands) and the batch and copy nodes theirs.
+  P<6144> gemm_params{};
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 2; cluster.val.clusterDim.y = 1; cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t gemm_cfg = {};
+  gemm_cfg.gridDim = dim3(132); gemm_cfg.blockDim = dim3(384); gemm_cfg.stream = s; gemm_cfg.attrs = &cluster;
+  gemm_cfg.numAttrs = 1;
+  cudaEvent_t fork, join;
+  cudaEventCreateWithFlags(&fork, cudaEventDisableTiming);
+  cudaEventCreateWithFlags(&join, cudaEventDisableTiming);
+  auto whole_call = [&](int epoch) {
+    gemm_params.b[1] = char(epoch);
+    cudaLaunchKernelEx(&gemm_cfg, kclu<6144>, gemm_params);
+    sequence(epoch);
+  };
+  std::printf("whole call op by op (GEMM launch, wait batch, copy, write batch) %.2f us\n", per_call(whole_call));
+  cudaGraph_t call_graph;
+  cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+  cudaEventRecord(fork, s);
+  cudaStreamWaitEvent(s2, fork, 0);
+  whole_call(1);
+  cudaEventRecord(join, s2);
+  cudaStreamWaitEvent(s, join, 0);
+  captured = cudaStreamEndCapture(s, &call_graph);
+  cudaGraphExec_t call_exec;
+  instantiated = captured == cudaSuccess ? cudaGraphInstantiate(&call_exec, call_graph, 0) : captured;
+  std::printf("call graph capture: %s, instantiation: %s\n", cudaGetErrorString(captured),
+              cudaGetErrorString(instantiated));
+  if (instantiated == cudaSuccess) {
+    cudaGraphGetNodes(call_graph, nullptr, &count);
+    nodes.resize(count);
+    cudaGraphGetNodes(call_graph, nodes.data(), &count);
+    std::vector<CUgraphNode> call_batches;
+    cudaGraphNode_t call_copy = nullptr, kernel = nullptr;
+    for (cudaGraphNode_t n : nodes) {
+      CUgraphNodeType t;
+      if (node_type((CUgraphNode)n, &t) != CUDA_SUCCESS) continue;
+      if (t == CU_GRAPH_NODE_TYPE_BATCH_MEM_OP) call_batches.push_back((CUgraphNode)n);
+      if (t == CU_GRAPH_NODE_TYPE_MEMCPY) call_copy = n;
+      if (t == CU_GRAPH_NODE_TYPE_KERNEL) kernel = n;
+    }
+    cudaKernelNodeParams kp = {};
+    if (kernel != nullptr) cudaGraphKernelNodeGetParams(kernel, &kp);
+    std::printf("call graph: %zu nodes, %zu batch nodes, copy %s, kernel %s\n", count, call_batches.size(),
+                call_copy ? "found" : "none", kernel ? "found" : "none");
+    if (call_batches.size() == 2 && call_copy != nullptr && kernel != nullptr) {
+      void* kernel_args[1] = {&gemm_params};
+      kp.kernelParams = kernel_args;
+      auto graphed_call = [&](int epoch) {
+        fill(epoch);
+        gemm_params.b[1] = char(epoch);
+        cudaGraphExecKernelNodeSetParams(call_exec, kernel, &kp);
+        CUDA_BATCH_MEM_OP_NODE_PARAMS wp = {ctx, 2, waits, 0}, xp = {ctx, 2, writes, 0};
+        set_batch((CUgraphExec)call_exec, call_batches[0], &wp);
+        cudaGraphExecMemcpyNodeSetParams1D(call_exec, call_copy, b, a + (epoch & 1) * (1 << 23), 1 << 23,
+                                           cudaMemcpyDefault);
+        set_batch((CUgraphExec)call_exec, call_batches[1], &xp);
+        cudaGraphLaunch(call_exec, s);
+      };
+      std::printf("whole call as a graph, kernel, batch and copy nodes set, launch %.2f us\n", per_call(graphed_call));
+    }
   }
   std::printf("error: %s\n", cudaGetErrorString(cudaGetLastError()));
 }
