@@ -12,7 +12,9 @@
 # (benchmarks/profile_layer.py), stock_bench (benchmarks/bench_cutlass_stock.py), one_queue_probe
 # (experiments/one_queue_probe.py $ONE_QUEUE_PROBE_ARGS: what waits for a running kernel under one hardware queue),
 # one_queue_stand_in (experiments/one_queue_stand_in.py $ONE_QUEUE_ARGS: the one-queue failure of the NCCL transport
-# on emulated nodes, one change at a time).
+# on emulated nodes, one change at a time), api_cost (experiments/cuda_api_cost.cu: the host cost of each CUDA
+# operation and of a graphed call; carry build/cuda_api_cost, built with the command in its header, where the machine
+# has no nvcc).
 # GRAPH_TEST_K / LAYERS_TEST_K narrow graph_test / layers_test to a pytest -k expression.
 # On a machine with ONE GPU: env gemm_test shared_tests shared_overhead baseline_overhead reliability_bench, and
 # shared_tp shared_nodes.
@@ -226,6 +228,16 @@ benchmarks.bench_overhead --shared-gpu ${OVERHEAD_ARGS:-} --out $WORK/results/op
       step stock_bench 200 $PY -m benchmarks.bench_cutlass_stock --out "$WORK/results/gemm_stock_cutlass_h200.json" ;;
     one_queue_probe) step one_queue_probe 200 $PY -m experiments.one_queue_probe ${ONE_QUEUE_PROBE_ARGS:-} \
         --out "$WORK/results/one_queue_probe.json" ;;
+    api_cost)  # experiments/cuda_api_cost.cu, prebuilt as build/cuda_api_cost (carried), else built here with nvcc
+      if [ ! -x build/cuda_api_cost ] && command -v nvcc > /dev/null; then
+        mkdir -p build && nvcc -O2 -std=c++17 -arch=sm_90a -o build/cuda_api_cost experiments/cuda_api_cost.cu
+      fi
+      if [ -x build/cuda_api_cost ]; then
+        step api_cost 120 bash -c "set -o pipefail; build/cuda_api_cost | tee $WORK/results/cuda_api_cost.txt"
+      else
+        echo "api_cost skipped (no build/cuda_api_cost and no nvcc)" | tee -a "$summary"
+        not_passed=$(( not_passed + 1 ))
+      fi ;;
     one_queue_stand_in) step one_queue_stand_in 400 env FLUX_LAYERS_TEST_SHARED_GPU=1 $PY -m experiments.one_queue_stand_in \
         ${ONE_QUEUE_ARGS:-} --out "$WORK/results/one_queue_stand_in.json" ;;
     *) echo "unknown step $s" | tee -a "$summary"; not_passed=$(( not_passed + 1 )) ;;
