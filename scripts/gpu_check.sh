@@ -19,18 +19,18 @@
 # On a machine with ONE GPU: env gemm_test shared_tests shared_overhead baseline_overhead reliability_bench, and
 # shared_tp shared_nodes.
 # shared_tests runs the fused ops' GPU tests with their ranks as processes sharing the GPU
-# (FLUX_LAYERS_TEST_SHARED_GPU=1; results checked, timings meaningless; SHARED_TESTS_K narrows it). shared_tp runs them
-# (the fused ops, CUDA graphs, direct and compiled calls, reliability, layers) at each TP of $SHARED_TP (default
-# "2 4 8"; lean matrices above 2, tests/gpu/gpu_support.py lean()); shared_nodes runs the NCCL transports' tests on
-# emulated nodes, their send/recv by the host-staged stand-in, for each TPxNODES of $SHARED_NODES (default
-# "4x2 8x2 8x4": 2x2, 2x4 and 4x2 ranks; internode and numa2d orders). Both write
+# (FLUX_LAYERS_TEST_SHARED_GPU=1; results checked, timings meaningless; SHARED_TESTS_K narrows it). shared_tp runs
+# them (the fused ops in 16 bits and FP8, CUDA graphs, direct and compiled calls, reliability, layers) at each TP of
+# $SHARED_TP (default "2 4 8"; lean matrices above 2, tests/gpu/gpu_support.py lean()); shared_nodes runs the NCCL
+# transports' tests on emulated nodes, their send/recv by the host-staged stand-in, for each TPxNODES of $SHARED_NODES
+# (default "4x2 8x2 8x4": 2x2, 2x4 and 4x2 ranks; internode and numa2d orders). Both write
 # OUTDIR/gpu_tests_shared_h200.json from the runs' own pytest counts (scripts/shared_gpu_runs.py; $SHARED_RUNS_MERGE:
 # the summary of an earlier call of the same commit, to add up; a run that wrote no report, cut by its time limit, is
-# counted from its -vv log's result lines and marked from_log, with the tests it did not reach). shared_overhead times the host cost per call that way
-# (benchmarks/bench_overhead.py --shared-gpu $OVERHEAD_ARGS), baseline_overhead the same for a prebuilt older tree
-# in .baseline/ (its flux_layers package and configs). Set FLUX_LAYERS_COMMIT where the repository is: a copy of the
-# tree on the GPU machine may report another commit. Each step runs under its own
-# time limit; a failing step does not stop the others. Logs and JSON go to a work folder, packed at the end into
+# counted from its -vv log's result lines and marked from_log, with the tests it did not reach). shared_overhead times
+# the host cost per call that way (benchmarks/bench_overhead.py --shared-gpu $OVERHEAD_ARGS), baseline_overhead the
+# same for a prebuilt older tree in .baseline/ (its flux_layers package and configs). Set FLUX_LAYERS_COMMIT where the
+# repository is: a copy of the tree on the GPU machine may report another commit. Each step runs under its own time
+# limit; a failing step does not stop the others. Logs and JSON go to a work folder, packed at the end into
 # OUTDIR/gpu_check.tgz (plus OUTDIR/summary.txt).
 #
 # Every pytest step writes a JUnit report (PYTEST_ADDOPTS: --junitxml, and -rs for the skip reasons in its log); its
@@ -148,7 +148,7 @@ flux_layers._library.path(), flux_layers._library.unavailable_reason())'" ;;
           FLUX_LAYERS_TIMEOUT_S=${SHARED_TIMEOUT_S:-60} $PY -m pytest -q -p no:cacheprovider \
           tests/gpu/test_ag_gemm_gpu.py tests/gpu/test_gemm_rs_gpu.py tests/gpu/test_cuda_graph_ops_gpu.py \
           tests/gpu/test_compile_ops_gpu.py tests/gpu/test_direct_calls_gpu.py tests/gpu/test_reliability_gpu.py \
-          tests/gpu/test_layers_gpu.py ${SHARED_TESTS_K:+-k "$SHARED_TESTS_K"}
+          tests/gpu/test_layers_gpu.py tests/gpu/test_fused_fp8_gpu.py ${SHARED_TESTS_K:+-k "$SHARED_TESTS_K"}
         shared_run "$tp" 1 "shared_tp$tp"
       done ;;
     shared_nodes)  # emulated nodes on one GPU (TPxNODES of $SHARED_NODES): the NCCL and hybrid transports over the

@@ -1,29 +1,33 @@
-"""Fused AllGather+GEMM and GEMM+ReduceScatter with FP8 operands (2 GPUs, or 2 ranks sharing one with
-FLUX_LAYERS_TEST_SHARED_GPU=1) against an fp32 matmul of the dequantized operands, beside the reference backend's
-error on the same operands: every scale mode, both directions and orders, both reduce-scatter stores, split and fast
-accumulation; gathered FP8 rows and scales exact; back-to-back all-gathers with their own scales; reduce-scatter
-bitwise-repeatable; CUDA-graph replays; bad inputs refused with later calls right. The variant asked for is checked
-to be the one that ran (ops.decide)."""
+"""Fused AllGather+GEMM and GEMM+ReduceScatter with FP8 operands (TP GPUs, or TP ranks sharing one with
+FLUX_LAYERS_TEST_SHARED_GPU=1 and FLUX_LAYERS_TEST_TP) against an fp32 matmul of the dequantized operands, beside the
+reference backend's error on the same operands: every scale mode, both directions and orders, both reduce-scatter
+stores, split and fast accumulation; gathered FP8 rows and scales exact; back-to-back all-gathers with their own
+scales; reduce-scatter bitwise-repeatable; CUDA-graph replays; bad inputs refused with later calls right. The variant
+asked for is checked to be the one that ran (ops.decide). Lean runs (ranks sharing one GPU at TP > 2) keep every
+transfer variant with each scale mode and spread the other axes over them."""
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from flux_layers.devtools.launch import run_distributed
+from flux_layers.devtools.launch import run_distributed, tp_under_test
 from tests.gpu.gpu_support import (
     apply_settings,
     check_fp8_all_gather,
     check_fp8_output,
     fp8_global_inputs,
     fp8_w_scale,
+    lean,
     needs_gpus,
     poison_outputs,
+    rows_per_rank,
 )
 
-pytestmark = [pytest.mark.gpu, needs_gpus(2)]
-
-TP = 2
+TP = tp_under_test()
+pytestmark = [pytest.mark.gpu, needs_gpus(TP)]
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
@@ -47,17 +51,25 @@ def _ag_case(rank, tp, seed, rows, k, n, pair, mode, accum, direction, order):
     check_fp8_all_gather(rank, out, gathered, shards, wq, bias[rank * n:(rank + 1) * n], ws_, what, fast)
 
 
+def _ag_cases(tp):
+    """(direction, order, pair, scale mode, accumulation, (shard rows, K, N)): every combination, or where lean each
+    transfer variant with each scale mode, the pair, accumulation and shape varied across them (each value meets both
+    directions, both orders and both scale modes). Shard rows a multiple of 128 and one that is not, each rank's GEMM
+    of the TP = 2 size where the ranks share one GPU."""
+    shapes = ((rows_per_rank(512, tp), 1024, 512), (rows_per_rank(500, tp), 528, 272))
+    pairs = ((E4M3, E4M3), (E5M2, E4M3))
+    variants = (("push", "mesh"), ("pull", "mesh"), ("push", "ring"), ("pull", "ring"))
+    if not lean():
+        return list(itertools.product(variants, pairs, ("tensor", "row"), ("split", "fast"), shapes))
+    return [((direction, order), pairs[(i + m) % 2], mode, ("split", "fast")[(i >> 1) ^ m], shapes[(i & 1) ^ m])
+            for i, (direction, order) in enumerate(variants) for m, mode in enumerate(("tensor", "row"))]
+
+
 def _ag_matrix(rank, tp, seed):
     poison_outputs()
-    i = 0
-    for direction, order in (("push", "mesh"), ("pull", "mesh"), ("push", "ring"), ("pull", "ring")):
+    for i, ((direction, order), pair, mode, accum, (rows, k, n)) in enumerate(_ag_cases(tp)):
         apply_settings(AG_MODE=direction, AG_ORDER=order)
-        for pair in ((E4M3, E4M3), (E5M2, E4M3)):
-            for mode in ("tensor", "row"):
-                for accum in ("split", "fast"):
-                    for rows, k, n in ((512, 1024, 512), (500, 528, 272)):
-                        _ag_case(rank, tp, seed + i, rows, k, n, pair, mode, accum, direction, order)
-                        i += 1
+        _ag_case(rank, tp, seed + i, rows, k, n, pair, mode, accum, direction, order)
     torch.cuda.synchronize()
 
 
@@ -76,6 +88,8 @@ def _back_to_back_scales(rank, tp, seed):
     poison_outputs()
     group = dist.group.WORLD
     shard_rows, k, n = (512, 256, 512, 384, 512, 256), 512, 256  # the first call the largest: one workspace
+    if lean():  # each rank's GEMMs of the TP = 2 size, and four calls in flight (two of each epoch parity)
+        shard_rows = tuple(rows_per_rank(rows, tp) for rows in shard_rows[:4])
     for i, (direction, mode) in enumerate((("push", "tensor"), ("push", "row"), ("pull", "tensor"), ("pull", "row"))):
         apply_settings(AG_MODE=direction, AG_ORDER="mesh")
         x, w, bias = fp8_global_inputs(seed + i, max(shard_rows) * tp, k, n * tp)
@@ -123,16 +137,22 @@ def _rs_case(rank, tp, seed, m, k_local, n, mode, accum, transport):
     check_fp8_output(out, ref, reference, what)
 
 
+def _rs_cases():
+    """(store, scale mode, accumulation, (M at TP = 2, K per rank, N)): every combination, or where lean each store
+    with each scale mode, the accumulation and shape varied across them."""
+    shapes = ((1024, 512, 512), (1000, 272, 528))
+    if not lean():
+        return list(itertools.product(("epilogue", "copy_engine"), ("tensor", "row"), ("split", "fast"), shapes))
+    return [(transport, mode, ("split", "fast")[t ^ m], shapes[m]) for t, transport in
+            enumerate(("epilogue", "copy_engine")) for m, mode in enumerate(("tensor", "row"))]
+
+
 def _rs_matrix(rank, tp, seed):
     poison_outputs()
-    i = 0
-    for transport in ("epilogue", "copy_engine"):
+    for i, (transport, mode, accum, (m, k_local, n)) in enumerate(_rs_cases()):
         apply_settings(RS_TRANSPORT=transport)
-        for mode in ("tensor", "row"):
-            for accum in ("split", "fast"):
-                for m, k_local, n in ((1024, 512, 512), (1000, 272, 528)):
-                    _rs_case(rank, tp, seed + i, m * tp // 2, k_local, n, mode, accum, transport)
-                    i += 1
+        # each rank's GEMM [M, N] (the output rows it reduces: M / tp) of the TP = 2 size where the ranks share a GPU
+        _rs_case(rank, tp, seed + i, rows_per_rank(m // 2, tp) * tp, k_local, n, mode, accum, transport)
     torch.cuda.synchronize()
 
 
@@ -147,7 +167,7 @@ def _graphs_and_bad_inputs(rank, tp, seed):
     poison_outputs()
     workspace.enable_cuda_graphs()  # before the warm-up that makes the workspaces (and their twins)
     group = dist.group.WORLD
-    x, w, bias = fp8_global_inputs(seed, 512 * tp, 512, 512 * tp)
+    x, w, bias = fp8_global_inputs(seed, rows_per_rank(512, tp) * tp, 512, 512 * tp)
     xq = quantize(x.chunk(tp)[rank].contiguous())
     wq = quantize(w.chunk(tp)[rank].contiguous())
     xk = quantize(x[:, :512].contiguous())  # the reduce-scatter's x [M, K/tp]
