@@ -148,7 +148,8 @@ flux_layers._library.path(), flux_layers._library.unavailable_reason())'" ;;
           FLUX_LAYERS_TIMEOUT_S=${SHARED_TIMEOUT_S:-60} $PY -m pytest -q -p no:cacheprovider \
           tests/gpu/test_ag_gemm_gpu.py tests/gpu/test_gemm_rs_gpu.py tests/gpu/test_cuda_graph_ops_gpu.py \
           tests/gpu/test_compile_ops_gpu.py tests/gpu/test_direct_calls_gpu.py tests/gpu/test_reliability_gpu.py \
-          tests/gpu/test_layers_gpu.py tests/gpu/test_fused_fp8_gpu.py ${SHARED_TESTS_K:+-k "$SHARED_TESTS_K"}
+          tests/gpu/test_layers_gpu.py tests/gpu/test_fused_fp8_gpu.py tests/gpu/test_layers_fp8_gpu.py \
+          ${SHARED_TESTS_K:+-k "$SHARED_TESTS_K"}
         shared_run "$tp" 1 "shared_tp$tp"
       done ;;
     shared_nodes)  # emulated nodes on one GPU (TPxNODES of $SHARED_NODES): the NCCL and hybrid transports over the

@@ -76,7 +76,7 @@ def _cases():
 
 def fp8_config(tp: int, sp: bool, **kw):
     from megatron.core.transformer.transformer_config import TransformerConfig
-    base = dict(num_layers=4, hidden_size=64, num_attention_heads=4, tensor_model_parallel_size=tp,
+    base = dict(num_layers=4, hidden_size=64, num_attention_heads=max(4, tp), tensor_model_parallel_size=tp,
                 sequence_parallel=sp, use_cpu_initialization=True, params_dtype=torch.float32, fp8="hybrid",
                 fp8_recipe="tensorwise", normalization="RMSNorm", gradient_accumulation_fusion=False)
     base.update(kw)
@@ -276,6 +276,20 @@ def _numerics_worker(rank, world, seed):
 def test_fp8_layers_match_the_quantized_reference():
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     run_distributed(_numerics_worker, 2, seed)
+
+
+def _numerics_worker_tp4(rank, world, seed):
+    group = megatron_on_cpu(world)
+    for i, case in enumerate((Case("column", True, seq=32), Case("row", True, seq=32, fmt="e4m3"),
+                              Case("norm", True, seq=32, dtype=torch.bfloat16))):
+        _run_case(case, rank, world, group, seed + i)
+
+
+def test_fp8_sequence_parallel_layers_at_tp4():
+    """The sequence-parallel linears over four ranks (per-shard scales of four shards, the reduce-scatter's four
+    partials): what the GPU tests run at TP = 4 and 8 with ranks sharing one GPU, here on the reference backend."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    run_distributed(_numerics_worker_tp4, 4, seed)
 
 
 # ---- weight cache, first/last layers, recipe errors, checkpoints --------------------------------------------------

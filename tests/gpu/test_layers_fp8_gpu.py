@@ -1,9 +1,10 @@
-"""The FP8 linears on GPUs (2 ranks, or 2 processes sharing one GPU with FLUX_LAYERS_TEST_SHARED_GPU=1), bf16
-activations: the layers on 'auto' (the fused FP8 AG+GEMM and GEMM+RS; the plain FP8 GEMMs, wgrad and the layers
-without sequence parallelism, as ops/backend.fp8_gemm_choice decides: cuBLASLt unless the op library's kernel
-measured faster) match the same layers on the reference backend, and both match the fp64 reference of the same
-quantized math (tests/cpu/test_layers_fp8.py). Needs the op library (fails, never skips, without it); fused outputs
-are poisoned with NaN before every launch.
+"""The FP8 linears on GPUs (2 ranks, or TP processes sharing one GPU with FLUX_LAYERS_TEST_SHARED_GPU=1 and
+FLUX_LAYERS_TEST_TP: at TP > 2 the lean set, the three sequence-parallel linears), bf16 activations: the layers on
+'auto' (the fused FP8 AG+GEMM and GEMM+RS; the plain FP8 GEMMs, wgrad and the layers without sequence parallelism, as
+ops/backend.fp8_gemm_choice decides: cuBLASLt unless the op library's kernel measured faster) match the same layers
+on the reference backend, and both match the fp64 reference of the same quantized math
+(tests/cpu/test_layers_fp8.py). Needs the op library (fails, never skips, without it); fused outputs are poisoned
+with NaN before every launch.
 """
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ import os
 import pytest
 import torch
 
-from flux_layers.devtools.launch import run_distributed
+from flux_layers import _env
+from flux_layers.devtools.launch import run_distributed, shared_gpu, tp_under_test
 from tests.cpu.test_layers_fp8 import Case, _rel, _run_case
-from tests.gpu.gpu_support import needs_gpus
+from tests.gpu.gpu_support import lean, needs_gpus
 
-pytestmark = [pytest.mark.gpu, needs_gpus(2)]
-
-TP = 2
+TP = tp_under_test() if shared_gpu() or _env.get_int("TEST_TP") else 2  # 2 on a machine of more GPUs unless asked
+pytestmark = [pytest.mark.gpu, needs_gpus(TP)]
 AGREE = 2.0**-7   # fused against reference backend: the same FP8 operands, two bf16 roundings apart at most
 
 
@@ -28,6 +29,8 @@ def _cases():
         yield Case("column", True, fmt, wgrad, k=512, n=768, **big)
         yield Case("row", True, fmt, wgrad, k=768, n=512, **big)
         yield Case("norm", True, fmt, wgrad, k=512, n=768, **big)
+        if lean():  # TP time-sliced processes: the three linears on the fused ops once; the rest runs at TP = 2
+            return
     yield Case("column", False, k=512, n=768, ga=True, **big)
     yield Case("row", False, k=768, n=512, **big)
     yield Case("column", True, k=512, n=768, wgrad_input="regather", **big)
