@@ -32,6 +32,14 @@ def lean() -> bool:
     return shared_gpu() and tp_under_test() > 2
 
 
+def layers_tp() -> int:
+    """The group size of the layers' GPU tests: the TP under test where the ranks share one GPU or FLUX_LAYERS_TEST_TP
+    asks for one, else 2 (a machine of more GPUs runs the layers at TP = 2 unless asked)."""
+    from flux_layers import _env
+    from flux_layers.devtools.launch import shared_gpu, tp_under_test
+    return tp_under_test() if shared_gpu() or _env.get_int("TEST_TP") else 2
+
+
 def at_tp2_when_lean(reason: str):
     """Skip a test in lean runs (:func:`lean`): what it checks does not depend on the group size (``reason``), and
     the TP = 2 run checks it."""

@@ -13,12 +13,11 @@ import os
 import pytest
 import torch
 
-from flux_layers import _env
-from flux_layers.devtools.launch import run_distributed, shared_gpu, tp_under_test
+from flux_layers.devtools.launch import run_distributed
 from tests.cpu.test_layers_fp8 import Case, _rel, _run_case
-from tests.gpu.gpu_support import lean, needs_gpus
+from tests.gpu.gpu_support import layers_tp, lean, needs_gpus
 
-TP = tp_under_test() if shared_gpu() or _env.get_int("TEST_TP") else 2  # 2 on a machine of more GPUs unless asked
+TP = layers_tp()
 pytestmark = [pytest.mark.gpu, needs_gpus(TP)]
 AGREE = 2.0**-7   # fused against reference backend: the same FP8 operands, two bf16 roundings apart at most
 

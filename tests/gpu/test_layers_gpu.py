@@ -20,11 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from flux_layers import _env
-from flux_layers.devtools.launch import run_distributed, shared_gpu, tp_under_test
-from tests.gpu.gpu_support import at_tp2_when_lean, needs_gpus
+from flux_layers.devtools.launch import run_distributed, shared_gpu
+from tests.gpu.gpu_support import at_tp2_when_lean, layers_tp, needs_gpus
 
-TP = tp_under_test() if shared_gpu() or _env.get_int("TEST_TP") else 2  # 2 on a machine of more GPUs unless asked
+TP = layers_tp()
 pytestmark = [pytest.mark.gpu, needs_gpus(TP)]
 # Where the group is gloo (ranks sharing one GPU): its collectives run on the host, so nothing that calls them can be
 # captured into a CUDA graph, and a compiled collective hands gloo the CUDA tensors themselves.
