@@ -30,9 +30,13 @@ steps, nor the stand-in's whole sequence, waited for the running kernel, and no 
 the device-word trials and four contexts at once included. At 54a092e (one H100, ``--processes 1 --kernel-s 0.5``,
 benchmarks/results/one_queue_probe_kernel_stream_h100.json) the trials on the kernel's own stream: the write (or
 record) behind the kernel waited for it, as stream order says, and an event record enqueued on another stream after it
-did not, with one queue as with eight. So the hold that docs/design.md section 7 describes (the completion write behind
-the GEMM, whose removal ended the one-queue failure) is not that simple form; the trials with a stream write and with
-the stand-in's sequence behind the kernel's stream (added after that run) have not run yet.
+did not, with one queue as with eight. At 8c7622f (one H100, ``--processes 1 4 --kernel-s 0.5``, the same file) the
+later trials reproduced the hold under one queue, in one process as in four: a stream write on another stream after
+the write behind the kernel waited for the kernel, and so did the stand-in's chunk flag write and every step after it
+(the forwarding exchange's event wait, staging copy and host-word store), while the exchange's first steps and an
+event record on another stream ran beside it. With eight queues only the write on the kernel's own stream waited.
+That is the failure docs/design.md section 7 describes, and why the external-mode calls enqueue nothing behind the
+GEMM.
 """
 from __future__ import annotations
 
