@@ -9,7 +9,7 @@
 # ($E2E_MODELS, $E2E_ARGS: e.g. --cuda-graphs), reliability_bench (benchmarks/reliability.py: every reliability
 # scenario in its own process group, $RELIABILITY_ARGS added; with one GPU its two ranks share it), layer_ops_bench
 # (benchmarks/bench_layer_ops.py), e2e_ceiling (examples/gpt/ceiling.py), layer_profile
-# (benchmarks/profile_layer.py), stock_bench (benchmarks/bench_cutlass_stock.py), one_queue_probe
+# (benchmarks/profile_layer.py), stock_bench, stock_fp8_bench (benchmarks/bench_cutlass_stock.py [--fp8]), one_queue_probe
 # (experiments/one_queue_probe.py $ONE_QUEUE_PROBE_ARGS: what waits for a running kernel under one hardware queue),
 # one_queue_stand_in (experiments/one_queue_stand_in.py $ONE_QUEUE_ARGS: the one-queue failure of the NCCL transport
 # on emulated nodes, one change at a time), api_cost (experiments/cuda_api_cost.cu: the host cost of each CUDA
@@ -227,6 +227,10 @@ benchmarks.bench_overhead --shared-gpu ${OVERHEAD_ARGS:-} --out $WORK/results/op
     stock_bench)  # stock CUTLASS kernel schedules beside cuBLAS and ours (not in the default steps)
       [ -f build/cutlass_stock/libstock_gemm.so ] || step stock_build 300 env PYTHON=$PY bash benchmarks/cutlass_stock/build.sh
       step stock_bench 200 $PY -m benchmarks.bench_cutlass_stock --out "$WORK/results/gemm_stock_cutlass_h200.json" ;;
+    stock_fp8_bench)  # stock CUTLASS FP8 schedules beside cuBLASLt and ours ($STOCK_FP8_ARGS added)
+      [ -f build/cutlass_stock/libstock_gemm_fp8.so ] || step stock_build 300 env PYTHON=$PY bash benchmarks/cutlass_stock/build.sh
+      step stock_fp8_bench 300 $PY -m benchmarks.bench_cutlass_stock --fp8 ${STOCK_FP8_ARGS:-} \
+        --out "$WORK/results/gemm_stock_cutlass_fp8.json" ;;
     one_queue_probe) step one_queue_probe 200 $PY -m experiments.one_queue_probe ${ONE_QUEUE_PROBE_ARGS:-} \
         --out "$WORK/results/one_queue_probe.json" ;;
     api_cost)  # experiments/cuda_api_cost.cu, prebuilt as build/cuda_api_cost (carried), else built here with nvcc
