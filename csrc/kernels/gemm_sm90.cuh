@@ -275,10 +275,16 @@ struct GemmKernel {
   // to the fp32 accumulators once its wgmmas have completed, while the next k tiles' wgmmas run into the other
   // fragment. (CUTLASS's FP8 mainloop, which waits for every wgmma before each promotion, had ptxas serialize every
   // wgmma of this kernel, C7514, and ran 0.8x cuBLASLt.) Releases every stage it reads; advances read_state.
-  // k tiles (128 deep each) the tensor cores accumulate before a promotion: 2 measured 0.88-0.95x cuBLASLt at
-  // K >= 4096 against 0.86-0.92x with 1 (each iteration drains the pipe once; benchmarks/results/history/
-  // 1280a89-fp8-split-ab/), at 1.01x its error (the output's bf16 rounding dominates either way).
-  static constexpr int kSplitTilesPerPromotion = 2;
+  // One k tile (128 deep) per promotion, as cuBLASLt does, and kSplitPairsPerDrain fragment pairs between two drains
+  // of a warp group's tensor pipe: each fragment is issued again as soon as it was promoted, in straight-line code,
+  // and only the body's last promotion waits for every wgmma. Against two k tiles per promotion with a drain after
+  // each pair, this measured 1-5% faster on 9 of 10 rows (2% slower at 4096x2048x4096 tensor-wise) and at 1.00x
+  // cuBLASLt's error (docs/experiments.md, fewer drains). A warp group holds the stages of two fragments at most,
+  // and the two groups, one fragment apart, three of the six: the producer keeps three loads ahead. (Two k tiles
+  // per fragment with the same long body held all six, left the producer nothing to load ahead and ran 3-12%
+  // slower; 8 pairs per drain: faster at K = 8192, slower at K = 2048.)
+  static constexpr int kSplitTilesPerPromotion = 1;
+  static constexpr int kSplitPairsPerDrain = 4;
   template <class Accum>
   CUTLASS_DEVICE static void mma_fp8_split(MainloopPipeline& pipeline, PipelineState& read_state, Accum& accum,
                                            int k_count, int mma_thread_idx, SharedStorage& ss) {
@@ -321,10 +327,11 @@ struct GemmKernel {
         ++release;
       }
     };
-    // 2 * F k tiles per iteration (F per fragment), all retired inside it: nothing is in flight across the loop's
-    // back edge or a branch, where ptxas would copy in-flight accumulator registers and serialize every wgmma of the
-    // kernel. The second warp group starts with F k tiles alone, so the two warp groups drain their tensor pipes
-    // half an iteration apart and each one's promotion runs under the other's wgmmas.
+    // Every wgmma issued in an iteration is retired inside it: nothing is in flight across a loop's back edge or a
+    // branch, where ptxas would copy in-flight accumulator registers and serialize every wgmma of the kernel. The
+    // second warp group starts with F k tiles alone, so the two warp groups drain their tensor pipes at different
+    // times and each one's last promotion runs under the other's wgmmas. The long iterations first, then pairs, then
+    // a last fragment.
     constexpr int F = kSplitTilesPerPromotion;
     int kt = 0;
     if (warp_group == 1 && k_count > F) {
@@ -332,6 +339,25 @@ struct GemmKernel {
       warpgroup_wait<0>();
       promote(even, F);
       kt = F;
+    }
+    constexpr int P = kSplitPairsPerDrain;
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; kt + 2 * F * P <= k_count; kt += 2 * F * P) {
+      issue(even, F);
+      issue(odd, F);
+      CUTLASS_PRAGMA_UNROLL
+      for (int pair = 1; pair < P; ++pair) {
+        warpgroup_wait<F>();
+        promote(even, F);
+        issue(even, F);
+        warpgroup_wait<F>();
+        promote(odd, F);
+        issue(odd, F);
+      }
+      warpgroup_wait<F>();
+      promote(even, F);
+      warpgroup_wait<0>();
+      promote(odd, F);
     }
     CUTLASS_PRAGMA_NO_UNROLL
     for (; kt + 2 * F <= k_count; kt += 2 * F) {
