@@ -280,9 +280,9 @@ struct GemmKernel {
   // and only the body's last promotion waits for every wgmma. Against two k tiles per promotion with a drain after
   // each pair, this measured 1-5% faster on 9 of 10 rows (2% slower at 4096x2048x4096 tensor-wise) and at 1.00x
   // cuBLASLt's error (docs/experiments.md, fewer drains). A warp group holds the stages of two fragments at most,
-  // and the two groups, one fragment apart, three of the six: the producer keeps three loads ahead. (Two k tiles
-  // per fragment with the same long body held all six, left the producer nothing to load ahead and ran 3-12%
-  // slower; 8 pairs per drain: faster at K = 8192, slower at K = 2048.)
+  // and the two groups, one fragment apart, three of the six: the producer can keep three loads ahead. (Two k
+  // tiles per fragment with the same long body, which holds all six, ran 3-12% slower, likely for that; 8 pairs
+  // per drain: faster at K = 8192, slower at K = 2048.)
   static constexpr int kSplitTilesPerPromotion = 1;
   static constexpr int kSplitPairsPerDrain = 4;
   template <class Accum>
