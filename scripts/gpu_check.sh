@@ -6,15 +6,17 @@
 # Steps (default: all, in this order): env gemm_test ag_test rs_test graph_test reliability_test layers_test gemm_bench
 # ag_bench rs_bench overhead_bench layer_bench layer_bench_conn1. Also: sweep_bench (benchmarks/bench_sweep.py),
 # split_tests (only the stream-K tail's GPU tests), layer_ops_7b, nccl_test, nccl_bench, hybrid_bench, e2e_compare
-# ($E2E_MODELS, $E2E_ARGS: e.g. --cuda-graphs), reliability_bench (benchmarks/reliability.py: every reliability
-# scenario in its own process group, $RELIABILITY_ARGS added; with one GPU its two ranks share it), layer_ops_bench
-# (benchmarks/bench_layer_ops.py), e2e_ceiling (examples/gpt/ceiling.py), layer_profile
-# (benchmarks/profile_layer.py), stock_bench, stock_fp8_bench (benchmarks/bench_cutlass_stock.py [--fp8]), one_queue_probe
+# ($E2E_MODELS, $E2E_ARGS: e.g. --cuda-graphs), reliability_bench (benchmarks/reliability.py: every reliability scenario
+# in its own process group, $RELIABILITY_ARGS added; with one GPU its two ranks share it), layer_ops_bench
+# (benchmarks/bench_layer_ops.py), e2e_ceiling (examples/gpt/ceiling.py), layer_profile (benchmarks/profile_layer.py),
+# stock_bench, stock_fp8_bench (benchmarks/bench_cutlass_stock.py [--fp8]), one_queue_probe
 # (experiments/one_queue_probe.py $ONE_QUEUE_PROBE_ARGS: what waits for a running kernel under one hardware queue),
-# one_queue_stand_in (experiments/one_queue_stand_in.py $ONE_QUEUE_ARGS: the one-queue failure of the NCCL transport
-# on emulated nodes, one change at a time), api_cost (experiments/cuda_api_cost.cu: the host cost of each CUDA
-# operation and of a graphed call; carry build/cuda_api_cost, built with the command in its header, where the machine
-# has no nvcc).
+# one_queue_stand_in (experiments/one_queue_stand_in.py $ONE_QUEUE_ARGS: the one-queue failure of the NCCL transport on
+# emulated nodes, one change at a time), api_cost (experiments/cuda_api_cost.cu: the host cost of each CUDA operation
+# and of a graphed call; carry build/cuda_api_cost, built with the command in its header, where the machine has no
+# nvcc), fp8_ab (op-library builds of the FP8 GEMM side by side: carry each as build/<name>_C.abi3.so and name them in
+# $FP8_AB_LIBS, e.g. "base variant"; bench_gemm_fp8.py with each by FLUX_LAYERS_OPS_LIB, split accumulation, two
+# alternating rounds, then scripts/fp8_ab_summary.py).
 # GRAPH_TEST_K / LAYERS_TEST_K narrow graph_test / layers_test to a pytest -k expression.
 # On a machine with ONE GPU: env gemm_test shared_tests shared_overhead baseline_overhead reliability_bench, and
 # shared_tp shared_nodes.
@@ -231,6 +233,22 @@ benchmarks.bench_overhead --shared-gpu ${OVERHEAD_ARGS:-} --out $WORK/results/op
       [ -f build/cutlass_stock/libstock_gemm_fp8.so ] || step stock_build 300 env PYTHON=$PY bash benchmarks/cutlass_stock/build.sh
       step stock_fp8_bench 300 $PY -m benchmarks.bench_cutlass_stock --fp8 ${STOCK_FP8_ARGS:-} \
         --out "$WORK/results/gemm_stock_cutlass_fp8.json" ;;
+    fp8_ab)  # op-library builds of the FP8 GEMM side by side: build/<name>_C.abi3.so for each name of $FP8_AB_LIBS
+      # (carried), processes alternating over two rounds, split accumulation, $FP8_AB_SHAPES
+      if [ -z "${FP8_AB_LIBS:-}" ]; then
+        echo "fp8_ab skipped (FP8_AB_LIBS names no build)" | tee -a "$summary"
+        not_passed=$(( not_passed + 1 ))
+      else
+        for r in 1 2; do
+          for lib in $FP8_AB_LIBS; do
+            step "fp8_ab_${lib}_$r" 150 env FLUX_LAYERS_OPS_LIB="$ROOT/build/${lib}_C.abi3.so" FLUX_LAYERS_COMMIT="$lib" \
+              $PY -m benchmarks.bench_gemm_fp8 --accums split --reps 8 --rounds 3 \
+              --shapes "${FP8_AB_SHAPES:-4096x2048x4096,4096x4096x6144,8192x4096x4096,4096x8192x4096,8192x8192x14336}" \
+              --out "$WORK/results/fp8_ab_${lib}_$r.json"
+          done
+        done
+        $PY "$ROOT/scripts/fp8_ab_summary.py" "$WORK"/results/fp8_ab_*.json | tee -a "$summary"
+      fi ;;
     one_queue_probe) step one_queue_probe 200 $PY -m experiments.one_queue_probe ${ONE_QUEUE_PROBE_ARGS:-} \
         --out "$WORK/results/one_queue_probe.json" ;;
     api_cost)  # experiments/cuda_api_cost.cu, prebuilt as build/cuda_api_cost (carried), else built here with nvcc
