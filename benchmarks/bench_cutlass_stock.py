@@ -33,51 +33,39 @@ DEFAULT_FP8_LIB = os.path.join(_BUILD, "libstock_gemm_fp8.so")
 
 
 class StockKernels:
-    def __init__(self, path: str):
+    """The kernels of one stock library built by cutlass_stock/build.sh: bf16 (stock_gemm.cu, ``stock_*``) or, with
+    ``fp8``, FP8 (stock_gemm_fp8.cu, ``stock_fp8_*``: an alpha argument, and an accumulation per kernel, which its
+    name here ends with)."""
+
+    def __init__(self, path: str, fp8: bool = False):
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path} not found: build it with bash benchmarks/cutlass_stock/build.sh")
-        self.lib = ctypes.CDLL(path)
-        self.lib.stock_name.restype = ctypes.c_char_p
-        self.lib.stock_run.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
-                                       ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p]
-        self.names = [self.lib.stock_name(i).decode() for i in range(self.lib.stock_count())]
+        self.lib, self.fp8 = ctypes.CDLL(path), fp8
+        prefix = "stock_fp8" if fp8 else "stock"
+        name, self._run = getattr(self.lib, f"{prefix}_name"), getattr(self.lib, f"{prefix}_run")
+        name.restype = ctypes.c_char_p
+        self._run.argtypes = ([ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                               ctypes.c_int, ctypes.c_int] + ([ctypes.c_float] if fp8 else [])
+                              + [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t),
+                                 ctypes.c_void_p])
+        count = getattr(self.lib, f"{prefix}_count")()
+        self.names = [name(i).decode() for i in range(count)]
+        self.accums = [None] * count
+        if fp8:
+            accum = self.lib.stock_fp8_accum
+            accum.restype = ctypes.c_char_p
+            self.accums = [accum(i).decode() for i in range(count)]
+            self.names = [f"{n}_{a}" for n, a in zip(self.names, self.accums)]
         self.workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
 
-    def run(self, index: int, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, swizzle: int) -> None:
+    def run(self, index: int, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, swizzle: int,
+            alpha: float = 1.0) -> None:
         needed = ctypes.c_size_t(0)
-        rc = self.lib.stock_run(index, x.data_ptr(), w.data_ptr(), out.data_ptr(), x.shape[0], w.shape[0],
-                                x.shape[1], swizzle, self.workspace.data_ptr(), self.workspace.numel(),
-                                ctypes.byref(needed), torch.cuda.current_stream().cuda_stream)
+        rc = self._run(index, x.data_ptr(), w.data_ptr(), out.data_ptr(), x.shape[0], w.shape[0], x.shape[1],
+                       *([alpha] if self.fp8 else []), swizzle, self.workspace.data_ptr(), self.workspace.numel(),
+                       ctypes.byref(needed), torch.cuda.current_stream().cuda_stream)
         if rc != 0:
             raise RuntimeError(f"stock kernel {self.names[index]} failed with code {rc} (workspace needed "
-                               f"{needed.value} bytes)")
-
-
-class StockFp8Kernels:
-    def __init__(self, path: str):
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"{path} not found: build it with bash benchmarks/cutlass_stock/build.sh")
-        self.lib = ctypes.CDLL(path)
-        self.lib.stock_fp8_name.restype = ctypes.c_char_p
-        self.lib.stock_fp8_accum.restype = ctypes.c_char_p
-        self.lib.stock_fp8_run.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int,
-                                           ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t),
-                                           ctypes.c_void_p]
-        count = self.lib.stock_fp8_count()
-        self.names = [f"{self.lib.stock_fp8_name(i).decode()}_{self.lib.stock_fp8_accum(i).decode()}"
-                      for i in range(count)]
-        self.accums = [self.lib.stock_fp8_accum(i).decode() for i in range(count)]
-        self.workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-
-    def run(self, index, x, w, out, alpha: float, swizzle: int) -> None:
-        needed = ctypes.c_size_t(0)
-        rc = self.lib.stock_fp8_run(index, x.data_ptr(), w.data_ptr(), out.data_ptr(), x.shape[0], w.shape[0],
-                                    x.shape[1], alpha, swizzle, self.workspace.data_ptr(), self.workspace.numel(),
-                                    ctypes.byref(needed), torch.cuda.current_stream().cuda_stream)
-        if rc != 0:
-            raise RuntimeError(f"stock FP8 kernel {self.names[index]} failed with code {rc} (workspace needed "
                                f"{needed.value} bytes)")
 
 
@@ -101,7 +89,7 @@ def bench_shape_fp8(stock, m, k, n, reps, rounds, swizzles, sets=2):
     for idx, name in enumerate(stock.names):
         for swz in swizzles:
             def call(i, idx=idx, swz=swz):
-                stock.run(idx, ops_[i % sets][0], ops_[i % sets][1], outs[i % sets], alphas[i % sets], swz)
+                stock.run(idx, ops_[i % sets][0], ops_[i % sets][1], outs[i % sets], swz, alpha=alphas[i % sets])
                 return outs[i % sets]
             key = f"cutlass_{name}_swz{swz}"
             variants[key], accum_of[key] = call, stock.accums[idx]
@@ -191,7 +179,7 @@ def main():
     swizzles = [int(s) for s in args.swizzles.split(",")]
     rows = []
     if args.fp8:
-        stock = StockFp8Kernels(args.lib or DEFAULT_FP8_LIB)
+        stock = StockKernels(args.lib or DEFAULT_FP8_LIB, fp8=True)
         for (m, k, n) in parse_shapes(args.shapes or DEFAULT_FP8_SHAPES):
             row = bench_shape_fp8(stock, m, k, n, args.reps, args.rounds, swizzles)
             rows.append(row)
