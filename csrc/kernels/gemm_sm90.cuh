@@ -278,7 +278,7 @@ struct GemmKernel {
   // One k tile (128 deep) per promotion, as cuBLASLt does, and kSplitPairsPerDrain fragment pairs between two drains
   // of a warp group's tensor pipe: each fragment is issued again as soon as it was promoted, in straight-line code,
   // and only the body's last promotion waits for every wgmma. Against two k tiles per promotion with a drain after
-  // each pair, this measured 1-5% faster on 9 of 10 rows (2% slower at 4096x2048x4096 tensor-wise) and at 1.00x
+  // each pair, this measured 0.6-5.5% faster on 9 of 10 rows (2% slower at 4096x2048x4096 tensor-wise) and at 1.00x
   // cuBLASLt's error (docs/experiments.md, fewer drains). A warp group holds the stages of two fragments at most,
   // and the two groups, one fragment apart, three of the six: the producer can keep three loads ahead. (Two k
   // tiles per fragment with the same long body, which holds all six, ran 3-12% slower, likely for that; 8 pairs
