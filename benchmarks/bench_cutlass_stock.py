@@ -69,6 +69,17 @@ class StockKernels:
                                f"{needed.value} bytes)")
 
 
+def time_into(row, variants, m, k, n, reps, rounds):
+    """Times the variants in interleaved rounds and writes each one's median ``<name>_ms`` and ``<name>_tflops``
+    into ``row``; returns the names timed."""
+    samples = time_interleaved(variants, reps=reps, rounds=rounds)
+    flop = 2.0 * m * n * k
+    for name, s in samples.items():
+        row[f"{name}_ms"] = median(s)
+        row[f"{name}_tflops"] = flop / median(s) / 1e9
+    return list(samples)
+
+
 def bench_shape_fp8(stock, m, k, n, reps, rounds, swizzles, sets=2):
     from benchmarks.bench_gemm_fp8 import operands, rel_error
     from flux_layers.ops import fused_gemm
@@ -103,12 +114,8 @@ def bench_shape_fp8(stock, m, k, n, reps, rounds, swizzles, sets=2):
         row[f"{name}_rel_error"] = err
         if not err < 3 * row.get(f"cublas_{accum_of[name]}_rel_error", err) + 1e-3 or err != err:
             raise RuntimeError(f"{name} on {m}x{k}x{n}: relative error {err} against the dequantized fp32 reference")
-    samples = time_interleaved(variants, reps=reps, rounds=rounds)
-    flop = 2.0 * m * n * k
-    for name, s in samples.items():
-        row[f"{name}_ms"] = median(s)
-        row[f"{name}_tflops"] = flop / median(s) / 1e9
-        row[f"{name}_over_cublas"] = row[f"cublas_{accum_of[name]}_ms"] / median(s)
+    for name in time_into(row, variants, m, k, n, reps, rounds):
+        row[f"{name}_over_cublas"] = row[f"cublas_{accum_of[name]}_ms"] / row[f"{name}_ms"]
     for accum in ("split", "fast"):
         stock_keys = [key for key in variants if key.startswith("cutlass_") and accum_of[key] == accum]
         best = min(stock_keys, key=lambda key: row[f"{key}_ms"])
@@ -147,11 +154,7 @@ def bench_shape(stock, m, k, n, reps, rounds, swizzles, sets=2):
         err = ((got - ref).norm() / ref.norm()).item()
         if not err < 1e-2:
             raise RuntimeError(f"{name} on {m}x{k}x{n}: relative error {err} against the fp32 reference")
-    samples = time_interleaved(variants, reps=reps, rounds=rounds)
-    flop = 2.0 * m * n * k
-    for name, s in samples.items():
-        row[f"{name}_ms"] = median(s)
-        row[f"{name}_tflops"] = flop / median(s) / 1e9
+    time_into(row, variants, m, k, n, reps, rounds)
     best_stock = min((n_ for n_ in variants if n_.startswith("cutlass_")), key=lambda n_: row[f"{n_}_ms"])
     row["flux_kernel"] = flux_name
     row["flux_over_cublas"] = row["cublas_ms"] / row[f"{flux_name}_ms"]
