@@ -271,20 +271,96 @@ struct GemmKernel {
   }
 
   // ---------------------------------------------------------------- consumer: FP8 split accumulation
-  // The tensor cores accumulate kSplitTilesPerPromotion k tiles into one of two temporary fragments, which is added
-  // to the fp32 accumulators once its wgmmas have completed, while the next k tiles' wgmmas run into the other
+  // The tensor cores accumulate one k tile (128 deep, as cuBLASLt does) into one of two temporary fragments, which is
+  // added to the fp32 accumulators once its wgmmas have completed, while the next k tile's wgmmas run into the other
   // fragment. (CUTLASS's FP8 mainloop, which waits for every wgmma before each promotion, had ptxas serialize every
   // wgmma of this kernel, C7514, and ran 0.8x cuBLASLt.) Releases every stage it reads; advances read_state.
-  // One k tile (128 deep) per promotion, as cuBLASLt does, and kSplitPairsPerDrain fragment pairs between two drains
-  // of a warp group's tensor pipe: each fragment is issued again as soon as it was promoted, in straight-line code,
-  // and only the body's last promotion waits for every wgmma. Against two k tiles per promotion with a drain after
-  // each pair, this measured 0.6-5.5% faster on 9 of 10 rows (2% slower at 4096x2048x4096 tensor-wise) and at 1.00x
-  // cuBLASLt's error (docs/experiments.md, fewer drains). A warp group holds the stages of two fragments at most,
-  // and the two groups, one fragment apart, three of the six: the producer can keep three loads ahead. (Two k
-  // tiles per fragment with the same long body, which holds all six, ran 3-12% slower, likely for that; 8 pairs
-  // per drain: faster at K = 8192, slower at K = 2048.)
-  static constexpr int kSplitTilesPerPromotion = 1;
-  static constexpr int kSplitPairsPerDrain = 4;
+  // A warp group drains its tensor pipe once per kSplitFragmentsPerDrain fragments: each fragment is issued again as
+  // soon as it was promoted, in straight-line code, and only a run's last promotion waits for every wgmma. A warp
+  // group holds the stages of two fragments at most, and the two groups, one fragment apart, three of the six: the
+  // producer can keep three loads ahead. (Two k tiles per fragment with the same long runs, which hold all six, ran
+  // 3-12% slower, likely for that; 16 fragments per drain: faster at K = 8192, slower at K = 2048.) What is left
+  // after the long runs goes in runs of 4, 2 and 1 fragments: against runs of 2 and a last one of 1, the second
+  // group drains 5 times instead of 6 at K = 2048, and this measured 0.2-4.5% faster on 8 of 10 rows, the other
+  // two within their rounds' spread (docs/experiments.md, runs of 4, 2 and 1).
+  static constexpr int kSplitFragmentsPerDrain = 8;
+  static constexpr int kSplitSecondGroupLead = 1;
+
+  // One warp group's split accumulation of one tile: the fp32 accumulators, the two fragments and the stages read
+  // and to release. Member functions, not lambdas, so that all of it is inlined into the kernel: a run compiled as a
+  // function of its own had ptxas serialize its wgmmas (C7520).
+  template <class Accum, class FragA, class FragB>
+  struct SplitAccumulation {
+    using Fragment = decltype(make_fragment_like(std::declval<Accum&>()));
+    MainloopPipeline& pipeline;
+    PipelineState& read_state;
+    PipelineState release;
+    TiledMma& tiled_mma;
+    FragA& tCrA;  // (MMA, MMA_M, MMA_K, PIPE)
+    FragB& tCrB;  // (MMA, MMA_N, MMA_K, PIPE)
+    Accum& accum;
+    Fragment even = make_fragment_like(accum);
+    Fragment odd = make_fragment_like(accum);
+
+    // The next k tile into `into` (one commit group).
+    CUTLASS_DEVICE void issue(Fragment& into) {
+      warpgroup_fence_operand(into);
+      tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+      pipeline.consumer_wait(read_state, pipeline.consumer_try_wait(read_state));
+      int const stage = read_state.index();
+      warpgroup_arrive();
+      CUTLASS_PRAGMA_UNROLL
+      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+        cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), into);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      ++read_state;
+    }
+    // Once the wgmmas of `done` completed: add them to accum and release their stage.
+    CUTLASS_DEVICE void promote(Fragment& done) {
+      warpgroup_fence_operand(done);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(accum); ++i) accum(i) += done(i);
+      pipeline.consumer_release(release);
+      ++release;
+    }
+    // Fragment j of a run: even for even j.
+    template <int J>
+    CUTLASS_DEVICE Fragment& fragment() {
+      if constexpr (J % 2 == 0)
+        return even;
+      else
+        return odd;
+    }
+    // Fragments J..N-1 of a run after the first two: each reuses fragment J - 2's registers once it was promoted.
+    template <int J, int N>
+    CUTLASS_DEVICE void reissue() {
+      if constexpr (J < N) {
+        warpgroup_wait<1>();
+        promote(fragment<J>());
+        issue(fragment<J>());
+        reissue<J + 1, N>();
+      }
+    }
+    // A run of N fragments (N k tiles), each issued again as soon as it was promoted; only the run's last promotion
+    // waits for every wgmma. Every wgmma issued in a run is retired inside it: nothing is in flight across a loop's
+    // back edge or a branch, where ptxas would copy in-flight accumulator registers and serialize every wgmma of
+    // the kernel.
+    template <int N>
+    CUTLASS_DEVICE void run() {
+      issue(even);
+      if constexpr (N > 1) {
+        issue(odd);
+        reissue<2, N>();
+        warpgroup_wait<1>();
+        promote(fragment<N - 2>());
+      }
+      warpgroup_wait<0>();
+      promote(fragment<N - 1>());
+    }
+  };
+
   template <class Accum>
   CUTLASS_DEVICE static void mma_fp8_split(MainloopPipeline& pipeline, PipelineState& read_state, Accum& accum,
                                            int k_count, int mma_thread_idx, SharedStorage& ss) {
@@ -293,86 +369,31 @@ struct GemmKernel {
     TiledMma tiled_mma;
     int const warp_group = __shfl_sync(0xffffffff, mma_thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
     auto thread_mma = tiled_mma.get_slice(warp_group * cutlass::NumThreadsPerWarpGroup);
-    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
-    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
-    Tensor even = make_fragment_like(accum);
-    Tensor odd = make_fragment_like(accum);
+    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));
+    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));
     clear(accum);
-    PipelineState release = read_state;
-
-    // The next `count` k tiles into `into` (one commit group each).
-    auto issue = [&](auto& into, int count) {
-      warpgroup_fence_operand(into);
-      tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-      for (int t = 0; t < count; ++t) {
-        pipeline.consumer_wait(read_state, pipeline.consumer_try_wait(read_state));
-        int const stage = read_state.index();
-        warpgroup_arrive();
-        CUTLASS_PRAGMA_UNROLL
-        for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-          cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), into);
-          tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
-        ++read_state;
-      }
-    };
-    // Once the wgmmas of `done` completed: add them to accum and release their `count` stages.
-    auto promote = [&](auto& done, int count) {
-      warpgroup_fence_operand(done);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(accum); ++i) accum(i) += done(i);
-      for (int t = 0; t < count; ++t) {
-        pipeline.consumer_release(release);
-        ++release;
-      }
-    };
-    // Every wgmma issued in an iteration is retired inside it: nothing is in flight across a loop's back edge or a
-    // branch, where ptxas would copy in-flight accumulator registers and serialize every wgmma of the kernel. The
-    // second warp group starts with F k tiles alone, so the two warp groups drain their tensor pipes at different
-    // times and each one's last promotion runs under the other's wgmmas. The long iterations first, then pairs, then
-    // a last fragment.
-    constexpr int F = kSplitTilesPerPromotion;
+    using Split = SplitAccumulation<Accum, decltype(tCrA), decltype(tCrB)>;
+    Split split{pipeline, read_state, read_state, tiled_mma, tCrA, tCrB, accum};
+    // Long runs, then runs of half, two and one fragment for what is left (each length a body of its own; a body
+    // per remainder, 7 of them, made ptxas spill KBs and serialize the wgmmas). The second warp group starts with a
+    // run of kSplitSecondGroupLead k tiles, so the two groups drain their tensor pipes at different times and each
+    // one's drain runs under the other's wgmmas. (A lead of 4, which puts the drains 4 k tiles apart, measured no
+    // faster than the loop before and spilled 12 bytes.)
+    constexpr int R = kSplitFragmentsPerDrain;
     int kt = 0;
-    if (warp_group == 1 && k_count > F) {
-      issue(even, F);
-      warpgroup_wait<0>();
-      promote(even, F);
-      kt = F;
-    }
-    constexpr int P = kSplitPairsPerDrain;
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (; kt + 2 * F * P <= k_count; kt += 2 * F * P) {
-      issue(even, F);
-      issue(odd, F);
-      CUTLASS_PRAGMA_UNROLL
-      for (int pair = 1; pair < P; ++pair) {
-        warpgroup_wait<F>();
-        promote(even, F);
-        issue(even, F);
-        warpgroup_wait<F>();
-        promote(odd, F);
-        issue(odd, F);
-      }
-      warpgroup_wait<F>();
-      promote(even, F);
-      warpgroup_wait<0>();
-      promote(odd, F);
+    if (warp_group == 1 && k_count > kSplitSecondGroupLead) {
+      split.template run<kSplitSecondGroupLead>();
+      kt = kSplitSecondGroupLead;
     }
     CUTLASS_PRAGMA_NO_UNROLL
-    for (; kt + 2 * F <= k_count; kt += 2 * F) {
-      issue(even, F);
-      issue(odd, F);
-      warpgroup_wait<F>();
-      promote(even, F);
-      warpgroup_wait<0>();
-      promote(odd, F);
+    for (; kt + R <= k_count; kt += R) split.template run<R>();
+    if (kt + R / 2 <= k_count) {
+      split.template run<R / 2>();
+      kt += R / 2;
     }
-    if (kt < k_count) {
-      issue(even, k_count - kt);
-      warpgroup_wait<0>();
-      promote(even, k_count - kt);
-    }
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; kt + 2 <= k_count; kt += 2) split.template run<2>();
+    if (kt < k_count) split.template run<1>();
     warpgroup_fence_operand(accum);
   }
 
