@@ -46,11 +46,11 @@ def region_bounds(sources):
 
 def summarize(header, rows, top=20):
     col = {name: i for i, name in enumerate(header)}
-    samples = col["Warp Stall Sampling (All Samples)"]
+    samples = "Warp Stall Sampling (All Samples)"
     reasons = [name for name in header if name.startswith("stall_") and "(Not Issued)" not in name]
 
-    def value(row, name_or_index):
-        v = row[name_or_index if isinstance(name_or_index, int) else col[name_or_index]]
+    def value(row, name):
+        v = row[col[name]]
         return int(v) if v not in ("", "-") else 0
 
     sources = [row[col["Source"]].strip() for row in rows]

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -108,12 +109,10 @@ def main(argv=None):
         torch.cuda.init()
         figures, path, per_rank = measure(), None, None
     else:
-        import socket
-
         import torch.multiprocessing as mp
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+
+        from flux_layers.devtools.launch import free_port
+        port = free_port()
         results = mp.get_context("spawn").SimpleQueue()
         mp.spawn(_worker, args=(args.ranks, args, port, results), nprocs=args.ranks, join=True)
         got = results.get()
@@ -122,7 +121,8 @@ def main(argv=None):
     for name, us in figures.items():
         print(f"{name}: {us:.2f} us")
     if args.out:
-        payload = {"command": "python -m experiments.torch_host_cost " + " ".join(argv or __import__("sys").argv[1:]),
+        command = " ".join(["python -m experiments.torch_host_cost"] + (sys.argv[1:] if argv is None else argv))
+        payload = {"command": command,
                    "commit": os.environ.get("FLUX_LAYERS_COMMIT", "unknown"), "gpu": torch.cuda.get_device_name(),
                    "ranks": args.ranks, "after_ops": args.after_ops, "fused_path": path,
                    "method": "wall time per call of 300 calls behind a GPU sleep, median of 7; max over ranks",
