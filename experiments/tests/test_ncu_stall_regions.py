@@ -47,6 +47,22 @@ def test_regions_and_reasons(tmp_path):
     assert [h["region"] for h in result["hottest"]] == ["stores", "producer", "producer"]
 
 
+def test_the_epilogue_path_in_runs(tmp_path):
+    # the columns above plus the executed count: the producer's two lines and one line of the epilogue not executed
+    executed = [0, 8, 8, 8, 8, 8, 8, 8, 0, 8, 0, 0]
+    with open(tmp_path / "sass.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["Kernel Name", "gemm_kernel"])
+        w.writerow(HEADER + ["Instructions Executed"])
+        for i, ((sass, n, ni, lsb), e) in enumerate(zip(LISTING, executed)):
+            w.writerow([hex(0x1000 + 16 * i), "      " + sass, n, ni, lsb, "-", e])
+    header, rows = read_source_page(tmp_path / "sass.csv")
+    path = summarize(header, rows)["epilogue_path"]
+    assert (path["first"], path["end"], path["executed"], path["runs"], path["no_inst"]) == (7, 10, 2, 2, 20)
+    assert [(r["first"], r["length"], r["skipped_before"], r["samples"], r["no_inst"]) for r in path["run_list"]] == [
+        (7, 1, 0, 17, 0), (9, 1, 1, 23, 20)]
+
+
 def test_a_listing_without_the_markers_is_refused(tmp_path):
     write_page(tmp_path / "sass.csv", [row for row in LISTING if "STSM" not in row[0]])
     header, rows = read_source_page(tmp_path / "sass.csv")
