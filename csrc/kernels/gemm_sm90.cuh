@@ -627,7 +627,12 @@ struct GemmKernel {
     });
   }
 
-  template <class Accum>
+  // kReduceScatterPaths: the instance that can run a GEMM+ReduceScatter's tiles (GemmProblem::rs_own_shard >= 0). With
+  // 128-row tiles the other calls' tiles run an instance without those paths, so that the code a tile's epilogue runs
+  // through lies in one piece: it runs once per mainloop, which evicts it from the instruction cache, and each branch
+  // over a path it does not take was an instruction-fetch stall (docs/experiments.md, the FP8 epilogue's code layout).
+  // 256-row tiles keep one instance: the second made ptxas spill 16 bytes in the FP8 fast-accumulation kernel.
+  template <bool kReduceScatterPaths, class Accum>
   CUTLASS_DEVICE static void epilogue(Params const& params, TileCoord t, Accum& accum, int mma_thread_idx,
                                       SharedStorage& ss, uint32_t& consumed_seen, PendingSignal& pending,
                                       uint32_t& partial_phase, bool partials_loading) {
@@ -636,9 +641,10 @@ struct GemmKernel {
     int const col0 = t.n * kTileN;
     if (row0 >= p.rows_per_shard) return;  // padding tile (uniform across the consumer threads)
 
-    bool const is_rs = p.rs_own_shard >= 0;
+    // (128-row tiles take this instance only for a ReduceScatter's tiles.)
+    bool const is_rs = kReduceScatterPaths && (kRegisterSlack || p.rs_own_shard >= 0);
     bool const own = is_rs && t.shard == p.rs_own_shard;  // own rows: the output
-    bool const reduce = reduced(p, t.shard);              // own rows, or a collected block: add the partials
+    bool const reduce = is_rs && reduced(p, t.shard);     // own rows, or a collected block: add the partials
     bool const to_peer = is_rs && !own;                   // leaves this rank: signalled or counted afterwards
     bool const counted = staged(p, t.shard);              // staged locally: the copy engine or the caller moves it
     bool const add_bias = p.bias != nullptr && (!is_rs || own);
@@ -648,7 +654,7 @@ struct GemmKernel {
                   : rs_chunk_index(t.m, t.n, p.rs_chunk_tiles_m, p.rs_chunk_tiles_n, p.rs_chunks_n);
     constexpr int kSubTiles = kTileN / kEpiCols;
 
-    if (mma_thread_idx == 0) {
+    if (is_rs && mma_thread_idx == 0) {
       int const dest = p.rs_dest[t.shard];
       if (to_peer && !counted && !(consumed_seen & (1u << dest))) {
         // The destination must have finished reading its receive slots (and our signature) of the previous call
@@ -729,6 +735,18 @@ struct GemmKernel {
           });
         }
       }
+      // The bias in one pass over the sub-tile (one branch, where a test per block broke the staging below into
+      // pieces), after the partials, so the sums keep their order.
+      if (add_bias) {
+        for_each_block<kSub>(accum, tCcD, [&](auto i_, auto, auto c_) {
+          constexpr int i = decltype(i_)::value;
+          int gc = col0 + c_base + decltype(c_)::value;  // this thread's columns gc, gc+1, gc+8, gc+9
+          float b0 = gc < p.n ? float(bias[gc]) : 0.f, b1 = gc + 1 < p.n ? float(bias[gc + 1]) : 0.f;
+          float b8 = gc + 8 < p.n ? float(bias[gc + 8]) : 0.f, b9 = gc + 9 < p.n ? float(bias[gc + 9]) : 0.f;
+          accum(i) += b0, accum(i + 1) += b1, accum(i + 2) += b0, accum(i + 3) += b1;
+          accum(i + 4) += b8, accum(i + 5) += b9, accum(i + 6) += b8, accum(i + 7) += b9;
+        });
+      }
       for_each_block<kSub>(accum, tCcD, [&](auto i_, auto r_, auto c_) {
         constexpr int i = decltype(i_)::value;
         constexpr int r_off = decltype(r_)::value;
@@ -741,17 +759,8 @@ struct GemmKernel {
           constexpr int uv = decltype(u)::value;
           static_assert(ur == 8 * ((uv / 2) % 2) && uc == uv % 2 + 8 * (uv / 4), "unexpected wgmma fragment");
         });
-        float v[8];
-        CUTLASS_PRAGMA_UNROLL
-        for (int u = 0; u < 8; ++u) v[u] = accum(i + u);
-        if (add_bias) {
-          int gc = col0 + c_base + c_off;  // this thread's columns gc, gc+1, gc+8, gc+9
-          float b0 = gc < p.n ? float(bias[gc]) : 0.f, b1 = gc + 1 < p.n ? float(bias[gc + 1]) : 0.f;
-          float b8 = gc + 8 < p.n ? float(bias[gc + 8]) : 0.f, b9 = gc + 9 < p.n ? float(bias[gc + 9]) : 0.f;
-          v[0] += b0, v[1] += b1, v[2] += b0, v[3] += b1, v[4] += b8, v[5] += b9, v[6] += b8, v[7] += b9;
-        }
-        stmatrix_x4(block_addr(r_off, c_off), pack2(v[0], v[1]), pack2(v[2], v[3]), pack2(v[4], v[5]),
-                    pack2(v[6], v[7]));
+        stmatrix_x4(block_addr(r_off, c_off), pack2(accum(i), accum(i + 1)), pack2(accum(i + 2), accum(i + 3)),
+                    pack2(accum(i + 4), accum(i + 5)), pack2(accum(i + 6), accum(i + 7)));
       });
       // The whole sub-tile in one TMA store, which drains while the consumers move on; rows and columns past
       // the shard's edge are clipped. A ReduceScatter tile for a peer is flagged (or counted) only once its
@@ -771,7 +780,7 @@ struct GemmKernel {
     });
     // The previous tile's signal: raised by thread 0 behind this tile's stores, so that its fence delays only
     // thread 0's warp group at the next mainloop's start (the other one goes ahead) and not every consumer.
-    flush_signal<kSubTiles>(p, pending, mma_thread_idx);
+    if constexpr (kReduceScatterPaths) flush_signal<kSubTiles>(p, pending, mma_thread_idx);
 
     if (to_peer) {
       // Release (deferred): flush_signal waits for the tile's TMA stores to complete before the flag.
@@ -907,7 +916,11 @@ struct GemmKernel {
                          mma_thread_idx);
           }
         }
-        epilogue(params, t, accum, mma_thread_idx, ss, consumed_seen, pending, partial_phase, partials_loading);
+        if (!kRegisterSlack || p.rs_own_shard >= 0)
+          epilogue<true>(params, t, accum, mma_thread_idx, ss, consumed_seen, pending, partial_phase, partials_loading);
+        else
+          epilogue<false>(params, t, accum, mma_thread_idx, ss, consumed_seen, pending, partial_phase,
+                          partials_loading);
       }
       if (pending.shard >= 0) {
         epi_barrier();
