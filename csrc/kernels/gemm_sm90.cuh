@@ -629,9 +629,10 @@ struct GemmKernel {
 
   // kReduceScatterPaths: the instance that can run a GEMM+ReduceScatter's tiles (GemmProblem::rs_own_shard >= 0). With
   // 128-row tiles the other calls' tiles run an instance without those paths, so that the code a tile's epilogue runs
-  // through lies in one piece: it runs once per mainloop, which evicts it from the instruction cache, and each branch
-  // over a path it does not take was an instruction-fetch stall (docs/experiments.md, the FP8 epilogue's code layout).
-  // 256-row tiles keep one instance: the second made ptxas spill 16 bytes in the FP8 fast-accumulation kernel.
+  // through lies in one piece: it runs once per mainloop, whose code likely evicts it from the instruction cache, and
+  // each branch over a path it does not take was an instruction-fetch stall (ncu; docs/experiments.md, "The epilogue's
+  // code in one piece"). 256-row tiles keep one instance: the second made ptxas spill 16 bytes in the FP8
+  // fast-accumulation kernel.
   template <bool kReduceScatterPaths, class Accum>
   CUTLASS_DEVICE static void epilogue(Params const& params, TileCoord t, Accum& accum, int mma_thread_idx,
                                       SharedStorage& ss, uint32_t& consumed_seen, PendingSignal& pending,
