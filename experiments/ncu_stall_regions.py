@@ -49,14 +49,19 @@ def region_bounds(sources):
     return [setmaxreg[0], wgmma[0], end, stsm[0], setmaxreg[1]]
 
 
+def cell(row, col, name):
+    """Column `name` of a source-page row as an int: 0 where it is empty, "-", or not in the page."""
+    v = row[col[name]] if name in col else ""
+    return int(v) if v not in ("", "-") else 0
+
+
 def summarize(header, rows, top=20):
     col = {name: i for i, name in enumerate(header)}
     samples = "Warp Stall Sampling (All Samples)"
     reasons = [name for name in header if name.startswith("stall_") and "(Not Issued)" not in name]
 
     def value(row, name):
-        v = row[col[name]]
-        return int(v) if v not in ("", "-") else 0
+        return cell(row, col, name)
 
     sources = [row[col["Source"]].strip() for row in rows]
     bounds = region_bounds(sources) + [len(rows)]
@@ -83,8 +88,7 @@ def epilogue_path(rows, col, first, end):
         return {}
 
     def value(row, name):
-        v = row[col[name]] if name in col else ""
-        return int(v) if v not in ("", "-") else 0
+        return cell(row, col, name)
 
     runs, skipped, i = [], 0, first
     while i < end:
