@@ -45,7 +45,7 @@ def rel_error(out, ref):
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def bench_case(m, k, n, mode, accum, reps, rounds, sets=2):
+def bench_case(m, k, n, mode, accum, reps, rounds, sets=2, bound=False):
     from flux_layers.ops import fused_gemm
     from flux_layers.runtime import tuning
     gen = torch.Generator(device="cuda").manual_seed(m * 7 + n * 3 + k)
@@ -71,7 +71,7 @@ def bench_case(m, k, n, mode, accum, reps, rounds, sets=2):
     errors = {}
     for key, cfg in configs.items():
         errors[key] = rel_error(flux(cfg)(0), ref)
-        if not errors[key] < 3 * row["cublas_rel_error"] + 1e-3:
+        if not bound and not errors[key] < 3 * row["cublas_rel_error"] + 1e-3:
             raise RuntimeError(f"flux fp8 gemm {key} disagrees on {m}x{k}x{n} {mode} {accum}: rel err {errors[key]}")
     variants = {"cublas": cublas, **{key: flux(cfg) for key, cfg in configs.items()}}
     samples = time_interleaved(variants, reps=reps, rounds=rounds)
@@ -94,6 +94,9 @@ def bench_case(m, k, n, mode, accum, reps, rounds, sets=2):
     row["error_over_cublas"] = (errors[d_key] / row["cublas_rel_error"]) if d_key is not None else None
     row["implementation"] = ("flux_layers._C gemm (persistent sm90, CUTLASS FP8 mainloop, scales in the epilogue) "
                              "vs torch._scaled_mm")
+    if bound:
+        row["implementation"] += ("; BOUND: the op library computes something else (errors recorded, not checked), "
+                                  "a time bound, not a kernel")
     return row
 
 
@@ -105,6 +108,9 @@ def main():
     ap.add_argument("--reps", type=int, default=10, help="timed repetitions per variant per round")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (variant order rotated per round)")
     ap.add_argument("--out", default="", help="JSON path (default: print only)")
+    ap.add_argument("--bound", action="store_true",
+                    help="the op library (FLUX_LAYERS_OPS_LIB) is a timing bound that computes something else: record "
+                         "its errors without refusing it, and mark every row as a bound")
     args = ap.parse_args()
     from flux_layers import _library
     _library.require()
@@ -112,7 +118,7 @@ def main():
     for (m, k, n) in parse_shapes(args.shapes):
         for mode in args.scales.split(","):
             for accum in args.accums.split(","):
-                r = bench_case(m, k, n, mode, accum, args.reps, args.rounds)
+                r = bench_case(m, k, n, mode, accum, args.reps, args.rounds, bound=args.bound)
                 rows.append(r)
                 print(f"  {m}x{k}x{n} {mode} {accum}: cuBLASLt {r['cublas_tflops']:.0f}  flux {r['flux_tflops']:.0f} "
                       f"TFLOP/s ({r['config']}), default {r['flux_default']} "

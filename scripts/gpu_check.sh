@@ -16,7 +16,8 @@
 # and of a graphed call; carry build/cuda_api_cost, built with the command in its header, where the machine has no
 # nvcc), fp8_ab (op-library builds of the FP8 GEMM side by side: carry each as build/<name>_C.abi3.so and name them in
 # $FP8_AB_LIBS, e.g. "base variant"; bench_gemm_fp8.py with each by FLUX_LAYERS_OPS_LIB, split accumulation, two
-# alternating rounds, then scripts/fp8_ab_summary.py).
+# alternating rounds, then scripts/fp8_ab_summary.py; the names also in $FP8_AB_BOUNDS are timing bounds, whose results
+# bench_gemm_fp8.py --bound records without checking them).
 # GRAPH_TEST_K / LAYERS_TEST_K narrow graph_test / layers_test to a pytest -k expression.
 # On a machine with ONE GPU: env gemm_test shared_tests shared_overhead baseline_overhead reliability_bench, and
 # shared_tp shared_nodes.
@@ -243,6 +244,7 @@ benchmarks.bench_overhead --shared-gpu ${OVERHEAD_ARGS:-} --out $WORK/results/op
           for lib in $FP8_AB_LIBS; do
             step "fp8_ab_${lib}_$r" 150 env FLUX_LAYERS_OPS_LIB="$ROOT/build/${lib}_C.abi3.so" FLUX_LAYERS_COMMIT="$lib" \
               $PY -m benchmarks.bench_gemm_fp8 --accums split --reps 8 --rounds 3 \
+              $(case " ${FP8_AB_BOUNDS:-} " in *" $lib "*) echo --bound ;; esac) \
               --shapes "${FP8_AB_SHAPES:-4096x2048x4096,4096x4096x6144,8192x4096x4096,4096x8192x4096,8192x8192x14336}" \
               --out "$WORK/results/fp8_ab_${lib}_$r.json"
           done
