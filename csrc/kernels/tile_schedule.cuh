@@ -26,6 +26,37 @@
 
 namespace flux {
 
+// x / d for 0 <= x < 2^31 and a divisor d >= 1 fixed when the schedule is made: q = umulhi(x, m) >> s with
+// l = ceil(log2 d), m = ceil(2^(31 + l) / d) < 2^32, s = l - 1. Exact: m * d = 2^(31 + l) + e with e < d <= 2^l, so
+// x * m / 2^(31 + l) = x / d + x * e / (d * 2^(31 + l)), and x * e < 2^(31 + l) keeps the error below 1 / d. The
+// consumers compute their next tile with three such divisions per tile, on the tensor pipe's idle path between two
+// tiles; the compiler's division by a runtime value is ~20 instructions around a reciprocal (MUFU) each.
+struct FastDiv {
+  int d = 1;
+  unsigned mul = 0;
+  unsigned shift = 0;
+
+  static FastDiv make(int divisor) {
+    FastDiv f;
+    f.d = divisor > 1 ? divisor : 1;
+    if (f.d > 1) {
+      unsigned l = 0;
+      while ((1ull << l) < unsigned(f.d)) ++l;
+      f.mul = unsigned(((1ull << (31 + l)) + unsigned(f.d) - 1) / unsigned(f.d));
+      f.shift = l - 1;
+    }
+    return f;
+  }
+  __host__ __device__ int div(int x) const {
+    if (d == 1) return x;
+#if defined(__CUDA_ARCH__)
+    return int(__umulhi(unsigned(x), mul) >> shift);
+#else
+    return int(((unsigned long long)unsigned(x) * mul) >> 32 >> shift);
+#endif
+  }
+};
+
 struct TileCoord {
   int shard;
   int m;  // tile index along M inside the shard
@@ -40,6 +71,9 @@ struct TileSchedule {
   int work_per_shard = 0;
   int total_work = 0;
   int shard_order[kMaxTp] = {0};
+  // Divisors of get(): work_per_shard, swizzle * tiles_n (a panel), swizzle (rows of a full panel) and the rows of
+  // the last panel.
+  FastDiv by_work_per_shard, by_panel_span, by_swizzle, by_last_rows;
 
   static TileSchedule make(const GemmProblem& p, int tile_m, int tile_n, int cluster_m) {
     TileSchedule s;
@@ -54,20 +88,23 @@ struct TileSchedule {
     s.work_per_shard = cluster_rows * s.tiles_n;
     s.total_work = s.work_per_shard * p.num_shards;
     for (int i = 0; i < kMaxTp; ++i) s.shard_order[i] = p.shard_order[i];
+    s.by_work_per_shard = FastDiv::make(s.work_per_shard);
+    s.by_panel_span = FastDiv::make(s.swizzle * s.tiles_n);
+    s.by_swizzle = FastDiv::make(s.swizzle);
+    int const last_rows = cluster_rows - (cluster_rows > 0 ? (cluster_rows - 1) / s.swizzle * s.swizzle : 0);
+    s.by_last_rows = FastDiv::make(last_rows);
     return s;
   }
 
   __host__ __device__ TileCoord get(int work, int cluster_rank_m) const {
-    int step = work / work_per_shard;
+    int step = by_work_per_shard.div(work);
     int r = work - step * work_per_shard;
-    int cluster_rows = tiles_m / cluster_m;
-    int panel_span = swizzle * tiles_n;
-    int panel = r / panel_span;
-    int rem = r - panel * panel_span;
-    int rows_here = cluster_rows - panel * swizzle;
-    if (rows_here > swizzle) rows_here = swizzle;
-    int cm = panel * swizzle + rem % rows_here;
-    int n = rem / rows_here;
+    int panel = by_panel_span.div(r);
+    int rem = r - panel * by_panel_span.d;
+    // Every panel holds `swizzle` cluster rows but the last, which holds what is left.
+    FastDiv const& by_rows = (panel + 1) * swizzle <= tiles_m / cluster_m ? by_swizzle : by_last_rows;
+    int n = by_rows.div(rem);
+    int cm = panel * swizzle + (rem - n * by_rows.d);
     return TileCoord{shard_order[step], cm * cluster_m + cluster_rank_m, n};
   }
 };
