@@ -101,8 +101,9 @@ struct TileSchedule {
     int r = work - step * work_per_shard;
     int panel = by_panel_span.div(r);
     int rem = r - panel * by_panel_span.d;
-    // Every panel holds `swizzle` cluster rows but the last, which holds what is left.
-    FastDiv const& by_rows = (panel + 1) * swizzle <= tiles_m / cluster_m ? by_swizzle : by_last_rows;
+    // Every panel holds `swizzle` cluster rows but the last, which holds what is left (tiles_m is a multiple of
+    // cluster_m: the comparison in tiles needs no division).
+    FastDiv const& by_rows = (panel + 1) * swizzle * cluster_m <= tiles_m ? by_swizzle : by_last_rows;
     int n = by_rows.div(rem);
     int cm = panel * swizzle + (rem - n * by_rows.d);
     return TileCoord{shard_order[step], cm * cluster_m + cluster_rank_m, n};
