@@ -1,8 +1,9 @@
 """A plain FP8 GEMM's ``auto`` path (flux_layers/ops/backend.fp8_gemm_choice): cuBLASLt (``torch._scaled_mm``, the
 reference path on CUDA) unless the tuning table measured the op library's FP8 kernel faster for the nearest shape,
 the operands' formats and the accumulation, with the table's FP8 entries (tools/make_dispatch_table.py from
-benchmarks/results/gemm_fp8_h200.json) as the packaged table holds them. The GPU name is set to the table's, so the
-choice is made as on an H200; on the CPU the fused path is blocked before it is asked."""
+benchmarks/results/gemm_fp8_h200.json, and for the H100's table gemm_fp8_h100.json) as the packaged tables hold them.
+The GPU name is set to a table's, so the choice is made as on that GPU; on the CPU the fused path is blocked before
+it is asked."""
 from __future__ import annotations
 
 import json
