@@ -21,7 +21,7 @@ launchers can set them per process.
 | FLUX_LAYERS_WORKSPACE_MAX_GIB | largest symmetric buffer one workspace may take, GiB (0: no cap) | 16 |
 | FLUX_LAYERS_TUNING | path of a tuning table (JSON) to use instead of flux_layers/tuning_tables | (packaged) |
 | FLUX_LAYERS_DISPATCH | ``table`` (per-shape fused/sequential choice), ``always`` (fused wherever supported) | table |
-| FLUX_LAYERS_STREAM_K | ``1``: stream-K tail (2); ``0``: whole tiles only | 1 |
+| FLUX_LAYERS_STREAM_K | ``auto``: the stream-K tail (2) where the tuning table's entry for the shape does not measure whole tiles faster; ``1``: the tail everywhere; ``0``: whole tiles only | auto |
 | FLUX_LAYERS_STREAM_K_MAX_FILL | most % of the persistent grid a split last wave may fill (0: never) (2) | 75 |
 | FLUX_LAYERS_CUDA_GRAPHS | ``1``: every fused-op workspace gets a CUDA-graph twin, so calls can be captured (3) | 0 |
 | FLUX_LAYERS_FP8_CAST | CUDA casts to FP8 (flux_layers/ops/fp8.py): ``auto`` (one kernel per cast, csrc/kernels/fp8_cast_onepass.cu and fp8_cast_rowwise.cu), ``two_pass`` (an amax kernel, then a cast kernel: the benchmarks' baseline). Same bits either way | auto |
@@ -71,7 +71,7 @@ _DEFAULTS = {
     "TEST_STAND_IN_TRACE": "0",
     "TEST_PY_SPY": "",
     "CUDA_GRAPHS": "0",
-    "STREAM_K": "1",
+    "STREAM_K": "auto",
     "STREAM_K_MAX_FILL": "75",
     "FP8_CAST": "auto",
 }
@@ -86,7 +86,7 @@ _CHOICES = {
     "POISON_OUTPUTS": ("0", "1"),
     "TEST_SHARED_GPU": ("0", "1"),
     "CUDA_GRAPHS": ("0", "1"),
-    "STREAM_K": ("0", "1"),
+    "STREAM_K": ("auto", "0", "1"),
     "FP8_CAST": ("auto", "two_pass"),
 }
 

@@ -20,7 +20,8 @@ A plain FP8 GEMM run (benchmarks/bench_gemm_fp8.py: the op library's configurati
 shape and accumulation: path 'sequential' (cuBLASLt: a plain GEMM has no communication, so the "sequential" path is
 the vendor GEMM) unless the op library's best configuration was faster under every scale mode measured, and that
 configuration's tile and swizzle, which calls forced onto the op library's kernel take (ops/backend.fp8_gemm_choice,
-runtime/tuning.kernel_config; the stream-K tail stays FLUX_LAYERS_STREAM_K's).
+runtime/tuning.kernel_config), and whether it ran the stream-K tail (``stream_k``: where it ran whole tiles,
+FLUX_LAYERS_STREAM_K=auto leaves the tail off; runtime/tuning.stream_k_fill).
 
 ``--loop op_overhead.json`` (benchmarks/bench_overhead.py, run on as many GPUs as the ranks): for the shapes it
 measured, the path is decided by the plain back-to-back loop (host cost included: what a step sees when the CPU
@@ -71,13 +72,14 @@ def fp8_gemm_entries(run: dict, path: str) -> list[dict]:
     for (m, k, n, pair, accum), rows in groups.items():
         ratios = {r["scale"]: r["flux_best_over_cublas"] for r in rows}
         best = max(rows, key=lambda r: r["flux_best_over_cublas"])
-        tile_name, swizzle, _ = best["config"].split("_")
+        tile_name, swizzle, mode = best["config"].split("_")
         x_format, w_format = pair.split("x")
         out.append({"op": "gemm", "dtype": FP8_FORMATS[x_format], "w_dtype": FP8_FORMATS[w_format], "tp": 1,
                     "m": m, "k": k, "n": n, "accum": accum,
                     "path": "fused" if min(ratios.values()) > 1.0 else "sequential",
                     "flux_best_over_cublas": ratios, "config": best["config"], "tile": tile_ids[tile_name],
-                    "swizzle": int(swizzle.removeprefix("swz")), "source": f"{path} @ {run.get('commit', '?')}"})
+                    "swizzle": int(swizzle.removeprefix("swz")), "stream_k": mode != "dp",
+                    "source": f"{path} @ {run.get('commit', '?')}"})
     return out
 
 

@@ -123,17 +123,23 @@ _DEFAULT_KERNEL = {"gemm": (1, 16), "ag_gemm": (1, 16), "gemm_rs": (1, 16)}
 _DEFAULT_KERNEL_FP8 = {"split": (2, 16), "fast": (1, 16)}
 
 
-def kernel_config(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int],
-                  fast_accum: bool | None = None, w_dtype: torch.dtype | None = None) -> tuple[int, int]:
-    """(tile configuration id of flux::TileConfig, swizzle) for a call: a tuned entry's ``tile``/``swizzle``
-    if one is close enough, else the measured default of the operator. ``fast_accum``: None for 16-bit operands,
-    else the FP8 accumulation (entries are keyed by x's dtype and, for FP8, 'accum' and the weight's format)."""
+def _kernel_entry(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int], fast_accum: bool | None,
+                  w_dtype: torch.dtype | None) -> tuple[tuple[int, int], dict | None]:
+    """:func:`kernel_config`'s (tile, swizzle), and the table entry it came from (None: the operator's default)."""
     accum = None if fast_accum is None else "fast" if fast_accum else "split"
     tile, swizzle = _DEFAULT_KERNEL[op] if accum is None else _DEFAULT_KERNEL_FP8[accum]
     entry = dispatch_entry(op, dtype=dtype, tp=tp, mkn=mkn, accum=accum, w_dtype=w_dtype)
     if entry is not None:
         tile, swizzle = int(entry.get("tile", tile)), int(entry.get("swizzle", swizzle))
-    return tile, swizzle
+    return (tile, swizzle), entry
+
+
+def kernel_config(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int, int],
+                  fast_accum: bool | None = None, w_dtype: torch.dtype | None = None) -> tuple[int, int]:
+    """(tile configuration id of flux::TileConfig, swizzle) for a call: a tuned entry's ``tile``/``swizzle``
+    if one is close enough, else the measured default of the operator. ``fast_accum``: None for 16-bit operands,
+    else the FP8 accumulation (entries are keyed by x's dtype and, for FP8, 'accum' and the weight's format)."""
+    return _kernel_entry(op, dtype=dtype, tp=tp, mkn=mkn, fast_accum=fast_accum, w_dtype=w_dtype)[0]
 
 
 # The peer-mapped GEMM+ReduceScatter transports: the epilogue's stores straight into the owner's receive slot, or the
@@ -179,12 +185,14 @@ class KernelChoice(NamedTuple):
         return self.stream_k_fill > 0
 
 
-def stream_k_fill(op: str, stream_k: bool | int | None) -> int:
+def stream_k_fill(op: str, stream_k: bool | int | None, entry: dict | None = None) -> int:
     """The stream-K tail setting of a call as the kernel takes it (0: off). ``stream_k``: None follows
-    FLUX_LAYERS_STREAM_K; True/False switch the tail on (at FLUX_LAYERS_STREAM_K_MAX_FILL) or off; an int 0-100
-    is the fill limit itself (0: off)."""
+    FLUX_LAYERS_STREAM_K (``auto``: the tail unless ``entry``, the call's tuning-table entry, records that its
+    measured configuration ran whole tiles, ``"stream_k": false``); True/False switch the tail on (at
+    FLUX_LAYERS_STREAM_K_MAX_FILL) or off; an int 0-100 is the fill limit itself (0: off)."""
     if stream_k is None:
-        stream_k = _env.get("STREAM_K") == "1"
+        setting = _env.get("STREAM_K")
+        stream_k = setting == "1" or (setting == "auto" and (entry is None or entry.get("stream_k", True) is not False))
     if isinstance(stream_k, bool):
         if not stream_k:
             return 0
@@ -199,13 +207,13 @@ def resolve_kernel(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int,
                    swizzle: int | None = None, stream_k: bool | int | None = None, sm_count: int = 0,
                    fast_accum: bool | None = None, w_dtype: torch.dtype | None = None) -> KernelChoice:
     """The kernel configuration of one call: what the caller asked for, else :func:`kernel_config` and
-    ``FLUX_LAYERS_STREAM_K`` (see :func:`stream_k_fill`)."""
+    ``FLUX_LAYERS_STREAM_K`` with the same table entry (see :func:`stream_k_fill`)."""
     if sm_count < 0:
         raise ValueError(f"{op}: sm_count must be >= 0 (0: all SMs), got {sm_count}")
-    default_tile, default_swizzle = kernel_config(op, dtype=dtype, tp=tp, mkn=mkn, fast_accum=fast_accum,
-                                                  w_dtype=w_dtype)
+    (default_tile, default_swizzle), entry = _kernel_entry(op, dtype=dtype, tp=tp, mkn=mkn, fast_accum=fast_accum,
+                                                           w_dtype=w_dtype)
     return KernelChoice(default_tile if tile is None else tile, default_swizzle if swizzle is None else swizzle,
-                        stream_k_fill(op, stream_k), sm_count)
+                        stream_k_fill(op, stream_k, entry if tile is None and swizzle is None else None), sm_count)
 
 
 def kernel_name(choice: KernelChoice) -> str:

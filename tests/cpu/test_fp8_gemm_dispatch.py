@@ -90,6 +90,30 @@ def test_forced_fp8_kernels_take_the_measured_configuration_of_their_pair(on_h20
                                 w_dtype=E4M3) == (2, 16)
 
 
+def test_forced_fp8_kernels_take_the_measured_stream_k_choice(on_h200):
+    on_h200.setattr(tuning, "_gpu_name", lambda: "NVIDIA H100 80GB HBM3")
+    on_h200.delenv("FLUX_LAYERS_STREAM_K", raising=False)
+
+    def choose(mkn, **kw):
+        return tuning.resolve_kernel("gemm", dtype=E4M3, tp=1, mkn=mkn, fast_accum=False, w_dtype=E4M3, **kw)
+    # 8192x8192x28672 split: whole tiles measured fastest (the stream-K tail cost it 2.5-4%); 8192x8192x14336 split:
+    # the tail measured fastest; an unmeasured shape: the tail (FLUX_LAYERS_STREAM_K=auto's default).
+    assert tuning.kernel_name(choose((8192, 8192, 28672))) == "128x128_swz16_dp"
+    assert tuning.kernel_name(choose((8192, 8192, 14336))) == "128x128_swz16_sk"
+    assert tuning.kernel_name(choose((256, 512, 128))) == "128x128_swz16_sk"
+    # The caller's own choice of the tile or of the tail, and FLUX_LAYERS_STREAM_K=1 or 0, win over the table's.
+    assert choose((8192, 8192, 28672), stream_k=True).stream_k
+    assert choose((8192, 8192, 28672), swizzle=8).stream_k
+    on_h200.setenv("FLUX_LAYERS_STREAM_K", "1")
+    assert choose((8192, 8192, 28672)).stream_k
+    on_h200.setenv("FLUX_LAYERS_STREAM_K", "0")
+    assert not choose((8192, 8192, 14336)).stream_k
+    # The H200's entries record no choice: the tail, as before.
+    on_h200.setattr(tuning, "_gpu_name", lambda: "NVIDIA H200")
+    on_h200.setenv("FLUX_LAYERS_STREAM_K", "auto")
+    assert choose((4096, 2048, 4096)).stream_k
+
+
 def test_decisions_hand_the_dispatcher_the_accumulation_and_the_weight_format(monkeypatch):
     asked = []
     real = _dispatch.choose
