@@ -108,10 +108,10 @@ def test_forced_fp8_kernels_take_the_measured_stream_k_choice(on_h200):
     assert choose((8192, 8192, 28672)).stream_k
     on_h200.setenv("FLUX_LAYERS_STREAM_K", "0")
     assert not choose((8192, 8192, 14336)).stream_k
-    # The H200's entries record no choice: the tail, as before.
+    # The H200's table: 8192x4096x4096 split measured fastest with whole tiles, 4096x2048x4096 split with the tail.
     on_h200.setattr(tuning, "_gpu_name", lambda: "NVIDIA H200")
     on_h200.setenv("FLUX_LAYERS_STREAM_K", "auto")
-    assert choose((4096, 2048, 4096)).stream_k
+    assert not choose((8192, 4096, 4096)).stream_k and choose((4096, 2048, 4096)).stream_k
 
 
 def test_decisions_hand_the_dispatcher_the_accumulation_and_the_weight_format(monkeypatch):
