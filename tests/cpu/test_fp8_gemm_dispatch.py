@@ -96,18 +96,23 @@ def test_forced_fp8_kernels_take_the_measured_stream_k_choice(on_h200):
 
     def choose(mkn, **kw):
         return tuning.resolve_kernel("gemm", dtype=E4M3, tp=1, mkn=mkn, fast_accum=False, w_dtype=E4M3, **kw)
-    # 8192x8192x28672 split: whole tiles measured fastest (the stream-K tail cost it 2.5-4%); 8192x8192x14336 split:
-    # the tail measured fastest; an unmeasured shape: the tail (FLUX_LAYERS_STREAM_K=auto's default).
-    assert tuning.kernel_name(choose((8192, 8192, 28672))) == "128x128_swz16_dp"
-    assert tuning.kernel_name(choose((8192, 8192, 14336))) == "128x128_swz16_sk"
-    assert tuning.kernel_name(choose((256, 512, 128))) == "128x128_swz16_sk"
+    # Each measured split shape takes its entry's configuration, the tail included: whole tiles where they measured
+    # fastest, the tail where it did (the H100's table holds both).
+    with open(os.path.join(ROOT, "flux_layers", "tuning_tables", "dispatch_h100.json")) as f:
+        split = [e for e in json.load(f)["entries"] if e["op"] == "gemm" and e["accum"] == "split"
+                 and e["dtype"] == e["w_dtype"] == "float8_e4m3fn"]
+    assert {e["stream_k"] for e in split} == {True, False}
+    for e in split:
+        assert tuning.kernel_name(choose((e["m"], e["k"], e["n"]))) == e["config"], e
+    whole = next((e["m"], e["k"], e["n"]) for e in split if not e["stream_k"])
+    tail = next((e["m"], e["k"], e["n"]) for e in split if e["stream_k"])
     # The caller's own choice of the tile or of the tail, and FLUX_LAYERS_STREAM_K=1 or 0, win over the table's.
-    assert choose((8192, 8192, 28672), stream_k=True).stream_k
-    assert choose((8192, 8192, 28672), swizzle=8).stream_k
+    assert choose(whole, stream_k=True).stream_k
+    assert choose(whole, swizzle=8).stream_k
     on_h200.setenv("FLUX_LAYERS_STREAM_K", "1")
-    assert choose((8192, 8192, 28672)).stream_k
+    assert choose(whole).stream_k
     on_h200.setenv("FLUX_LAYERS_STREAM_K", "0")
-    assert not choose((8192, 8192, 14336)).stream_k
+    assert not choose(tail).stream_k
     # The H200's table: 8192x4096x4096 split measured fastest with whole tiles, 4096x2048x4096 split with the tail.
     on_h200.setattr(tuning, "_gpu_name", lambda: "NVIDIA H200")
     on_h200.setenv("FLUX_LAYERS_STREAM_K", "auto")
