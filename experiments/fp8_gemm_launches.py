@@ -23,8 +23,11 @@ def main():
     ap.add_argument("--accum", default="split", choices=["split", "fast"])
     ap.add_argument("--launches", type=int, default=3, help="launches of each GEMM")
     args = ap.parse_args()
+    shapes = parse_shapes(args.shape)
+    if len(shapes) != 1 or args.launches < 1:
+        ap.error(f"one shape and at least one launch, got --shape {args.shape!r} --launches {args.launches}")
     from flux_layers.ops import fused_gemm
-    (m, k, n), = parse_shapes(args.shape)
+    (m, k, n), = shapes
     fast = args.accum == "fast"
     x, w, xs, ws, xd, wd = operands(m, k, n, args.scale, torch.Generator(device="cuda").manual_seed(m + k + n))
 
