@@ -91,32 +91,28 @@ def test_forced_fp8_kernels_take_the_measured_configuration_of_their_pair(on_h20
 
 
 def test_forced_fp8_kernels_take_the_measured_stream_k_choice(on_h200):
-    on_h200.setattr(tuning, "_gpu_name", lambda: "NVIDIA H100 80GB HBM3")
-    on_h200.delenv("FLUX_LAYERS_STREAM_K", raising=False)
-
     def choose(mkn, **kw):
         return tuning.resolve_kernel("gemm", dtype=E4M3, tp=1, mkn=mkn, fast_accum=False, w_dtype=E4M3, **kw)
-    # Each measured split shape takes its entry's configuration, the tail included: whole tiles where they measured
-    # fastest, the tail where it did (the H100's table holds both).
-    with open(os.path.join(ROOT, "flux_layers", "tuning_tables", "dispatch_h100.json")) as f:
-        split = [e for e in json.load(f)["entries"] if e["op"] == "gemm" and e["accum"] == "split"
-                 and e["dtype"] == e["w_dtype"] == "float8_e4m3fn"]
-    assert {e["stream_k"] for e in split} == {True, False}
-    for e in split:
-        assert tuning.kernel_name(choose((e["m"], e["k"], e["n"]))) == e["config"], e
-    whole = next((e["m"], e["k"], e["n"]) for e in split if not e["stream_k"])
-    tail = next((e["m"], e["k"], e["n"]) for e in split if e["stream_k"])
-    # The caller's own choice of the tile or of the tail, and FLUX_LAYERS_STREAM_K=1 or 0, win over the table's.
-    assert choose(whole, stream_k=True).stream_k
-    assert choose(whole, swizzle=8).stream_k
-    on_h200.setenv("FLUX_LAYERS_STREAM_K", "1")
-    assert choose(whole).stream_k
-    on_h200.setenv("FLUX_LAYERS_STREAM_K", "0")
-    assert not choose(tail).stream_k
-    # The H200's table: 8192x4096x4096 split measured fastest with whole tiles, 4096x2048x4096 split with the tail.
-    on_h200.setattr(tuning, "_gpu_name", lambda: "NVIDIA H200")
-    on_h200.setenv("FLUX_LAYERS_STREAM_K", "auto")
-    assert not choose((8192, 4096, 4096)).stream_k and choose((4096, 2048, 4096)).stream_k
+    # On each GPU's table, each measured split shape takes its entry's configuration, the tail included: whole tiles
+    # where they measured fastest, the tail where it did (both tables hold both).
+    for table, gpu in (("dispatch_h100.json", "NVIDIA H100 80GB HBM3"), ("dispatch_h200.json", "NVIDIA H200")):
+        on_h200.setattr(tuning, "_gpu_name", lambda gpu=gpu: gpu)
+        on_h200.setenv("FLUX_LAYERS_STREAM_K", "auto")
+        with open(os.path.join(ROOT, "flux_layers", "tuning_tables", table)) as f:
+            split = [e for e in json.load(f)["entries"] if e["op"] == "gemm" and e["accum"] == "split"
+                     and e["dtype"] == e["w_dtype"] == "float8_e4m3fn"]
+        assert {e["stream_k"] for e in split} == {True, False}, table
+        for e in split:
+            assert tuning.kernel_name(choose((e["m"], e["k"], e["n"]))) == e["config"], (table, e)
+        whole = next((e["m"], e["k"], e["n"]) for e in split if not e["stream_k"])
+        tail = next((e["m"], e["k"], e["n"]) for e in split if e["stream_k"])
+        # The caller's own choice of the tile or of the tail, and FLUX_LAYERS_STREAM_K=1 or 0, win over the table's.
+        assert choose(whole, stream_k=True).stream_k
+        assert choose(whole, swizzle=8).stream_k
+        on_h200.setenv("FLUX_LAYERS_STREAM_K", "1")
+        assert choose(whole).stream_k
+        on_h200.setenv("FLUX_LAYERS_STREAM_K", "0")
+        assert not choose(tail).stream_k
 
 
 def test_decisions_hand_the_dispatcher_the_accumulation_and_the_weight_format(monkeypatch):
