@@ -18,15 +18,17 @@ import torch
 
 from benchmarks.harness import cuda_kernels_of, parse_shapes, print_table, time_interleaved
 from flux_layers.devtools.records import environment, write_json
-from flux_layers.runtime.schedules import DEFAULT_STREAM_K_FILL
+from flux_layers.runtime.schedules import DEFAULT_STREAM_K_FILL, SPLIT_TILE_CONFIGS
 
 # ../shared/fp8.md's eight shapes, then the 7B layer's per-rank GEMMs at TP=2 (hidden 4096, SwiGLU ffn 11008, seq
 # 4096: qkv, fc1, proj forward; fc2's, 4096x5504x4096, is among the eight).
 DEFAULT_SHAPES = ("4096x8192x4096,8192x8192x14336,4096x4096x5504,4096x5504x4096,8192x4096x4096,16384x8192x1024,"
                   "8192x28672x8192,8192x8192x28672,4096x4096x6144,4096x4096x11008,4096x2048x4096")
-TILE_NAMES = {0: "256x128", 1: "128x256", 2: "128x128"}
-# Instances (csrc/kernels/gemm_dispatch.cu): split accumulation holds two accumulator fragments, 128 x 128 only.
-TILES = {"split": (2,), "fast": (0, 1, 2)}
+TILE_NAMES = {0: "256x128", 1: "128x256", 2: "128x128", 3: "128x144"}
+# Instances (csrc/kernels/gemm_dispatch.cu): split accumulation holds two accumulator fragments, 128 x 128 and
+# 128 x 144 only. Only SPLIT_TILE_CONFIGS have a stream-K tail: the others are timed whole-tile ('dp') only, where
+# an 'sk' variant would time the same kernel again.
+TILES = {"split": (2, 3), "fast": (0, 1, 2)}
 SWIZZLES = (8, 16)
 STREAM_K = {"dp": 0, "sk": DEFAULT_STREAM_K_FILL}
 
@@ -57,7 +59,7 @@ def bench_case(m, k, n, mode, accum, reps, rounds, sets=2, bound=False):
         return torch._scaled_mm(x, w.t(), xs, ws, out_dtype=torch.bfloat16, use_fast_accum=fast)
 
     configs = {f"{TILE_NAMES[t]}_swz{s}_{sk}": (t, s, f) for t in TILES[accum] for s in SWIZZLES
-               for sk, f in STREAM_K.items()}
+               for sk, f in STREAM_K.items() if f == 0 or t in SPLIT_TILE_CONFIGS}
 
     def flux(cfg):
         tile, swizzle, fill = cfg
@@ -86,8 +88,8 @@ def bench_case(m, k, n, mode, accum, reps, rounds, sets=2, bound=False):
     row["flux_tflops"] = flop / timed[best] / 1e9
     row["flux_best_over_cublas"] = t_cublas / timed[best]
     default = tuning.resolve_kernel("gemm", dtype=x.dtype, tp=1, mkn=(m, k, n), fast_accum=fast)
-    d_key = next((key for key, cfg in configs.items()
-                  if cfg == (default.tile, default.swizzle, default.stream_k_fill)), None)
+    d_fill = default.stream_k_fill if default.tile in SPLIT_TILE_CONFIGS else 0  # what the kernel runs
+    d_key = next((key for key, cfg in configs.items() if cfg == (default.tile, default.swizzle, d_fill)), None)
     row["flux_default"] = tuning.kernel_name(default)
     row["flux_default_over_cublas"] = t_cublas / timed[d_key] if d_key is not None else None
     row["flux_default_rel_error"] = errors.get(d_key)
