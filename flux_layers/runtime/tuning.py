@@ -192,7 +192,8 @@ def stream_k_fill(op: str, stream_k: bool | int | None, entry: dict | None = Non
     FLUX_LAYERS_STREAM_K_MAX_FILL) or off; an int 0-100 is the fill limit itself (0: off)."""
     if stream_k is None:
         setting = _env.get("STREAM_K")
-        stream_k = setting == "1" or (setting == "auto" and (entry is None or entry.get("stream_k", True) is not False))
+        measured_whole = entry is not None and entry.get("stream_k", True) is False  # the table ran whole tiles
+        stream_k = setting == "1" or (setting == "auto" and not measured_whole)
     if isinstance(stream_k, bool):
         if not stream_k:
             return 0
