@@ -43,6 +43,7 @@
 
 #include "flux/check.h"
 #include "flux/gemm_params.h"
+#include "subtile_window.cuh"
 #include "sync_primitives.cuh"
 #include "tile_schedule.cuh"
 
@@ -554,14 +555,6 @@ struct GemmKernel {
     asm volatile("fence.proxy.async.global;" ::: "memory");
   }
 
-  // The kTileM x kEpiCols window of a TMA tensor [rows, n] that sub-tile `sub` of tile t covers. Its origin is
-  // placed in elements, not in whole sub-tiles: a tile's width need not be a multiple of kEpiCols (128 x 144).
-  template <class TmaTensor>
-  CUTLASS_DEVICE static auto subtile_window(TmaTensor const& m, TileCoord t, int sub) {
-    return local_tile(domain_offset(make_coord(t.m * kTileM, t.n * kTileN + sub * kEpiCols), m),
-                      Shape<Int<kTileM>, Int<kEpiCols>>{}, make_coord(0, 0));
-  }
-
   // Own rows of a ReduceScatter: TMA-load sub-tiles [sub_begin, sub_end) of partial s into their epilogue buffers
   // (one consumer thread; the buffers' previous TMA stores have been read out and its readers are past a barrier).
   CUTLASS_DEVICE static void load_partial_subtiles(Params const& params, TileCoord t, int s, int sub_begin, int sub_end,
@@ -575,7 +568,7 @@ struct GemmKernel {
       uint64_t* full = &ss.partial_full[buf];
       // Rows and columns past the shard's edge arrive as zeros and still count towards the bytes.
       cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, kEpiTileElems * int(sizeof(ElementD)));
-      Tensor gP = subtile_window(mP, t, sub);
+      Tensor gP = subtile_window<kTileM, kTileN, kEpiCols>(mP, t.m, t.n, sub);
       Tensor sP = make_tensor(make_smem_ptr(ss.epi + buf * kEpiTileElems), typename Cfg::EpiSmemLayout{});
       copy(load.with(*full), cta_load.partition_S(gP), cta_load.partition_D(sP));
     }
@@ -813,7 +806,7 @@ struct GemmKernel {
       if (mma_thread_idx == 0) {
         auto const& store = params.store_d[t.shard];
         Tensor mD = store.get_tma_tensor(make_shape(p.rows_per_shard, p.n));
-        Tensor gD = subtile_window(mD, t, kSub);
+        Tensor gD = subtile_window<kTileM, kTileN, kEpiCols>(mD, t.m, t.n, kSub);
         Tensor sD = make_tensor(make_smem_ptr(epi), typename Cfg::EpiSmemLayout{});
         auto cta_store = store.get_slice(Int<0>{});
         copy(store, cta_store.partition_S(sD), cta_store.partition_D(gD));
