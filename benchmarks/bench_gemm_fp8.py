@@ -116,6 +116,15 @@ def main():
     args = ap.parse_args()
     from flux_layers import _library
     _library.require()
+    method = (f"CUDA events, {args.rounds} interleaved rounds of {args.reps} reps per variant after warm-up (order "
+              "rotated per round), median of all samples, 2 rotated random operand sets; errors against an fp32 "
+              "matmul of the dequantized operands")
+
+    def save(rows, complete):
+        # Written after every row as well, so that a run cut short by a time limit keeps the rows it finished.
+        if args.out:
+            write_json(args.out, {**environment(1), "method": method, "complete": complete, "results": rows})
+
     rows = []
     for (m, k, n) in parse_shapes(args.shapes):
         for mode in args.scales.split(","):
@@ -126,16 +135,13 @@ def main():
                       f"TFLOP/s ({r['config']}), default {r['flux_default']} "
                       f"{r['flux_default_over_cublas'] or float('nan'):.3f}x, err {r['flux_default_rel_error']:.2e} "
                       f"vs {r['cublas_rel_error']:.2e}", flush=True)
+                save(rows, complete=False)
     print_table(rows, [("m", "M", ""), ("k", "K", ""), ("n", "N", ""), ("scale", "scale", ""), ("accum", "accum", ""),
                        ("cublas_tflops", "cuBLASLt TF/s", ".0f"), ("flux_tflops", "flux TF/s", ".0f"),
                        ("config", "best config", ""), ("flux_best_over_cublas", "best/cuBLASLt", ".3f"),
                        ("flux_default_over_cublas", "default/cuBLASLt", ".3f"),
                        ("error_over_cublas", "err ratio", ".2f")])
-    if args.out:
-        write_json(args.out, {**environment(1), "method": f"CUDA events, {args.rounds} interleaved rounds of "
-                              f"{args.reps} reps per variant after warm-up (order rotated per round), median of "
-                              "all samples, 2 rotated random operand sets; errors against an fp32 matmul of the "
-                              "dequantized operands", "results": rows})
+    save(rows, complete=True)
 
 
 if __name__ == "__main__":
