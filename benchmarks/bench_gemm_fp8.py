@@ -123,7 +123,8 @@ def main():
     def save(rows, complete):
         # Written after every row as well, so that a run cut short by a time limit keeps the rows it finished.
         if args.out:
-            write_json(args.out, {**environment(1), "method": method, "complete": complete, "results": rows})
+            write_json(args.out, {**environment(1), "method": method, "complete": complete, "results": rows},
+                       announce=complete)
 
     rows = []
     for (m, k, n) in parse_shapes(args.shapes):

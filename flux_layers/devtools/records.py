@@ -43,8 +43,9 @@ def environment(gpu_count: int) -> dict:
     }
 
 
-def write_json(path: str, payload: dict) -> None:
+def write_json(path: str, payload: dict, announce: bool = True) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)
-    print(f"wrote {path}", flush=True)
+    if announce:
+        print(f"wrote {path}", flush=True)
