@@ -24,11 +24,11 @@ from flux_layers.runtime.schedules import DEFAULT_STREAM_K_FILL, SPLIT_TILE_CONF
 # 4096: qkv, fc1, proj forward; fc2's, 4096x5504x4096, is among the eight).
 DEFAULT_SHAPES = ("4096x8192x4096,8192x8192x14336,4096x4096x5504,4096x5504x4096,8192x4096x4096,16384x8192x1024,"
                   "8192x28672x8192,8192x8192x28672,4096x4096x6144,4096x4096x11008,4096x2048x4096")
-TILE_NAMES = {0: "256x128", 1: "128x256", 2: "128x128", 3: "128x144"}
-# Instances (csrc/kernels/gemm_dispatch.cu): split accumulation holds two accumulator fragments, 128 x 128 and
-# 128 x 144 only. Only SPLIT_TILE_CONFIGS have a stream-K tail: the others are timed whole-tile ('dp') only, where
-# an 'sk' variant would time the same kernel again.
-TILES = {"split": (2, 3), "fast": (0, 1, 2)}
+TILE_NAMES = {0: "256x128", 1: "128x256", 2: "128x128"}
+# Instances (csrc/kernels/gemm_dispatch.cu): split accumulation holds two accumulator fragments, 128 x 128 only.
+# Only SPLIT_TILE_CONFIGS have a stream-K tail: the others are timed whole-tile ('dp') only, where an 'sk' variant
+# would time the same kernel again.
+TILES = {"split": (2,), "fast": (0, 1, 2)}
 SWIZZLES = (8, 16)
 STREAM_K = {"dp": 0, "sk": DEFAULT_STREAM_K_FILL}
 

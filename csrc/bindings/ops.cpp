@@ -103,8 +103,7 @@ void gemm(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, c
                     flux::bindings::dtype_name(ops.types.b),
                     flux::is_fp8(ops.types.a) ? (ops.types.accumulation == flux::Accumulation::kFast
                                                      ? " with fast accumulation (e4m3 x e4m3: 0, 1, 2; with e5m2: 1)"
-                                                     : " with split accumulation (2: 128 x 128 tiles; e4m3 x e4m3: "
-                                                       "3, 128 x 144, too)")
+                                                     : " with split accumulation (2: 128 x 128 tiles)")
                                               : " (0: 256 x 128, 1: 128 x 256)");
   c10::cuda::CUDAGuard guard(x.device());
   if (s.m == 0 || s.n == 0) return;

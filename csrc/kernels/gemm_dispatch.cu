@@ -22,7 +22,7 @@ struct Instance {
   }
 
 // Every compiled instantiation (gemm_sm90_*.cu). FP8 with split accumulation holds two accumulator fragments,
-// which fit the registers of 128 x 128 and 128 x 144 tiles only.
+// which fit the registers of 128 x 128 tiles only.
 constexpr Instance kInstances[] = {
     FLUX_INSTANCE(kBF16, kBF16, kBF16, kNT, k256x128, kSplit),
     FLUX_INSTANCE(kBF16, kBF16, kBF16, kNT, k128x256, kSplit),
@@ -33,7 +33,6 @@ constexpr Instance kInstances[] = {
     FLUX_INSTANCE(kFP16, kFP16, kFP16, kNN, k256x128, kSplit),
     FLUX_INSTANCE(kFP16, kFP16, kFP16, kNN, k128x256, kSplit),
     FLUX_INSTANCE(kE4M3, kE4M3, kBF16, kNT, k128x128, kSplit),
-    FLUX_INSTANCE(kE4M3, kE4M3, kBF16, kNT, k128x144, kSplit),
     FLUX_INSTANCE(kE4M3, kE4M3, kBF16, kNT, k128x128, kFast),
     FLUX_INSTANCE(kE4M3, kE4M3, kBF16, kNT, k128x256, kFast),
     FLUX_INSTANCE(kE4M3, kE4M3, kBF16, kNT, k256x128, kFast),
@@ -83,9 +82,8 @@ void launch_gemm(const GemmProblem& p, const GemmTypes& t, WeightLayout l, TileC
   FLUX_CHECK(why == nullptr, why);
   const Instance* i = find(t, l, tile);
   FLUX_CHECK(i != nullptr, "no GEMM instance with tile configuration ", int(tile), " for these operand types (",
-             is_fp8(t.a) ? (effective(t) == Accumulation::kSplit
-                                ? "FP8 split accumulation: 128 x 128 tiles (e4m3 x e4m3: 128 x 144 too)"
-                                : "FP8 fast accumulation")
+             is_fp8(t.a) ? (effective(t) == Accumulation::kSplit ? "FP8 split accumulation: 128 x 128 tiles only"
+                                                                 : "FP8 fast accumulation")
                          : "16-bit: 256 x 128 or 128 x 256 tiles",
              ")");
   i->launch(p, s);

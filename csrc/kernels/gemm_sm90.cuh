@@ -147,14 +147,11 @@ struct GemmKernel {
   static constexpr int kThreads = 128 + kMmaThreads;
   static constexpr int kEpiBarrierId = 1;  // named barrier of the 256 consumer threads (0 is __syncthreads)
   static_assert(size(TiledMma{}) == kMmaThreads, "cooperative mainloop: two consumer warp groups");
-  // A tile whose width is not a multiple of kEpiCols (128 x 144) stores its last, narrower sub-tile from the
-  // registers; it serves plain GEMMs and all-gathers only (no reduce-scatter paths, no stream-K).
-  static constexpr bool kNarrowLast = kTileN % kEpiCols != 0;
-  static_assert(!kNarrowLast || kTileN % 16 == 0, "the narrow sub-tile is stored a 16 x 16 block at a time");
+  static_assert(kTileN % kEpiCols == 0, "epilogue sub-tiles must divide the tile");
   static_assert(kTileM * kTileN <= kSplitTileFloats, "split workspace sized for 32768 accumulators per CTA");
   // Only 128 x 256 tiles leave the consumers registers to spare: with 256 x 128 tiles the stream-K partial
   // adds made ptxas spill, and the whole kernel ran ~8% slower. The tail is built for 128 x 256 tiles only.
-  static constexpr bool kRegisterSlack = kTileM == 128 && !kNarrowLast;
+  static constexpr bool kRegisterSlack = kTileM == 128;
   // Registers per thread after setmaxnreg (the CTA's pool is 168 x 384). 128 x 256 tiles: the producer warp group
   // gets 56, the consumers 224, which they fit without spilling. Against 40 / 232 it measured within one run's
   // resolution (docs/experiments.md, register split).
@@ -164,7 +161,7 @@ struct GemmKernel {
   static constexpr bool kSplitCapable = kRegisterSlack;
   static constexpr int kEpiBuffers = Cfg::kEpiBuffers;
   static constexpr int kEpiTileElems = kTileM * kEpiCols;
-  static_assert(kEpiBuffers == 1 || kEpiBuffers == kTileN / kEpiCols, "one buffer, or one per whole sub-tile");
+  static_assert(kEpiBuffers == 1 || kEpiBuffers == kTileN / kEpiCols, "one buffer, or one per sub-tile");
   static_assert(Mainloop::DispatchPolicy::Stages >= 3, "the epilogue buffers may cost one mainloop stage, not two");
 
   struct SharedStorage {
@@ -634,30 +631,6 @@ struct GemmKernel {
     });
   }
 
-  // The last sub-tile of a tile narrower than kEpiCols (kNarrowLast), with its scales applied: bias, then straight
-  // from the registers to global memory, two columns (4 bytes) per store; rows and columns past the edges are
-  // skipped (N is a multiple of 8, so a pair never straddles it).
-  template <int kSub, class Accum, class Coords>
-  CUTLASS_DEVICE static void store_narrow_subtile(GemmProblem const& p, TileCoord t, Accum& accum, Coords const& tCcD,
-                                                  ElementD const* bias, bool add_bias) {
-    auto* d = static_cast<ElementD*>(p.d[t.shard]);
-    int const row = t.m * kTileM + get<0>(tCcD(0));
-    int const col = t.n * kTileN + get<1>(tCcD(0));
-    for_each_block<kSub>(accum, tCcD, [&](auto i_, auto r_, auto c_) {
-      constexpr int i = decltype(i_)::value;
-      CUTLASS_PRAGMA_UNROLL
-      for (int u = 0; u < 4; ++u) {  // values i + 2u, i + 2u + 1: row + 8 (u % 2), columns + 8 (u / 2), +1
-        int const r = row + decltype(r_)::value + 8 * (u % 2);
-        int const c = col + decltype(c_)::value + 8 * (u / 2);
-        if (r < p.rows_per_shard && c < p.n) {
-          float v0 = accum(i + 2 * u), v1 = accum(i + 2 * u + 1);
-          if (add_bias) v0 += float(bias[c]), v1 += float(bias[c + 1]);
-          *reinterpret_cast<uint32_t*>(d + int64_t(r) * p.ldd + c) = pack2(v0, v1);
-        }
-      }
-    });
-  }
-
   // kReduceScatterPaths: the instance that can run a GEMM+ReduceScatter's tiles (GemmProblem::rs_own_shard >= 0). With
   // 128-row tiles the other calls' tiles run an instance without those paths, so that the code a tile's epilogue runs
   // through lies in one piece: it runs once per mainloop, whose code likely evicts it from the instruction cache, and
@@ -684,7 +657,7 @@ struct GemmKernel {
         !is_rs    ? 0
         : counted ? rs_chunk_index(t.m, t.n, p.rs_staged_chunk_tiles_m, p.rs_staged_chunk_tiles_n, p.rs_staged_chunks_n)
                   : rs_chunk_index(t.m, t.n, p.rs_chunk_tiles_m, p.rs_chunk_tiles_n, p.rs_chunks_n);
-    constexpr int kSubTiles = (kTileN + kEpiCols - 1) / kEpiCols;
+    constexpr int kSubTiles = kTileN / kEpiCols;
 
     if (is_rs && mma_thread_idx == 0) {
       int const dest = p.rs_dest[t.shard];
@@ -721,10 +694,6 @@ struct GemmKernel {
 
     cute::for_each(make_int_sequence<kSubTiles>{}, [&](auto j) {
       constexpr int kSub = decltype(j)::value;
-      if constexpr (kNarrowLast && kSub == kSubTiles - 1) {
-        store_narrow_subtile<kSub>(p, t, accum, tCcD, bias, add_bias);
-        return;
-      }
       constexpr int kBuf = kSub % kEpiBuffers;
       ElementD* epi = ss.epi + kBuf * kEpiTileElems;
       uint32_t const epi_smem = uint32_t(__cvta_generic_to_shared(epi));
@@ -915,7 +884,7 @@ struct GemmKernel {
         // epilogue buffers now, so the loads run under the mainloop. Its warp group waits meanwhile (for the
         // previous tile's stores to leave the buffers, and for the flags), while the other one goes ahead.
         bool partials_loading = false;
-        if constexpr (kEpiBuffers == kTileN / kEpiCols && !kNarrowLast) {
+        if constexpr (kEpiBuffers == kTileN / kEpiCols) {
           if (reduced(p, t.shard) && seg.k_begin == 0 && t.m * kTileM < p.rows_per_shard) {
             if (mma_thread_idx == 0) {
               cute::tma_store_wait<0>();
@@ -951,10 +920,7 @@ struct GemmKernel {
                          mma_thread_idx);
           }
         }
-        if constexpr (kNarrowLast)
-          epilogue<false>(params, t, accum, mma_thread_idx, ss, consumed_seen, pending, partial_phase,
-                          partials_loading);
-        else if (!kRegisterSlack || p.rs_own_shard >= 0)
+        if (!kRegisterSlack || p.rs_own_shard >= 0)
           epilogue<true>(params, t, accum, mma_thread_idx, ss, consumed_seen, pending, partial_phase, partials_loading);
         else
           epilogue<false>(params, t, accum, mma_thread_idx, ss, consumed_seen, pending, partial_phase,

@@ -81,8 +81,6 @@ struct Launcher {
     KernelParams<Cfg> params;
     params.prob = prob;
     params.sched = TileSchedule::make(prob, Cfg::kTileM, Cfg::kTileN, Cfg::kClusterM);
-    FLUX_CHECK(!Kernel::kNarrowLast || prob.rs_own_shard < 0, "the ", Cfg::kTileM, " x ", Cfg::kTileN,
-               " tile has no reduce-scatter epilogue");
     if (prob.rs_own_shard >= 0) {
       auto check_grid = [&](char const* which, int tiles_m, int tiles_n, int chunks_n) {
         FLUX_CHECK(tiles_m > 0 && tiles_n > 0 && chunks_n > 0, "reduce-scatter ", which, " chunk grid not set (",

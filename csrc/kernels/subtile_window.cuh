@@ -7,8 +7,8 @@
 namespace flux::sm90 {
 
 // The kTileM x kSubCols window of m ([rows, n]) that sub-tile `sub` of tile (tile_m, tile_n) covers, for tiles of
-// kTileM x kTileN. Its origin is placed in elements, not in whole sub-tiles: a tile's width need not be a multiple
-// of kSubCols (128 x 144 tiles, 64-column sub-tiles).
+// kTileM x kTileN. Its origin is placed in elements, not in whole sub-tiles, so that it holds for a tile whose width
+// is not a multiple of kSubCols too (a 128 x 144 tile placed in whole sub-tiles stored at the wrong columns).
 template <int kTileM, int kTileN, int kSubCols, class Tensor>
 CUTE_HOST_DEVICE auto subtile_window(Tensor const& m, int tile_m, int tile_n, int sub) {
   using namespace cute;

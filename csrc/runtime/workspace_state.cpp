@@ -356,8 +356,6 @@ PlannedCall WorkspaceState::plan_call(const CallPlan& plan) {
     check_ag_gemm_args(a);
   } else {
     FLUX_CHECK(plan.chunk_cols >= 0, "chunk_cols ", plan.chunk_cols, " must be >= 0 (0: default)");
-    FLUX_CHECK(tile_n(plan.tile) % 64 == 0, "tile config ", int(plan.tile), " (", tile_m(plan.tile), " x ",
-               tile_n(plan.tile), ") has no reduce-scatter epilogue");
     FLUX_CHECK(int(plan.transport) >= 0 && int(plan.transport) <= int(RsTransport::kHybrid),
                "unknown reduce-scatter transport ", int(plan.transport));
     bool const external = plan.transport == RsTransport::kExternal;

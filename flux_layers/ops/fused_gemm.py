@@ -8,8 +8,7 @@
 It is the base the fused operators extend (same mainloop, tile scheduler and epilogue); exposed for tests
 and the GEMM benchmark against cuBLAS. FP8 operands (flux_layers/ops/fp8.py: 'nt' only, ``x_scale`` and
 ``w_scale``, bfloat16 out) run CUTLASS's FP8 mainloop with the scales applied in the epilogue; split accumulation
-takes 128 x 128 tiles by default (e4m3 x e4m3 also 128 x 144, tile 3, where the tuning table says so), ``fast_accum``
-the 128 x 256 tile.
+takes 128 x 128 tiles, ``fast_accum`` the 128 x 256 tile by default.
 """
 from __future__ import annotations
 

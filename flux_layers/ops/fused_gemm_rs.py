@@ -50,7 +50,6 @@ from flux_layers.runtime import tuning, workspace
 from flux_layers.runtime.call_plan import RsCallPlan
 from flux_layers.runtime.multinode import nccl_rs_transport, nccl_transport
 from flux_layers.runtime.multinode.transfer_plan import GroupLayout, build_rs_plan
-from flux_layers.runtime.schedules import NARROW_TILE_CONFIGS, TILE_CONFIGS
 
 
 def check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_layout: str,
@@ -67,15 +66,6 @@ def check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return m, k, n
 
 
-def check_rs_tile(tile: int) -> None:
-    """A reduce-scatter's tiles go through the epilogue's shared-memory sub-tiles (partials loaded, stores counted):
-    configurations whose last sub-tile is stored from the registers have no such path."""
-    if tile in NARROW_TILE_CONFIGS:
-        tile_m, tile_n = TILE_CONFIGS[tile]
-        raise ValueError(f"gemm_rs: tile configuration {tile} ({tile_m} x {tile_n}) has no reduce-scatter epilogue; "
-                         f"take one of {sorted(set(TILE_CONFIGS) - set(NARROW_TILE_CONFIGS))}")
-
-
 def plan_call(ws: workspace.RsWorkspace, *, m: int, k: int, n: int, tile: int | None = None,
               swizzle: int | None = None, stream_k: bool | int | None = None, sm_count: int = 0,
               transport: str | None = None, chunk_cols: int | None = None,
@@ -90,7 +80,6 @@ def plan_call(ws: workspace.RsWorkspace, *, m: int, k: int, n: int, tile: int | 
     kc = tuning.resolve_kernel("gemm_rs", dtype=torch.float8_e4m3fn if fast_accum is not None else ws.dtype,
                                tp=ws.tp, mkn=(m, k, n), tile=tile, swizzle=swizzle, stream_k=stream_k,
                                sm_count=sm_count, fast_accum=fast_accum)
-    check_rs_tile(kc.tile)
     if transport == "copy_engine":
         ws.stage_buffer()
     return RsCallPlan(tile=kc.tile, swizzle=kc.swizzle, stream_k_fill=kc.stream_k_fill, sm_count=kc.sm_count,
@@ -124,7 +113,6 @@ def plan_nccl_call(ws: workspace.RsWorkspace, *, m: int, k: int, n: int, tile: i
                                tp=ws.tp, mkn=(m, k, n), tile=tile, swizzle=swizzle, stream_k=stream_k,
                                sm_count=sm_count or nccl_transport.gemm_sms_beside_nccl(ws.device),
                                fast_accum=fast_accum)
-    check_rs_tile(kc.tile)
     chunks = nccl_rs_transport.full_width_chunks(m // ws.tp, n, kc.tile, kc.swizzle)
     if len(chunks) > ws.flags_per_source:
         raise AssertionError(f"gemm_rs: {len(chunks)} chunks exceed the workspace's {ws.flags_per_source} flags")

@@ -11,11 +11,8 @@ from dataclasses import dataclass
 
 # Mirrors of csrc/include/flux/gemm_params.h and tile_schedule.cuh (the one source; a CPU test compares them).
 MAX_TP = 8  # kMaxTp
-TILE_CONFIGS = {0: (256, 128), 1: (128, 256), 2: (128, 128), 3: (128, 144)}  # id -> (tile_m, tile_n), flux::TileConfig
+TILE_CONFIGS = {0: (256, 128), 1: (128, 256), 2: (128, 128)}  # id -> (tile_m, tile_n), flux::TileConfig
 SPLIT_TILE_CONFIGS = (1, 2)  # configurations built with the stream-K tail (GemmKernel::kSplitCapable)
-# Configurations whose last epilogue sub-tile is narrower than 64 columns and stored from the registers
-# (GemmKernel::kNarrowLast): FP8 e4m3 x e4m3 split accumulation, plain GEMMs and all-gathers only.
-NARROW_TILE_CONFIGS = (3,)
 CLUSTER_M = 2  # kClusterM
 DEFAULT_STREAM_K_FILL = 75  # percent, kDefaultSplitMaxFillPct; FLUX_LAYERS_STREAM_K_MAX_FILL's default
 DEFAULT_RS_CHUNK_COLS = 1024  # RsChunkGrid::kDefaultChunkCols

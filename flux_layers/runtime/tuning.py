@@ -118,8 +118,7 @@ def dispatch_entry(op: str, *, dtype: torch.dtype, tp: int, mkn: tuple[int, int,
 # measured shapes and of both fused operators on all 10 (the stream-K tail, FLUX_LAYERS_STREAM_K, is built for
 # this tile shape only).
 _DEFAULT_KERNEL = {"gemm": (1, 16), "ag_gemm": (1, 16), "gemm_rs": (1, 16)}
-# FP8 operands: split accumulation holds a second accumulator fragment, which only 128 x 128 tiles (id 2) and, for
-# e4m3 x e4m3 plain GEMMs, 128 x 144 tiles (id 3, no reduce-scatter epilogue: a tuning-table choice only) leave
+# FP8 operands: split accumulation holds a second accumulator fragment, which only 128 x 128 tiles (id 2) leave
 # registers for; fast accumulation takes 128 x 256 tiles like the 16-bit GEMMs.
 _DEFAULT_KERNEL_FP8 = {"split": (2, 16), "fast": (1, 16)}
 

@@ -18,8 +18,7 @@ def _sched(rows, n, tp, order, tile=(256, 128), swizzle=8):
 
 
 @pytest.mark.parametrize("rows,n,tp,tile,swizzle", [(1000, 520, 2, (256, 128), 8), (4096, 4096, 4, (128, 256), 16),
-                                                     (8, 136, 8, (256, 128), 2), (2048, 28672, 2, (128, 256), 4),
-                                                     (1000, 1040, 2, (128, 144), 16)])
+                                                     (8, 136, 8, (256, 128), 2), (2048, 28672, 2, (128, 256), 4)])
 def test_every_tile_once_and_shards_in_order(rows, n, tp, tile, swizzle):
     for rank in range(tp):
         order = schedules.rs_shard_order(rank, tp)
@@ -64,7 +63,7 @@ def test_chunk_heuristic():
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the C++ schedule")
 @pytest.mark.parametrize("rows,n,tp,tile,swizzle", [(1000, 520, 2, (256, 128), 8), (3000, 3000, 4, (128, 256), 16),
-                                                     (64, 8, 3, (256, 128), 2), (1000, 1040, 2, (128, 144), 16)])
+                                                     (64, 8, 3, (256, 128), 2)])
 def test_cpp_schedule_matches_python(schedule_dump, rows, n, tp, tile, swizzle):
     order = schedules.rs_shard_order(1, tp)
     out = subprocess.run([schedule_dump, str(rows), str(n), str(tp), str(tile[0]), str(tile[1]),
@@ -245,16 +244,3 @@ def test_constants_match_the_cpp_headers(schedule_dump):
                    "rs_chunk_cols": schedules.DEFAULT_RS_CHUNK_COLS, "signature_words": schedules.SIGNATURE_WORDS,
                    "error_record_words": schedules.ERROR_RECORD_WORDS}
     assert tiles == schedules.TILE_CONFIGS
-
-
-def test_narrow_tiles_are_refused_by_the_reduce_scatter():
-    """Tiles whose last epilogue sub-tile is narrower than the 64-column staging buffer (stored from the registers,
-    GemmKernel::kNarrowLast) have no reduce-scatter epilogue: its plan is refused before anything runs."""
-    from flux_layers.ops.fused_gemm_rs import check_rs_tile
-    assert schedules.NARROW_TILE_CONFIGS == tuple(t for t, (_, n) in schedules.TILE_CONFIGS.items() if n % 64)
-    for tile in schedules.TILE_CONFIGS:
-        if tile in schedules.NARROW_TILE_CONFIGS:
-            with pytest.raises(ValueError, match="no reduce-scatter epilogue"):
-                check_rs_tile(tile)
-        else:
-            check_rs_tile(tile)

@@ -24,13 +24,11 @@ enum class TileConfig : int {
   k256x128 = 0,  // 256 x 128 tiles, cluster 2 x 1 (B multicast), cooperative
   k128x256 = 1,  // 128 x 256 tiles, cluster 2 x 1
   k128x128 = 2,  // 128 x 128 tiles, cluster 2 x 1: FP8 with split accumulation (two accumulator fragments fit)
-  k128x144 = 3,  // 128 x 144 tiles, cluster 2 x 1: FP8 split accumulation, 7% fewer L2 reads per MMA than 128 x 128;
-                 // plain GEMMs and all-gathers only (no reduce-scatter epilogue, no stream-K tail)
 };
-constexpr int kNumTileConfigs = 4;
+constexpr int kNumTileConfigs = 3;
 
 constexpr int tile_m(TileConfig c) { return c == TileConfig::k256x128 ? 256 : 128; }
-constexpr int tile_n(TileConfig c) { return c == TileConfig::k128x256 ? 256 : c == TileConfig::k128x144 ? 144 : 128; }
+constexpr int tile_n(TileConfig c) { return c == TileConfig::k128x256 ? 256 : 128; }
 constexpr int kClusterM = 2;
 
 // A last, partial wave is split along K while it keeps at most this percentage of the clusters busy.
