@@ -116,6 +116,7 @@ def main():
     args = ap.parse_args()
     from flux_layers import _library
     _library.require()
+    record = environment(1)  # once: commit() runs git, and the date is the run's start
     method = (f"CUDA events, {args.rounds} interleaved rounds of {args.reps} reps per variant after warm-up (order "
               "rotated per round), median of all samples, 2 rotated random operand sets; errors against an fp32 "
               "matmul of the dequantized operands")
@@ -123,7 +124,7 @@ def main():
     def save(rows, complete):
         # Written after every row as well, so that a run cut short by a time limit keeps the rows it finished.
         if args.out:
-            write_json(args.out, {**environment(1), "method": method, "complete": complete, "results": rows},
+            write_json(args.out, {**record, "method": method, "complete": complete, "results": rows},
                        announce=complete)
 
     rows = []
