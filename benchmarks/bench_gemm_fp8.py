@@ -47,7 +47,7 @@ def rel_error(out, ref):
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def bench_case(m, k, n, mode, accum, reps, rounds, sets=2, bound=False):
+def bench_case(m, k, n, mode, accum, reps, rounds, sets=2, bound=False, swizzles=SWIZZLES):
     from flux_layers.ops import fused_gemm
     from flux_layers.runtime import tuning
     gen = torch.Generator(device="cuda").manual_seed(m * 7 + n * 3 + k)
@@ -58,7 +58,7 @@ def bench_case(m, k, n, mode, accum, reps, rounds, sets=2, bound=False):
         x, w, xs, ws = ops_[i % sets][:4]
         return torch._scaled_mm(x, w.t(), xs, ws, out_dtype=torch.bfloat16, use_fast_accum=fast)
 
-    configs = {f"{TILE_NAMES[t]}_swz{s}_{sk}": (t, s, f) for t in TILES[accum] for s in SWIZZLES
+    configs = {f"{TILE_NAMES[t]}_swz{s}_{sk}": (t, s, f) for t in TILES[accum] for s in swizzles
                for sk, f in STREAM_K.items() if f == 0 or t in SPLIT_TILE_CONFIGS}
 
     def flux(cfg):
@@ -113,7 +113,13 @@ def main():
     ap.add_argument("--bound", action="store_true",
                     help="the op library (FLUX_LAYERS_OPS_LIB) is a timing bound that computes something else: record "
                          "its errors without refusing it, and mark every row as a bound")
+    ap.add_argument("--swizzles", default=",".join(map(str, SWIZZLES)),
+                    help="comma-separated swizzle panels (tiles along M visited together) to time for every tile; the "
+                         "default/cuBLASLt ratio is reported only when the default configuration's panel is among them")
     args = ap.parse_args()
+    swizzles = tuple(int(v) for v in args.swizzles.split(","))
+    if not swizzles or min(swizzles) < 1:
+        ap.error(f"--swizzles takes positive panel sizes, got {args.swizzles!r}")
     from flux_layers import _library
     _library.require()
     record = environment(1)  # once: commit() runs git, and the date is the run's start
@@ -131,7 +137,7 @@ def main():
     for (m, k, n) in parse_shapes(args.shapes):
         for mode in args.scales.split(","):
             for accum in args.accums.split(","):
-                r = bench_case(m, k, n, mode, accum, args.reps, args.rounds, bound=args.bound)
+                r = bench_case(m, k, n, mode, accum, args.reps, args.rounds, bound=args.bound, swizzles=swizzles)
                 rows.append(r)
                 print(f"  {m}x{k}x{n} {mode} {accum}: cuBLASLt {r['cublas_tflops']:.0f}  flux {r['flux_tflops']:.0f} "
                       f"TFLOP/s ({r['config']}), default {r['flux_default']} "

@@ -1,7 +1,7 @@
-"""Launches of the op library's FP8 GEMM (its default configuration for the shape) and of ``torch._scaled_mm``
-(cuBLASLt) on the same operands, for a profiler to pick up: ``--launches`` of ours, then as many of cuBLASLt's,
-e4m3 x e4m3 -> bf16 'nt', one scale mode and accumulation. Both outputs are checked against an fp32 matmul of the
-dequantized operands before anything is launched for the profiler.
+"""Launches of the op library's FP8 GEMM (its default configuration for the shape, or another swizzle panel with
+``--swizzle``) and of ``torch._scaled_mm`` (cuBLASLt) on the same operands, for a profiler to pick up: ``--launches``
+of ours, then as many of cuBLASLt's, e4m3 x e4m3 -> bf16 'nt', one scale mode and accumulation. Both outputs are
+checked against an fp32 matmul of the dequantized operands before anything is launched for the profiler.
 
     ncu --clock-control none --kernel-name regex:'gemm_kernel|nvjet' --launch-skip 2 --launch-count 4 ... \\
         python -m experiments.fp8_gemm_launches --shape 8192x8192x14336 --scale tensor --launches 3
@@ -22,6 +22,8 @@ def main():
     ap.add_argument("--scale", default="tensor", choices=["tensor", "row"])
     ap.add_argument("--accum", default="split", choices=["split", "fast"])
     ap.add_argument("--launches", type=int, default=3, help="launches of each GEMM")
+    ap.add_argument("--swizzle", type=int, default=None,
+                    help="our kernel's swizzle panel (tiles along M visited together; default: the tuned one)")
     args = ap.parse_args()
     shapes = parse_shapes(args.shape)
     if len(shapes) != 1 or args.launches < 1:
@@ -32,7 +34,7 @@ def main():
     x, w, xs, ws, xd, wd = operands(m, k, n, args.scale, torch.Generator(device="cuda").manual_seed(m + k + n))
 
     def ours():
-        return fused_gemm.gemm(x, w, x_scale=xs, w_scale=ws, fast_accum=fast)
+        return fused_gemm.gemm(x, w, x_scale=xs, w_scale=ws, fast_accum=fast, swizzle=args.swizzle)
 
     def cublas():
         return torch._scaled_mm(x, w.t(), xs, ws, out_dtype=torch.bfloat16, use_fast_accum=fast)
