@@ -117,9 +117,12 @@ def main():
                     help="comma-separated swizzle panels (tiles along M visited together) to time for every tile; the "
                          "default/cuBLASLt ratio is reported only when the default configuration's panel is among them")
     args = ap.parse_args()
-    swizzles = tuple(int(v) for v in args.swizzles.split(","))
+    try:
+        swizzles = tuple(int(v) for v in args.swizzles.split(","))
+    except ValueError:
+        swizzles = ()
     if not swizzles or min(swizzles) < 1:
-        ap.error(f"--swizzles takes positive panel sizes, got {args.swizzles!r}")
+        ap.error(f"--swizzles takes comma-separated positive panel sizes, got {args.swizzles!r}")
     from flux_layers import _library
     _library.require()
     record = environment(1)  # once: commit() runs git, and the date is the run's start

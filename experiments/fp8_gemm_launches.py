@@ -26,6 +26,8 @@ def main():
                     help="our kernel's swizzle panel (tiles along M visited together; default: the tuned one)")
     args = ap.parse_args()
     shapes = parse_shapes(args.shape)
+    if args.swizzle is not None and args.swizzle < 1:
+        ap.error(f"--swizzle takes a positive panel size, got {args.swizzle}")
     if len(shapes) != 1 or args.launches < 1:
         ap.error(f"one shape and at least one launch, got --shape {args.shape!r} --launches {args.launches}")
     from flux_layers.ops import fused_gemm
