@@ -22,7 +22,7 @@ from statistics import median
 
 import torch
 
-from benchmarks.harness import parse_shapes, print_table, time_interleaved
+from benchmarks.harness import parse_shapes, positive_ints, print_table, time_interleaved
 from flux_layers.devtools.records import environment, write_json
 
 DEFAULT_SHAPES = "8192x8192x8192,4096x8192x4096,8192x8192x14336,8192x28672x8192"
@@ -172,14 +172,14 @@ def main():
                     f"{DEFAULT_FP8_SHAPES})")
     ap.add_argument("--fp8", action="store_true", help="the FP8 kernels (e4m3 x e4m3 -> bf16, tensor-wise scales)")
     ap.add_argument("--lib", default="", help="the stock-kernel library built by cutlass_stock/build.sh")
-    ap.add_argument("--swizzles", default="1,8", help="CUTLASS max_swizzle_size values to time")
+    ap.add_argument("--swizzles", type=positive_ints, default="1,8", help="CUTLASS max_swizzle_size values to time")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="", help="JSON path (default: print only)")
     args = ap.parse_args()
     from flux_layers import _library
     _library.require()
-    swizzles = [int(s) for s in args.swizzles.split(",")]
+    swizzles = args.swizzles
     rows = []
     if args.fp8:
         stock = StockKernels(args.lib or DEFAULT_FP8_LIB, fp8=True)

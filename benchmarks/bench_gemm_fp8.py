@@ -16,7 +16,7 @@ from statistics import median
 
 import torch
 
-from benchmarks.harness import cuda_kernels_of, parse_shapes, print_table, time_interleaved
+from benchmarks.harness import cuda_kernels_of, parse_shapes, positive_ints, print_table, time_interleaved
 from flux_layers.devtools.records import environment, write_json
 from flux_layers.runtime.schedules import DEFAULT_STREAM_K_FILL, SPLIT_TILE_CONFIGS
 
@@ -113,16 +113,10 @@ def main():
     ap.add_argument("--bound", action="store_true",
                     help="the op library (FLUX_LAYERS_OPS_LIB) is a timing bound that computes something else: record "
                          "its errors without refusing it, and mark every row as a bound")
-    ap.add_argument("--swizzles", default=",".join(map(str, SWIZZLES)),
+    ap.add_argument("--swizzles", type=positive_ints, default=",".join(map(str, SWIZZLES)),
                     help="comma-separated swizzle panels (tiles along M visited together) to time for every tile; the "
                          "default/cuBLASLt ratio is reported only when the default configuration's panel is among them")
     args = ap.parse_args()
-    try:
-        swizzles = tuple(int(v) for v in args.swizzles.split(","))
-    except ValueError:
-        swizzles = ()
-    if not swizzles or min(swizzles) < 1:
-        ap.error(f"--swizzles takes comma-separated positive panel sizes, got {args.swizzles!r}")
     from flux_layers import _library
     _library.require()
     record = environment(1)  # once: commit() runs git, and the date is the run's start
@@ -140,7 +134,7 @@ def main():
     for (m, k, n) in parse_shapes(args.shapes):
         for mode in args.scales.split(","):
             for accum in args.accums.split(","):
-                r = bench_case(m, k, n, mode, accum, args.reps, args.rounds, bound=args.bound, swizzles=swizzles)
+                r = bench_case(m, k, n, mode, accum, args.reps, args.rounds, bound=args.bound, swizzles=args.swizzles)
                 rows.append(r)
                 print(f"  {m}x{k}x{n} {mode} {accum}: cuBLASLt {r['cublas_tflops']:.0f}  flux {r['flux_tflops']:.0f} "
                       f"TFLOP/s ({r['config']}), default {r['flux_default']} "

@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
@@ -186,6 +187,18 @@ def parse_shapes(text: str, form: str = "MxKxN") -> list[tuple[int, ...]]:
             raise ValueError(f"shape {item!r} is not {form}")
         shapes.append(tuple(int(p) for p in parts))
     return shapes
+
+
+def positive_ints(text: str) -> tuple[int, ...]:
+    """'8,16' -> (8, 16): an argparse ``type`` for options taking comma-separated positive integers (argparse turns
+    the error into a usage message naming the option)."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"comma-separated positive integers expected, got {text!r}")
+    return values
 
 
 def spawn_ranks(main, nprocs: int, args) -> None:

@@ -671,6 +671,7 @@ def run_scenario(name: str, world: int, opts: dict, launch=None) -> dict:
 
 
 def parse_args(argv=None):
+    from benchmarks.harness import positive_ints
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, from: " + ", ".join(SCENARIOS))
@@ -683,7 +684,8 @@ def parse_args(argv=None):
     ap.add_argument("--stress-batch", type=int, default=50, help="calls checked together (at most in flight)")
     ap.add_argument("--stress-kn", type=int, default=None, help="K and N of the stress calls (default 1024; 512 with "
                     "--shared-gpu)")
-    ap.add_argument("--stress-rows", default="8,64,128,264,512,1000,1024", help="rows per rank of the stress calls")
+    ap.add_argument("--stress-rows", type=positive_ints, default="8,64,128,264,512,1000,1024",
+                    help="rows per rank of the stress calls")
     ap.add_argument("--late-every", type=int, default=200, help="a rank sleeps on the GPU before every n-th call")
     ap.add_argument("--late-ms", type=float, default=None, help="its sleep (default 100 ms; 20 with --shared-gpu)")
     ap.add_argument("--stress-limit-s", type=float, default=None,
@@ -707,7 +709,7 @@ def options(args) -> dict:
     return {"backend": "nccl", "timeout_s": args.timeout_s, "graph_timeout_s": args.graph_timeout_s,
             "peer_death_calls": 20, "seed": args.seed, "stress_calls": args.stress_calls,
             "stress_batch": args.stress_batch, "stress_kn": args.stress_kn or (512 if shared else 1024),
-            "stress_rows": [int(r) for r in args.stress_rows.split(",")], "late_every": args.late_every,
+            "stress_rows": list(args.stress_rows), "late_every": args.late_every,
             "late_ms": args.late_ms if args.late_ms is not None else (20.0 if shared else 100.0),
             "stress_limit_s": args.stress_limit_s or (240.0 if shared else 400.0), "growth_kn": args.growth_kn,
             "growth_max_rows": args.growth_max_rows or (4096 if shared else 8192)}

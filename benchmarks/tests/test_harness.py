@@ -81,3 +81,13 @@ def test_sweep_row_takes_the_default_variant_and_the_ceiling():
     assert abs(row["share_of_ceiling_gain"] - (100 / 95 - 1) / (100 / 90 - 1)) < 1e-12
     assert set(row["variants"]) == set(results) and row["variants"]["flux_rs_dgrad"]["speedup"] == 100 / 97
     assert len(parse_shapes("")) == 5 and parse_shapes("a:1:2:3:4:5") == [("a", 1, 2, 3, 4, 5)]
+
+
+def test_positive_ints_parses_lists_and_rejects_anything_else():
+    import argparse
+
+    import pytest
+    assert harness.positive_ints("8") == (8,) and harness.positive_ints("2,4,64") == (2, 4, 64)
+    for bad in ("", "0", "8,", "8,-1", "x", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive integers"):
+            harness.positive_ints(bad)
